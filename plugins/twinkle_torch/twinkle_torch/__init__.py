@@ -1,0 +1,1 @@
+"""twinkle engine on PyTorch + transformers."""

@@ -1,0 +1,21 @@
+"""The data formats: attrs classes, validated, round-tripping through dicts."""
+
+from twinkle_core.data_format.chat import ROLES, Message, Tool, Trajectory
+from twinkle_core.data_format.feature import IGNORE_INDEX, InputFeature
+from twinkle_core.data_format.output import SampledSequence, SampleResponse, StopReason, TopLogprobs
+from twinkle_core.data_format.params import LogprobsMode, SamplingParams
+
+__all__ = [
+    "IGNORE_INDEX",
+    "ROLES",
+    "InputFeature",
+    "LogprobsMode",
+    "Message",
+    "SampleResponse",
+    "SampledSequence",
+    "SamplingParams",
+    "StopReason",
+    "Tool",
+    "TopLogprobs",
+    "Trajectory",
+]

@@ -1,0 +1,72 @@
+"""Shared machinery of the data formats: dict round trips and key checking."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any, ClassVar, TypeVar
+
+import attrs
+
+from twinkle_core.errors import InvalidInputError, TwinkleError
+
+__all__ = ["Record", "did_you_mean"]
+
+R = TypeVar("R", bound="Record")
+
+
+def did_you_mean(name: str, choices: list[str] | tuple[str, ...] | set[str]) -> str:
+    """Return ``" Did you mean 'x'?"`` for the closest choice, or ``""``."""
+    close = difflib.get_close_matches(name, sorted(choices), n=1, cutoff=0.6)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+class Record:
+    """Mixin for attrs classes that round-trip through plain (JSON) dicts.
+
+    Subclasses set ``_error`` to the error class raised for unknown keys and may
+    set ``_aliases`` (accepted alternative key -> field name).
+    """
+
+    _error: ClassVar[type[TwinkleError]] = InvalidInputError
+    _aliases: ClassVar[dict[str, str]] = {}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return a plain, JSON-serialisable dict of this record."""
+        return attrs.asdict(self, recurse=True, value_serializer=_serialise)  # type: ignore[arg-type]
+
+    @classmethod
+    def _field_names(cls) -> list[str]:
+        return [f.name for f in attrs.fields(cls)]  # type: ignore[arg-type]
+
+    @classmethod
+    def _check_keys(cls, data: dict[str, Any]) -> dict[str, Any]:
+        if not isinstance(data, dict):
+            raise cls._error(f"{cls.__name__}.from_dict expects a dict, got {type(data).__name__}: {data!r}")
+        names = cls._field_names()
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            field = cls._aliases.get(key, key)
+            if field not in names:
+                raise cls._error(
+                    f"Unknown {cls.__name__} key {key!r}.{did_you_mean(str(key), names + list(cls._aliases))}"
+                    f" Accepted keys: {', '.join(names)}."
+                )
+            if field in out:
+                raise cls._error(f"{cls.__name__} key {field!r} given twice (as {key!r} and its alias).")
+            out[field] = value
+        return out
+
+    @classmethod
+    def from_dict(cls: type[R], data: dict[str, Any]) -> R:
+        """Build the record from a dict such as :meth:`to_dict` returns.
+
+        Raises:
+            TwinkleError: a ``ValueError`` subclass naming any unknown key.
+        """
+        return cls(**cls._check_keys(data))
+
+
+def _serialise(_inst: Any, _field: Any, value: Any) -> Any:
+    if isinstance(value, tuple):
+        return list(value)
+    return value

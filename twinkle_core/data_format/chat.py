@@ -1,0 +1,142 @@
+"""Chat data: ``Message``, ``Tool`` and ``Trajectory``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from twinkle_core.data_format._base import Record
+from twinkle_core.errors import InvalidInputError
+
+__all__ = ["Message", "Tool", "Trajectory", "ROLES"]
+
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def _check_role(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value not in ROLES:
+        raise InvalidInputError(f"Message.role={value!r} is invalid: expected one of {', '.join(ROLES)}.")
+
+
+def _check_opt_str(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        raise InvalidInputError(f"Message.{attribute.name}={value!r} is invalid: expected a string or None.")
+
+
+def _check_content(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    # Multimodal content arrives as a list of parts; text-only as a string.
+    if not isinstance(value, (str, list)):
+        raise InvalidInputError(
+            f"Message.content={value!r} is invalid: expected a string or a list of content parts."
+        )
+
+
+def _check_list_of_dicts(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and (not isinstance(value, list) or not all(isinstance(v, dict) for v in value)):
+        raise InvalidInputError(
+            f"{type(inst).__name__}.{attribute.name}={value!r} is invalid: expected a list of dicts or None."
+        )
+
+
+@attrs.define(kw_only=True)
+class Message(Record):
+    """One chat turn.
+
+    Attributes:
+        role: ``system``, ``user``, ``assistant`` or ``tool``.
+        content: the text (or a list of content parts).
+        tool_calls: the assistant's tool calls, in the OpenAI/Hugging Face shape.
+        tool_call_id: for a ``tool`` message, the call it answers.
+        reasoning_content: an assistant's reasoning, for templates that render it.
+    """
+
+    role: str = attrs.field(validator=_check_role)
+    content: str | list[dict[str, Any]] = attrs.field(default="", validator=_check_content)
+    tool_calls: list[dict[str, Any]] | None = attrs.field(default=None, validator=_check_list_of_dicts)
+    tool_call_id: str | None = attrs.field(default=None, validator=_check_opt_str)
+    reasoning_content: str | None = attrs.field(default=None, validator=_check_opt_str)
+
+    def to_hf(self) -> dict[str, Any]:
+        """The message as a Hugging Face chat-template dict (unset fields left out)."""
+        return {k: v for k, v in self.to_dict().items() if v is not None}
+
+
+@attrs.define(kw_only=True)
+class Tool(Record):
+    """A tool the model may call, as a JSON-schema function description.
+
+    Attributes:
+        name: the function name.
+        description: what it does.
+        parameters: the JSON schema of its arguments.
+    """
+
+    name: str = attrs.field(validator=attrs.validators.instance_of(str))
+    description: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
+    parameters: dict[str, Any] = attrs.field(factory=dict, validator=attrs.validators.instance_of(dict))
+
+    def to_hf(self) -> dict[str, Any]:
+        """The tool in the ``{"type": "function", "function": ...}`` shape templates expect."""
+        return {
+            "type": "function",
+            "function": {"name": self.name, "description": self.description, "parameters": self.parameters},
+        }
+
+
+def _to_messages(value: Any) -> Any:
+    if isinstance(value, list):
+        return [Message.from_dict(m) if isinstance(m, dict) else m for m in value]
+    return value
+
+
+def _to_tools(value: Any) -> Any:
+    if isinstance(value, list):
+        out = []
+        for t in value:
+            if isinstance(t, dict) and t.get("type") == "function" and "function" in t:
+                t = t["function"]
+            out.append(Tool.from_dict(t) if isinstance(t, dict) else t)
+        return out
+    return value
+
+
+def _check_messages(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, list) or not value:
+        raise InvalidInputError(f"Trajectory.messages={value!r} is invalid: expected a non-empty list of messages.")
+    for i, m in enumerate(value):
+        if not isinstance(m, Message):
+            raise InvalidInputError(
+                f"Trajectory.messages[{i}]={m!r} is invalid: expected a Message or a dict with 'role' and 'content'."
+            )
+
+
+def _check_tools(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, list) or not all(isinstance(t, Tool) for t in value):
+        raise InvalidInputError(f"Trajectory.tools={value!r} is invalid: expected a list of Tool.")
+
+
+@attrs.define(kw_only=True)
+class Trajectory(Record):
+    """A conversation to continue: messages, the tools on offer, and user data.
+
+    Attributes:
+        messages: the turns so far (dicts are converted to :class:`Message`).
+        tools: tools offered to the model (rendered by the chat template).
+        extra: free-form user data carried along untouched (ids, rewards...).
+    """
+
+    messages: list[Message] = attrs.field(converter=_to_messages, validator=_check_messages)
+    tools: list[Tool] = attrs.field(factory=list, converter=_to_tools, validator=_check_tools)
+    extra: dict[str, Any] = attrs.field(factory=dict, validator=attrs.validators.instance_of(dict))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trajectory:
+        """Build from a dict; a message missing ``role`` gets a clear error."""
+        data = cls._check_keys(data)
+        msgs = data.get("messages")
+        if isinstance(msgs, list):
+            for i, m in enumerate(msgs):
+                if isinstance(m, dict) and "role" not in m:
+                    raise InvalidInputError(f"Trajectory.messages[{i}]={m!r} has no 'role'.")
+        return cls(**data)

@@ -1,0 +1,64 @@
+"""``InputFeature``: token ids ready for an engine or a trainer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from twinkle_core.data_format._base import Record
+from twinkle_core.errors import InvalidInputError
+
+__all__ = ["InputFeature", "IGNORE_INDEX"]
+
+#: Label of a position that is not trained on (PyTorch's cross-entropy default).
+IGNORE_INDEX = -100
+
+
+def _to_int_list(value: Any) -> Any:
+    if hasattr(value, "tolist"):  # numpy arrays and torch tensors, without importing either
+        value = value.tolist()
+    if isinstance(value, tuple):
+        value = list(value)
+    return value
+
+
+def _check_ids(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is None and attribute.name != "input_ids":
+        return
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise InvalidInputError(
+            f"InputFeature.{attribute.name}={value!r:.200} is invalid: expected a flat list of integers."
+        )
+
+
+@attrs.define(kw_only=True)
+class InputFeature(Record):
+    """Token ids of one sequence.
+
+    Attributes:
+        input_ids: the token ids (for sampling: the prompt, non-empty).
+        attention_mask: 1 for real tokens; defaults to all ones.
+        labels: targets for training, ``-100`` where nothing is trained (the
+            prompt); ``None`` when not a training feature.
+        extra: optional extras carried along (e.g. multimodal inputs, user data).
+    """
+
+    input_ids: list[int] = attrs.field(converter=_to_int_list, validator=_check_ids)
+    attention_mask: list[int] | None = attrs.field(default=None, converter=_to_int_list, validator=_check_ids)
+    labels: list[int] | None = attrs.field(default=None, converter=_to_int_list, validator=_check_ids)
+    extra: dict[str, Any] = attrs.field(factory=dict, validator=attrs.validators.instance_of(dict))
+
+    def __attrs_post_init__(self) -> None:
+        if self.attention_mask is None:
+            self.attention_mask = [1] * len(self.input_ids)
+        for name in ("attention_mask", "labels"):
+            other = getattr(self, name)
+            if other is not None and len(other) != len(self.input_ids):
+                raise InvalidInputError(
+                    f"InputFeature.{name} has length {len(other)} but input_ids has {len(self.input_ids)}:"
+                    " they must be equal."
+                )
+
+    def __len__(self) -> int:
+        return len(self.input_ids)

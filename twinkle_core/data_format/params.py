@@ -1,0 +1,167 @@
+"""``SamplingParams``: what to generate and how, validated at construction."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar, Literal
+
+import attrs
+
+from twinkle_core.data_format._base import Record
+from twinkle_core.errors import InvalidSamplingParams
+
+__all__ = ["SamplingParams", "LogprobsMode"]
+
+LogprobsMode = Literal["processed", "raw"]
+
+
+def _bad(field: str, value: Any, accepted: str) -> InvalidSamplingParams:
+    return InvalidSamplingParams(f"SamplingParams.{field}={value!r} is invalid: expected {accepted}.")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_float(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool = False) -> Any:
+    left, right = "(" if lo_open else "[", ")" if hi_open else "]"
+    accepted = f"a number in {left}{lo:g}, {'inf' if hi == math.inf else f'{hi:g}'}{right}"
+
+    def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if not _is_number(value):
+            raise _bad(attribute.name, value, accepted)
+        if value < lo or value > hi or (lo_open and value == lo) or (hi_open and value == hi):
+            raise _bad(attribute.name, value, accepted)
+
+    return check
+
+
+def _check_int(lo: int, *, optional: bool = False) -> Any:
+    accepted = f"an integer >= {lo}" + (" or None" if optional else "")
+
+    def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value is None and optional:
+            return
+        if not _is_int(value) or value < lo:
+            raise _bad(attribute.name, value, accepted)
+
+    return check
+
+
+def _check_top_k(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not _is_int(value) or value == 0 or value < -1:
+        raise _bad(attribute.name, value, "-1 (disabled) or an integer >= 1")
+
+
+def _check_seed(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not _is_int(value):
+        raise _bad(attribute.name, value, "an integer or None")
+
+
+def _to_str_tuple(value: Any) -> Any:
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)):
+        return tuple(value)
+    return value
+
+
+def _check_stop(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, tuple) or not all(isinstance(s, str) and s for s in value):
+        raise _bad(attribute.name, value, "a non-empty string or a list of non-empty strings")
+
+
+def _check_stop_ids(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, tuple) or not all(_is_int(t) and t >= 0 for t in value):
+        raise _bad(attribute.name, value, "a list of token ids (integers >= 0)")
+
+
+def _check_bool(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise _bad(attribute.name, value, "True or False")
+
+
+def _check_mode(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value not in ("processed", "raw"):
+        raise _bad(attribute.name, value, "'processed' or 'raw'")
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams(Record):
+    """How to sample. Every field is checked when the object is built.
+
+    Attributes:
+        max_tokens: most tokens to generate per sequence; 0 scores the prompt
+            only (with ``prompt_logprobs``) and generates nothing. Alias in
+            ``from_dict``: ``max_new_tokens``.
+        temperature: 0 means greedy decoding; otherwise logits are divided by it.
+        top_p: nucleus sampling mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; -1 disables it.
+        min_p: drop tokens whose probability is below ``min_p`` times the top
+            token's; 0 disables it.
+        repetition_penalty: > 1 discourages tokens already in the prompt or the
+            completion (the CTRL / Hugging Face rule); 1 disables it.
+        seed: makes the request reproducible whatever else is batched with it.
+            With ``num_samples > 1`` the samples still differ from each other.
+        stop: strings that end a sequence. The text is cut before the stop
+            string; the tokens keep everything generated up to and including
+            the token that completed it (what the model actually emitted).
+        stop_token_ids: token ids that end a sequence (kept in ``tokens``).
+        ignore_eos: keep generating past the model's end-of-sequence token.
+        logprobs: ``None`` returns no log-probs; ``0`` returns the sampled
+            token's log-prob at each position; ``k > 0`` also returns the top-k
+            alternatives, sorted, in ``SampledSequence.top_logprobs``.
+        prompt_logprobs: ``None`` returns none; ``k >= 0`` returns each prompt
+            token's log-prob given the tokens before it (the first is ``None``),
+            and with ``k > 0`` the top-k alternatives too.
+        logprobs_mode: ``"processed"`` (default): log-probs under the
+            distribution the token was drawn from, after repetition penalty,
+            temperature, top-k, top-p and min-p (masked tokens are ``-inf``).
+            Greedy decoding (temperature 0) applies the repetition penalty
+            only. ``"raw"``: log-softmax of the model's raw logits.
+        num_samples: completions per input.
+    """
+
+    _error = InvalidSamplingParams
+    _aliases: ClassVar[dict[str, str]] = {"max_new_tokens": "max_tokens", "n": "num_samples"}
+
+    max_tokens: int = attrs.field(default=256, validator=_check_int(0))
+    temperature: float = attrs.field(default=1.0, validator=_check_float(0.0, math.inf))
+    top_p: float = attrs.field(default=1.0, validator=_check_float(0.0, 1.0, lo_open=True))
+    top_k: int = attrs.field(default=-1, validator=_check_top_k)
+    min_p: float = attrs.field(default=0.0, validator=_check_float(0.0, 1.0))
+    repetition_penalty: float = attrs.field(default=1.0, validator=_check_float(0.0, math.inf, lo_open=True))
+    seed: int | None = attrs.field(default=None, validator=_check_seed)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_to_str_tuple, validator=_check_stop)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_to_str_tuple, validator=_check_stop_ids)
+    ignore_eos: bool = attrs.field(default=False, validator=_check_bool)
+    logprobs: int | None = attrs.field(default=None, validator=_check_int(0, optional=True))
+    prompt_logprobs: int | None = attrs.field(default=None, validator=_check_int(0, optional=True))
+    logprobs_mode: LogprobsMode = attrs.field(default="processed", validator=_check_mode)
+    num_samples: int = attrs.field(default=1, validator=_check_int(1))
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is greedy (temperature 0)."""
+        return self.temperature == 0.0
+
+    def replace(self, **changes: Any) -> SamplingParams:
+        """Return a copy with ``changes`` applied (and validated)."""
+        return attrs.evolve(self, **self._check_keys(changes))
+
+    @classmethod
+    def coerce(cls, value: SamplingParams | dict[str, Any] | None) -> SamplingParams:
+        """Accept a ``SamplingParams``, a plain dict or ``None`` (defaults)."""
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, dict):
+            return cls.from_dict(value)
+        raise InvalidSamplingParams(
+            f"sampling_params={value!r} is invalid: expected a SamplingParams, a dict or None."
+        )

@@ -1,0 +1,137 @@
+"""Every error twinkle raises on purpose.
+
+One base class, :class:`TwinkleError`, and specific subclasses that also derive
+from the matching builtin, so callers can catch either ``TwinkleError`` or the
+builtin they already handle (``ValueError``, ``LookupError``, ``TimeoutError``).
+Each message names the offending value and what would have been accepted.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "TwinkleError",
+    "InvalidSamplingParams",
+    "InvalidInputError",
+    "PromptTooLongError",
+    "UnknownSamplerError",
+    "DuplicateSamplerError",
+    "PluginLoadError",
+    "UnknownTemplateError",
+    "TemplateError",
+    "UnknownAdapterError",
+    "AdapterError",
+    "InvalidModelIdError",
+    "ModelNotFoundError",
+    "HubUnavailableError",
+    "InvalidMeshError",
+    "WeightUpdateError",
+    "WeightSyncTimeoutError",
+    "UnsupportedFeatureError",
+    "SamplerClosedError",
+    "ConfigError",
+]
+
+
+class TwinkleError(Exception):
+    """Base class of every error raised by twinkle itself."""
+
+    def __str__(self) -> str:
+        # LookupError subclasses would otherwise be fine, but KeyError-style
+        # repr() quoting must never mangle multi-line messages.
+        return self.args[0] if len(self.args) == 1 else super().__str__()
+
+
+class ConfigError(TwinkleError, ValueError):
+    """A configuration file, mapping or environment variable is invalid."""
+
+
+class InvalidSamplingParams(TwinkleError, ValueError):
+    """A sampling parameter has a bad value or an unknown name."""
+
+
+class InvalidInputError(TwinkleError, ValueError):
+    """An input to ``sample`` (trajectory, feature, message) is malformed."""
+
+
+class PromptTooLongError(InvalidInputError):
+    """A prompt does not fit in the model's context window.
+
+    Attributes:
+        index: position of the offending input in the call.
+        length: the prompt length in tokens.
+        limit: the longest prompt the engine accepts.
+    """
+
+    def __init__(self, message: str, *, index: int, length: int, limit: int) -> None:
+        super().__init__(message)
+        self.index = index
+        self.length = length
+        self.limit = limit
+
+
+class UnknownSamplerError(TwinkleError, LookupError):
+    """No engine is registered under the requested name."""
+
+
+class DuplicateSamplerError(TwinkleError, LookupError):
+    """Two distributions register an engine (or template) under one name."""
+
+
+class PluginLoadError(TwinkleError, ImportError):
+    """A plugin or the engine it registers failed to import."""
+
+
+class UnknownTemplateError(TwinkleError, LookupError):
+    """No chat template is registered under the requested name."""
+
+
+class TemplateError(TwinkleError, ValueError):
+    """A template cannot encode the input (e.g. the model has no chat template)."""
+
+
+class UnknownAdapterError(TwinkleError, LookupError):
+    """The requested LoRA adapter is not loaded."""
+
+
+class AdapterError(TwinkleError, ValueError):
+    """A LoRA adapter could not be loaded (missing folder, bad config, bad weights)."""
+
+
+class InvalidModelIdError(TwinkleError, ValueError):
+    """A model id has an unknown scheme or is malformed."""
+
+
+class ModelNotFoundError(TwinkleError, FileNotFoundError):
+    """A model folder does not exist, or the hub has no such model."""
+
+
+class HubUnavailableError(TwinkleError, ConnectionError):
+    """A model hub could not be reached and the model is not in the local cache."""
+
+
+class InvalidMeshError(TwinkleError, ValueError):
+    """A device mesh or device group is invalid, or does not fit its group."""
+
+
+class WeightUpdateError(TwinkleError, ValueError):
+    """A weight update was rejected (unknown name, wrong shape or dtype, bad checksum)."""
+
+
+class WeightSyncTimeoutError(TwinkleError, TimeoutError):
+    """A worker did not answer a weight-sync message in time.
+
+    Attributes:
+        stage: the step of the protocol that timed out.
+    """
+
+    def __init__(self, message: str, *, stage: str) -> None:
+        super().__init__(message)
+        self.stage = stage
+
+
+class UnsupportedFeatureError(TwinkleError, NotImplementedError):
+    """The engine cannot honour a requested feature or parameter."""
+
+
+class SamplerClosedError(TwinkleError, RuntimeError):
+    """The sampler was used after ``close()``."""

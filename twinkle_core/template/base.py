@@ -1,0 +1,141 @@
+"""``Template``: a tokenizer plus its chat template, turning chats into token ids."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+from twinkle_core.data_format import IGNORE_INDEX, InputFeature, Trajectory
+from twinkle_core.errors import InvalidInputError, TemplateError
+
+__all__ = ["Template", "ChatMLTemplate", "CHATML_JINJA", "load_tokenizer"]
+
+#: A plain ChatML template (system/user/assistant/tool), usable with any tokenizer.
+CHATML_JINJA = (
+    "{%- if tools %}<|im_start|>system\n"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
+    "You can call these tools:\n{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}<|im_end|>\n"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (tools and loop.first and message.role == 'system') %}"
+    "<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "{%- if message.tool_calls %}{%- for call in message.tool_calls %}\n<tool_call>{{ call | tojson }}</tool_call>"
+    "{%- endfor %}{%- endif %}<|im_end|>\n"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+def load_tokenizer(model_dir: str | os.PathLike[str], **kwargs: Any) -> Any:
+    """Load a Hugging Face tokenizer from a local folder (imports transformers lazily)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir), **kwargs)
+
+
+class Template:
+    """A Hugging Face tokenizer and the chat template that renders conversations.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (anything with ``encode``, ``decode``
+            and ``apply_chat_template``).
+        chat_template: a Jinja chat template overriding the tokenizer's own;
+            subclasses registered by name set the class attribute instead.
+
+    A model whose tokenizer has no chat template can still sample from
+    ``InputFeature`` inputs; a ``Trajectory`` then raises ``TemplateError``
+    until a template is set (``sampler.set_template("chatml")``).
+    """
+
+    #: Jinja source used instead of the tokenizer's template (``None``: the tokenizer's).
+    chat_template: ClassVar[str | None] = None
+
+    def __init__(self, tokenizer: Any, *, chat_template: str | None = None) -> None:
+        self.tokenizer = tokenizer
+        self._jinja = chat_template or type(self).chat_template or getattr(tokenizer, "chat_template", None)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike[str], **kwargs: Any) -> Template:
+        """Build the template from a local model folder's tokenizer."""
+        return cls(load_tokenizer(model_dir), **kwargs)
+
+    # -- properties ----------------------------------------------------------------------
+    @property
+    def eos_token_id(self) -> int | None:
+        """The tokenizer's end-of-sequence id."""
+        return getattr(self.tokenizer, "eos_token_id", None)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens the tokenizer knows (added tokens included)."""
+        return len(self.tokenizer)
+
+    # -- encoding ------------------------------------------------------------------------
+    def render(self, trajectory: Trajectory, add_generation_prompt: bool = True) -> str:
+        """Render a conversation to the prompt text the model sees.
+
+        Raises:
+            TemplateError: the tokenizer has no chat template and none was set.
+        """
+        if self._jinja is None:
+            raise TemplateError(
+                f"The tokenizer {type(self.tokenizer).__name__} has no chat template, so a Trajectory cannot"
+                " be encoded. Set one with sampler.set_template('chatml') (or another registered template),"
+                " or pass InputFeature token ids."
+            )
+        messages = [m.to_hf() for m in trajectory.messages]
+        tools = [t.to_hf() for t in trajectory.tools] or None
+        try:
+            return str(
+                self.tokenizer.apply_chat_template(
+                    messages,
+                    tools=tools,
+                    chat_template=self._jinja,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=False,
+                )
+            )
+        except Exception as exc:  # jinja raises TemplateError/UndefinedError on malformed chats
+            raise TemplateError(f"The chat template could not render this trajectory: {exc}") from exc
+
+    def encode(self, trajectory: Trajectory | dict[str, Any], add_generation_prompt: bool = True) -> InputFeature:
+        """Encode a conversation (tools passed to the template) into token ids.
+
+        Args:
+            trajectory: the conversation (a dict is converted).
+            add_generation_prompt: end with the assistant header, ready to sample.
+
+        Returns:
+            An ``InputFeature`` whose ``extra`` keeps the trajectory's ``extra``.
+        """
+        if isinstance(trajectory, dict):
+            trajectory = Trajectory.from_dict(trajectory)
+        if not isinstance(trajectory, Trajectory):
+            raise InvalidInputError(f"Template.encode expects a Trajectory, got {type(trajectory).__name__}.")
+        text = self.render(trajectory, add_generation_prompt)
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        return InputFeature(input_ids=ids, extra=dict(trajectory.extra))
+
+    def decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+        """Decode token ids to text."""
+        return str(self.tokenizer.decode(list(tokens), skip_special_tokens=skip_special_tokens))
+
+    def training_feature(self, prompt: InputFeature | list[int], completion_tokens: list[int]) -> InputFeature:
+        """Prompt + completion as one training feature, labels ``-100`` on the prompt.
+
+        ``labels[i]`` is the token at position ``i`` (unshifted, the Hugging Face
+        convention: the model shifts them when computing the loss).
+        """
+        prompt_ids = list(prompt.input_ids if isinstance(prompt, InputFeature) else prompt)
+        completion = list(completion_tokens)
+        return InputFeature(
+            input_ids=prompt_ids + completion,
+            labels=[IGNORE_INDEX] * len(prompt_ids) + completion,
+        )
+
+
+class ChatMLTemplate(Template):
+    """ChatML (``<|im_start|>role ... <|im_end|>``), whatever the tokenizer ships."""
+
+    chat_template = CHATML_JINJA

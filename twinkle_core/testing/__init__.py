@@ -1,0 +1,22 @@
+"""Test support shared by every engine: the conformance suite and the tiny model.
+
+Importing this package does not import pytest or torch; the names load on use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["SamplerContractTests", "CONTRACT_PROMPTS", "build_tiny_model", "TINY_CHAT_PROMPTS"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("SamplerContractTests", "CONTRACT_PROMPTS"):
+        from twinkle_core.testing import contract
+
+        return getattr(contract, name)
+    if name in ("build_tiny_model", "TINY_CHAT_PROMPTS"):
+        from twinkle_core.testing import tiny_model
+
+        return getattr(tiny_model, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,354 @@
+"""``SamplerContractTests``: the behaviour every engine must show, as pytest tests.
+
+Subclass it in an engine's test module and provide a ``sampler`` fixture
+(module- or class-scoped: building an engine is slow)::
+
+    class TestMyEngine(SamplerContractTests):
+        @pytest.fixture(scope="class")
+        def sampler(self):
+            with MySampler(build_tiny_model()) as s:
+                yield s
+
+The tests are model-agnostic: they derive every expectation from the
+engine's own outputs (greedy text, its tokens) rather than hard-coding one.
+They assume a chat template, a vocabulary of a few hundred tokens or more,
+and a model whose greedy continuations run for at least a dozen tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from twinkle_core.data_format import IGNORE_INDEX, InputFeature, SamplingParams, Trajectory
+from twinkle_core.errors import (
+    InvalidInputError,
+    InvalidSamplingParams,
+    PromptTooLongError,
+    TwinkleError,
+    UnknownAdapterError,
+    UnknownTemplateError,
+)
+from twinkle_core.sampler import Sampler
+
+__all__ = ["SamplerContractTests", "CONTRACT_PROMPTS"]
+
+#: Short, varied conversations (different lengths, so order mix-ups show).
+CONTRACT_PROMPTS: list[list[dict[str, str]]] = [
+    [{"role": "user", "content": "Hello! What is two plus two?"}],
+    [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": "Tell me a short story about a cat and a dog who become friends."},
+    ],
+    [{"role": "user", "content": "Count to five."}],
+    [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Italy?"},
+    ],
+]
+
+
+def _traj(i: int) -> Trajectory:
+    return Trajectory(messages=CONTRACT_PROMPTS[i % len(CONTRACT_PROMPTS)])
+
+
+def _greedy(**kw: Any) -> SamplingParams:
+    base: dict[str, Any] = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}
+    base.update(kw)
+    return SamplingParams(**base)
+
+
+class SamplerContractTests:
+    """The engine-independent contract. Subclasses provide the ``sampler`` fixture."""
+
+    #: Tolerance when one engine's log-probs are compared with each other.
+    logprob_atol: float = 1e-4
+
+    @pytest.fixture
+    def sampler(self) -> Sampler:  # pragma: no cover - always overridden
+        raise NotImplementedError("Subclasses of SamplerContractTests must provide a 'sampler' fixture.")
+
+    # -- helpers ---------------------------------------------------------------------------
+    def greedy_tokens(self, sampler: Sampler, inputs: Any, **kw: Any) -> list[list[int]]:
+        return [r.sequences[0].tokens for r in sampler.sample(inputs, _greedy(**kw))]
+
+    def assert_still_works(self, sampler: Sampler) -> None:
+        out = sampler.sample(_traj(0), _greedy(max_tokens=4))
+        assert len(out) == 1 and len(out[0].sequences[0].tokens) == 4
+
+    # -- shape of the output -----------------------------------------------------------------
+    def test_empty_input_returns_empty_list(self, sampler: Sampler) -> None:
+        assert sampler.sample([], _greedy()) == []
+
+    def test_one_response_per_input_in_order(self, sampler: Sampler) -> None:
+        trajs = [_traj(i) for i in range(4)]
+        features = [sampler.template.encode(t) for t in trajs]
+        mixed: list[Any] = [trajs[0], features[1], trajs[2], features[3]]
+        out = sampler.sample(mixed, _greedy(max_tokens=3))
+        assert [r.prompt_token_ids for r in out] == [f.input_ids for f in features]
+        assert all(len(r.sequences) == 1 for r in out)
+        # a single input (not a list) is one input
+        single = sampler.sample(trajs[1], _greedy(max_tokens=3))
+        assert len(single) == 1 and single[0].prompt_token_ids == features[1].input_ids
+
+    def test_num_samples_keyword_params_and_dict(self, sampler: Sampler) -> None:
+        params = SamplingParams(max_tokens=4, temperature=1.0, seed=1)
+        out = sampler.sample([_traj(0), _traj(1)], params, num_samples=3)
+        assert [len(r.sequences) for r in out] == [3, 3]
+        out = sampler.sample([_traj(2)], params.replace(num_samples=2))
+        assert len(out[0].sequences) == 2
+        out = sampler.sample([_traj(2)], {"max_tokens": 2, "n": 2})
+        assert len(out[0].sequences) == 2 and all(len(s.tokens) <= 2 for s in out[0].sequences)
+        with pytest.raises(InvalidSamplingParams, match="num_samples"):
+            sampler.sample([_traj(0)], params.replace(num_samples=2), num_samples=3)
+        self.assert_still_works(sampler)
+
+    def test_max_tokens_and_length_stop_reason(self, sampler: Sampler) -> None:
+        for n in (1, 7):
+            seq = sampler.sample(_traj(1), _greedy(max_tokens=n))[0].sequences[0]
+            assert len(seq.tokens) == n
+            assert seq.stop_reason == "length"
+            assert seq.stop is None
+
+    def test_sequence_metadata_and_training_feature(self, sampler: Sampler) -> None:
+        resp = sampler.sample(_traj(3), _greedy(max_tokens=6))[0]
+        seq = resp.sequences[0]
+        assert seq.weights_version == sampler.weights_version
+        assert seq.adapter_name == ""
+        assert seq.text == sampler.template.decode(seq.tokens)
+        feat = seq.training_feature
+        assert feat is not None
+        assert feat.input_ids == resp.prompt_token_ids + seq.tokens
+        assert feat.labels == [IGNORE_INDEX] * len(resp.prompt_token_ids) + seq.tokens
+
+    # -- stopping ----------------------------------------------------------------------------
+    def test_stop_token_ids(self, sampler: Sampler) -> None:
+        tokens = self.greedy_tokens(sampler, _traj(1), max_tokens=12)[0]
+        stop_id = tokens[4]
+        first = tokens.index(stop_id)
+        seq = sampler.sample(_traj(1), _greedy(max_tokens=12, stop_token_ids=[stop_id]))[0].sequences[0]
+        assert seq.tokens == tokens[: first + 1]
+        assert seq.stop_reason == "stop"
+        assert seq.stop == stop_id
+
+    def test_stop_string_spanning_tokens(self, sampler: Sampler) -> None:
+        tokens = self.greedy_tokens(sampler, _traj(1), max_tokens=16)[0]
+        full = sampler.template.decode(tokens)
+        # character boundaries between tokens; pick a stop string straddling one
+        bounds = [len(sampler.template.decode(tokens[:k])) for k in range(1, len(tokens))]
+        stop = None
+        for b in bounds:
+            if 2 <= b <= len(full) - 2:
+                cand = full[b - 2 : b + 2]
+                if cand.strip() and full.find(cand) == b - 2:
+                    stop, cut = cand, b - 2
+                    break
+        if stop is None:
+            pytest.skip("the greedy text has no unique cross-token substring to stop on")
+        seq = sampler.sample(_traj(1), _greedy(max_tokens=16, stop=[stop]))[0].sequences[0]
+        assert seq.stop_reason == "stop"
+        assert seq.stop == stop
+        assert seq.text == full[:cut]
+        # the tokens are what the model emitted, up to the token that completed the stop string
+        emitted = sampler.template.decode(seq.tokens)
+        assert emitted.startswith(full[:cut] + stop)
+        assert seq.tokens == tokens[: len(seq.tokens)]
+        assert len(sampler.template.decode(seq.tokens[:-1])) < cut + len(stop)
+
+    def test_eos_stops_unless_ignored(self, sampler: Sampler) -> None:
+        eos = sampler.template.eos_token_id
+        if eos is None:
+            pytest.skip("the tokenizer has no EOS token")
+        # Force EOS through stop detection of the model's own EOS: a sequence that
+        # reaches EOS ends there with reason 'stop'; with ignore_eos it runs on.
+        outs = sampler.sample([_traj(i) for i in range(4)], SamplingParams(temperature=0.0, max_tokens=48))
+        ended = [r.sequences[0] for r in outs if r.sequences[0].stop_reason == "stop"]
+        for seq in ended:
+            assert seq.tokens[-1] == seq.stop
+            assert seq.stop not in seq.tokens[:-1]
+        for r in outs:
+            seq = r.sequences[0]
+            if seq.stop_reason == "length":
+                assert len(seq.tokens) == 48
+        ignored = sampler.sample([_traj(i) for i in range(4)], SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
+        assert all(len(r.sequences[0].tokens) == 48 and r.sequences[0].stop_reason == "length" for r in ignored)
+        for a, b in zip(outs, ignored):
+            n = len(a.sequences[0].tokens)
+            assert b.sequences[0].tokens[:n] == a.sequences[0].tokens
+
+    # -- determinism -------------------------------------------------------------------------
+    def test_greedy_is_deterministic_alone_and_batched(self, sampler: Sampler) -> None:
+        alone = self.greedy_tokens(sampler, [_traj(2)])[0]
+        assert self.greedy_tokens(sampler, [_traj(2)])[0] == alone
+        batched = self.greedy_tokens(sampler, [_traj(1), _traj(2), _traj(0), _traj(3)])
+        assert batched[1] == alone
+
+    def test_seeded_sampling_is_reproducible(self, sampler: Sampler) -> None:
+        params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=1234)
+        alone = sampler.sample([_traj(2)], params)[0].sequences[0].tokens
+        again = sampler.sample([_traj(2)], params)[0].sequences[0].tokens
+        assert again == alone
+        # whatever else is in the batch
+        batched = sampler.sample([_traj(0), _traj(2), _traj(1)], params)[1].sequences[0].tokens
+        assert batched == alone
+
+    def test_different_seeds_differ(self, sampler: Sampler) -> None:
+        def run(seed: int) -> list[list[int]]:
+            params = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True, seed=seed)
+            return [r.sequences[0].tokens for r in sampler.sample([_traj(i) for i in range(4)], params)]
+
+        assert run(1) != run(2)
+
+    def test_samples_of_one_prompt_differ(self, sampler: Sampler) -> None:
+        params = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True, seed=7)
+        seqs = sampler.sample(_traj(1), params, num_samples=4)[0].sequences
+        assert len({tuple(s.tokens) for s in seqs}) > 1
+
+    # -- the log-prob contract ---------------------------------------------------------------
+    def test_no_logprobs_unless_asked(self, sampler: Sampler) -> None:
+        resp = sampler.sample(_traj(0), _greedy(max_tokens=3))[0]
+        assert resp.sequences[0].logprobs is None and resp.sequences[0].top_logprobs is None
+        assert resp.prompt_logprobs is None
+
+    def test_sampled_token_logprob_every_position(self, sampler: Sampler) -> None:
+        params = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=3, logprobs=0)
+        seq = sampler.sample(_traj(1), params)[0].sequences[0]
+        assert seq.logprobs is not None and len(seq.logprobs) == len(seq.tokens)
+        assert all(isinstance(x, float) and math.isfinite(x) and x <= 1e-6 for x in seq.logprobs)
+        assert seq.top_logprobs is None
+
+    def test_greedy_token_has_top_logprob_and_topk_sorted(self, sampler: Sampler) -> None:
+        seq = sampler.sample(_traj(3), _greedy(max_tokens=8, logprobs=3))[0].sequences[0]
+        assert seq.logprobs is not None and seq.top_logprobs is not None
+        assert len(seq.top_logprobs) == len(seq.tokens)
+        for tok, lp, top in zip(seq.tokens, seq.logprobs, seq.top_logprobs):
+            assert len(top) == 3
+            values = [v for _, v in top]
+            assert values == sorted(values, reverse=True)
+            assert top[0][0] == tok
+            assert lp == pytest.approx(top[0][1], abs=self.logprob_atol)
+
+    def test_sampled_logprob_present_when_outside_topk(self, sampler: Sampler) -> None:
+        params = SamplingParams(temperature=3.0, max_tokens=24, ignore_eos=True, seed=11, logprobs=1)
+        seqs = sampler.sample([_traj(i) for i in range(4)], params)
+        outside = 0
+        for r in seqs:
+            seq = r.sequences[0]
+            assert seq.logprobs is not None and seq.top_logprobs is not None
+            assert len(seq.logprobs) == len(seq.tokens)
+            for tok, lp, top in zip(seq.tokens, seq.logprobs, seq.top_logprobs):
+                if top[0][0] != tok:
+                    outside += 1
+                    assert lp <= top[0][1] + self.logprob_atol
+        assert outside > 0, "at temperature 3 some sampled tokens should fall outside the top-1"
+
+    def test_processed_equals_raw_without_processing(self, sampler: Sampler) -> None:
+        base = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=5, logprobs=0)
+        proc = sampler.sample(_traj(1), base)[0].sequences[0]
+        raw = sampler.sample(_traj(1), base.replace(logprobs_mode="raw"))[0].sequences[0]
+        assert proc.tokens == raw.tokens
+        assert proc.logprobs == pytest.approx(raw.logprobs, abs=self.logprob_atol)
+
+    def test_processed_logprobs_follow_the_sampling_distribution(self, sampler: Sampler) -> None:
+        params = SamplingParams(temperature=0.7, top_k=3, max_tokens=8, ignore_eos=True, seed=9, logprobs=3)
+        proc = sampler.sample(_traj(2), params)[0].sequences[0]
+        raw = sampler.sample(_traj(2), params.replace(logprobs_mode="raw"))[0].sequences[0]
+        assert proc.tokens == raw.tokens
+        assert proc.top_logprobs is not None and raw.top_logprobs is not None
+        for top_p, top_r in zip(proc.top_logprobs, raw.top_logprobs):
+            # after top-k=3 the three survivors carry all the probability mass
+            assert sum(math.exp(v) for _, v in top_p if v > -math.inf) == pytest.approx(1.0, abs=1e-3)
+            assert sum(math.exp(v) for _, v in top_r) < 1.0 + 1e-6
+        assert proc.logprobs is not None and raw.logprobs is not None
+        # a renormalised distribution gives the sampled token at least its raw... up to temperature
+        assert any(abs(a - b) > 1e-3 for a, b in zip(proc.logprobs, raw.logprobs))
+
+    def test_prompt_logprobs_and_scoring_only(self, sampler: Sampler) -> None:
+        gen = sampler.sample(_traj(0), _greedy(max_tokens=6, logprobs=0, logprobs_mode="raw"))[0]
+        seq = gen.sequences[0]
+        full = InputFeature(input_ids=gen.prompt_token_ids + seq.tokens)
+        scored = sampler.sample(full, SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+        assert len(scored.sequences) == 1 and scored.sequences[0].tokens == []
+        assert scored.prompt_logprobs is not None and len(scored.prompt_logprobs) == len(full.input_ids)
+        assert scored.prompt_logprobs[0] is None
+        tail = scored.prompt_logprobs[len(gen.prompt_token_ids) :]
+        assert tail == pytest.approx(seq.logprobs, abs=1e-3)
+        assert all(x is not None and x <= 1e-6 for x in scored.prompt_logprobs[1:])
+        topk = sampler.sample(full, SamplingParams(max_tokens=0, prompt_logprobs=2))[0]
+        assert topk.prompt_top_logprobs is not None and topk.prompt_top_logprobs[0] is None
+        for entry in topk.prompt_top_logprobs[1:]:
+            assert entry is not None and len(entry) == 2 and entry[0][1] >= entry[1][1]
+
+    # -- bad input: typed errors, and the sampler keeps working --------------------------------
+    @pytest.mark.parametrize(
+        "bad",
+        [
+            {"temperature": -0.1},
+            {"top_p": 0.0},
+            {"top_p": 1.5},
+            {"top_k": 0},
+            {"top_k": -2},
+            {"max_tokens": -1},
+            {"num_samples": 0},
+            {"logprobs": -1},
+            {"seed": "abc"},
+            {"stop": 5},
+            {"max_new_token": 5},
+        ],
+        ids=lambda d: next(iter(d)),
+    )
+    def test_bad_sampling_params(self, sampler: Sampler, bad: dict[str, Any]) -> None:
+        key, value = next(iter(bad.items()))
+        with pytest.raises(InvalidSamplingParams) as info:
+            sampler.sample(_traj(0), bad)
+        assert key in str(info.value)
+        assert isinstance(info.value, ValueError)
+        self.assert_still_works(sampler)
+
+    @pytest.mark.parametrize(
+        "bad_input",
+        [
+            {"messages": []},
+            {"messages": [{"content": "no role"}]},
+            {"messages": [{"role": "wizard", "content": "hi"}]},
+            {"input_ids": []},
+            "just a string",
+        ],
+        ids=["empty", "no-role", "unknown-role", "no-tokens", "string"],
+    )
+    def test_bad_inputs(self, sampler: Sampler, bad_input: Any) -> None:
+        with pytest.raises(InvalidInputError):
+            sampler.sample([_traj(0), bad_input], _greedy(max_tokens=2))
+        self.assert_still_works(sampler)
+
+    def test_prompt_too_long_names_the_input(self, sampler: Sampler) -> None:
+        tok = sampler.template.encode(_traj(0)).input_ids[0]
+        too_long = InputFeature(input_ids=[tok] * (sampler.max_model_len + 1))
+        with pytest.raises(PromptTooLongError, match=r"inputs\[1\]") as info:
+            sampler.sample([_traj(0), too_long, _traj(1)], _greedy(max_tokens=2))
+        assert info.value.index == 1
+        self.assert_still_works(sampler)
+        # asked to, the other inputs are not lost
+        out = sampler.sample([_traj(0), too_long, _traj(1)], _greedy(max_tokens=2), on_invalid="skip")
+        assert [len(r.sequences) for r in out] == [1, 0, 1]
+        assert out[1].error is not None and "inputs[1]" in out[1].error
+        assert out[0].error is None and out[2].error is None
+
+    def test_unknown_adapter(self, sampler: Sampler) -> None:
+        with pytest.raises(UnknownAdapterError, match="no-such-adapter"):
+            sampler.sample(_traj(0), _greedy(max_tokens=2), adapter_name="no-such-adapter")
+        with pytest.raises(UnknownAdapterError):
+            sampler.remove_adapter("no-such-adapter")
+        self.assert_still_works(sampler)
+
+    def test_unknown_template(self, sampler: Sampler) -> None:
+        with pytest.raises(UnknownTemplateError, match="no-such-template"):
+            sampler.set_template("no-such-template")
+        self.assert_still_works(sampler)
+
+    def test_errors_share_a_base_class(self, sampler: Sampler) -> None:
+        with pytest.raises(TwinkleError):
+            sampler.sample(_traj(0), {"temperature": -1})
