@@ -29,6 +29,7 @@ from twinkle_core.data_format import (
     SampleResponse,
     SamplingParams,
     Trajectory,
+    training_feature,
 )
 from twinkle_core.data_format._base import did_you_mean
 from twinkle_core.errors import (
@@ -450,6 +451,11 @@ class Sampler(ABC):
         tokens = [int(t) for t in tokens]
         if text is None:
             text = self.template.decode(tokens)
+        feature = (
+            self._template.training_feature(prompt_ids, tokens)
+            if self._template is not None
+            else training_feature(prompt_ids, tokens)
+        )
         return SampledSequence(
             tokens=tokens,
             text=text,
@@ -459,7 +465,7 @@ class Sampler(ABC):
             stop=stop,
             weights_version=self._weights_version if weights_version is None else weights_version,
             adapter_name=adapter_name,
-            training_feature=self.template.training_feature(prompt_ids, tokens),
+            training_feature=feature,
         )
 
     # -- lifecycle -----------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The data formats: attrs classes, validated, round-tripping through dicts."""
 
 from twinkle_core.data_format.chat import ROLES, Message, Tool, Trajectory
-from twinkle_core.data_format.feature import IGNORE_INDEX, InputFeature
+from twinkle_core.data_format.feature import IGNORE_INDEX, InputFeature, training_feature
 from twinkle_core.data_format.output import SampledSequence, SampleResponse, StopReason, TopLogprobs
 from twinkle_core.data_format.params import LogprobsMode, SamplingParams
 
@@ -18,4 +18,5 @@ __all__ = [
     "Tool",
     "TopLogprobs",
     "Trajectory",
+    "training_feature",
 ]

@@ -9,7 +9,7 @@ import attrs
 from twinkle_core.data_format._base import Record
 from twinkle_core.errors import InvalidInputError
 
-__all__ = ["InputFeature", "IGNORE_INDEX"]
+__all__ = ["InputFeature", "IGNORE_INDEX", "training_feature"]
 
 #: Label of a position that is not trained on (PyTorch's cross-entropy default).
 IGNORE_INDEX = -100
@@ -62,3 +62,13 @@ class InputFeature(Record):
 
     def __len__(self) -> int:
         return len(self.input_ids)
+
+
+def training_feature(prompt_ids: list[int], completion_tokens: list[int]) -> InputFeature:
+    """Prompt + completion as one feature, labels ``-100`` on the prompt.
+
+    ``labels[i]`` is the token at position ``i`` (unshifted, the Hugging Face
+    convention: the model shifts them when computing the loss).
+    """
+    prompt, completion = list(prompt_ids), list(completion_tokens)
+    return InputFeature(input_ids=prompt + completion, labels=[IGNORE_INDEX] * len(prompt) + completion)

@@ -62,22 +62,18 @@ def _check_seed(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise _bad(attribute.name, value, "an integer or None")
 
 
-def _to_str_tuple(value: Any) -> Any:
-    if isinstance(value, str):
-        return (value,)
-    if isinstance(value, (list, tuple)):
-        return tuple(value)
-    return value
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    # Validated while converting, so the error shows the value the user passed.
+    items = (value,) if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
+        raise _bad("stop", value, "a non-empty string or a list of non-empty strings")
+    return tuple(items)
 
 
-def _check_stop(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if not isinstance(value, tuple) or not all(isinstance(s, str) and s for s in value):
-        raise _bad(attribute.name, value, "a non-empty string or a list of non-empty strings")
-
-
-def _check_stop_ids(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if not isinstance(value, tuple) or not all(_is_int(t) and t >= 0 for t in value):
-        raise _bad(attribute.name, value, "a list of token ids (integers >= 0)")
+def _stop_ids(value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in value):
+        raise _bad("stop_token_ids", value, "a list of token ids (integers >= 0)")
+    return tuple(value)
 
 
 def _check_bool(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -136,8 +132,8 @@ class SamplingParams(Record):
     min_p: float = attrs.field(default=0.0, validator=_check_float(0.0, 1.0))
     repetition_penalty: float = attrs.field(default=1.0, validator=_check_float(0.0, math.inf, lo_open=True))
     seed: int | None = attrs.field(default=None, validator=_check_seed)
-    stop: tuple[str, ...] = attrs.field(default=(), converter=_to_str_tuple, validator=_check_stop)
-    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_to_str_tuple, validator=_check_stop_ids)
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
+    stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_ids)
     ignore_eos: bool = attrs.field(default=False, validator=_check_bool)
     logprobs: int | None = attrs.field(default=None, validator=_check_int(0, optional=True))
     prompt_logprobs: int | None = attrs.field(default=None, validator=_check_int(0, optional=True))

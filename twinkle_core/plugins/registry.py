@@ -18,6 +18,7 @@ name be reported, naming both, instead of one silently winning.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import os
 import sys
@@ -28,7 +29,6 @@ from typing import Any, Generic, TypeVar
 import attrs
 import pluggy
 
-from twinkle_core.data_format._base import did_you_mean
 from twinkle_core.errors import DuplicateSamplerError, PluginLoadError, TwinkleError
 from twinkle_core.plugins import hookspecs
 
@@ -321,16 +321,13 @@ class Registry(Generic[T]):
 
     def _unknown_message(self, name: str) -> str:
         available = [i.name for i in self.infos() if i.available]
-        msg = f"Unknown {self.kind} {name!r}.{did_you_mean(name, available)}"
+        known = sorted(set(available) | set(self.install_hint))
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        msg = f"Unknown {self.kind} {name!r}." + (f" Did you mean {close[0]!r}?" if close else "")
         msg += f" Available: {', '.join(available) if available else '(none)'}."
-        hint = self.install_hint.get(name)
-        if hint is None:
-            close = did_you_mean(name, list(self.install_hint))
-            hint = self.install_hint.get(close[len(" Did you mean '") : -2]) if close else None
+        hint = self.install_hint.get(close[0] if close and close[0] not in available else name)
         if hint:
             msg += f" To install it: {hint}"
-        elif self.install_hint:
-            msg += " Engines ship as plugins: " + "; ".join(
-                f"{k}: {v}" for k, v in sorted(self.install_hint.items())
-            )
+        elif self.install_hint and not close:
+            msg += " Engines ship as plugins: " + "; ".join(f"{k}: {v}" for k, v in sorted(self.install_hint.items()))
         return msg

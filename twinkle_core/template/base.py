@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar
 
-from twinkle_core.data_format import IGNORE_INDEX, InputFeature, Trajectory
+from twinkle_core.data_format import InputFeature, Trajectory, training_feature
 from twinkle_core.errors import InvalidInputError, TemplateError
 
 __all__ = ["Template", "ChatMLTemplate", "CHATML_JINJA", "load_tokenizer"]
@@ -127,12 +127,8 @@ class Template:
         ``labels[i]`` is the token at position ``i`` (unshifted, the Hugging Face
         convention: the model shifts them when computing the loss).
         """
-        prompt_ids = list(prompt.input_ids if isinstance(prompt, InputFeature) else prompt)
-        completion = list(completion_tokens)
-        return InputFeature(
-            input_ids=prompt_ids + completion,
-            labels=[IGNORE_INDEX] * len(prompt_ids) + completion,
-        )
+        prompt_ids = prompt.input_ids if isinstance(prompt, InputFeature) else prompt
+        return training_feature(prompt_ids, completion_tokens)
 
 
 class ChatMLTemplate(Template):

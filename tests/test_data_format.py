@@ -1,0 +1,135 @@
+"""Data formats: validation, typed errors naming the value, JSON round trips."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from twinkle_core import InputFeature, Message, SampledSequence, SampleResponse, SamplingParams, Tool, Trajectory
+from twinkle_core.errors import InvalidInputError, InvalidSamplingParams, TwinkleError
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "accepted"),
+    [
+        ("temperature", -0.5, "[0, inf]"),
+        ("temperature", math.nan, "[0, inf]"),
+        ("temperature", "hot", "[0, inf]"),
+        ("top_p", 0.0, "(0, 1]"),
+        ("top_p", 1.01, "(0, 1]"),
+        ("top_k", 0, "-1 (disabled)"),
+        ("top_k", -3, "-1 (disabled)"),
+        ("top_k", 2.5, "-1 (disabled)"),
+        ("min_p", 1.5, "[0, 1]"),
+        ("repetition_penalty", 0.0, "(0, inf]"),
+        ("max_tokens", -1, "integer >= 0"),
+        ("max_tokens", True, "integer >= 0"),
+        ("num_samples", 0, "integer >= 1"),
+        ("logprobs", -1, "integer >= 0 or None"),
+        ("prompt_logprobs", -2, "integer >= 0 or None"),
+        ("seed", 1.5, "an integer or None"),
+        ("seed", "42", "an integer or None"),
+        ("stop", 5, "non-empty string"),
+        ("stop", [""], "non-empty string"),
+        ("stop_token_ids", [-1], "token ids"),
+        ("ignore_eos", "yes", "True or False"),
+        ("logprobs_mode", "processed_logits", "'processed' or 'raw'"),
+    ],
+)
+def test_sampling_params_reject_bad_values_naming_field_value_and_range(field, value, accepted):
+    with pytest.raises(InvalidSamplingParams) as info:
+        SamplingParams(**{field: value})
+    msg = str(info.value)
+    assert f"SamplingParams.{field}={value!r}" in msg
+    assert accepted in msg
+    assert isinstance(info.value, ValueError) and isinstance(info.value, TwinkleError)
+
+
+def test_sampling_params_defaults_and_normalisation():
+    p = SamplingParams(stop="###", stop_token_ids=[2, 3])
+    assert p.stop == ("###",) and p.stop_token_ids == (2, 3)
+    assert p.logprobs_mode == "processed" and p.top_k == -1 and p.num_samples == 1
+    assert SamplingParams(temperature=0).greedy
+
+
+def test_sampling_params_from_dict_unknown_key_did_you_mean_and_alias():
+    with pytest.raises(InvalidSamplingParams, match=r"'temprature'.*Did you mean 'temperature'"):
+        SamplingParams.from_dict({"temprature": 0.5})
+    assert SamplingParams.from_dict({"max_new_tokens": 7}).max_tokens == 7
+    with pytest.raises(InvalidSamplingParams, match="given twice"):
+        SamplingParams.from_dict({"max_new_tokens": 7, "max_tokens": 8})
+    with pytest.raises(InvalidSamplingParams, match="expected a SamplingParams, a dict or None"):
+        SamplingParams.coerce([1, 2])
+
+
+def test_sampling_params_json_round_trip():
+    p = SamplingParams(max_tokens=5, temperature=0.3, top_k=4, stop=["a", "bc"], seed=3, logprobs=2, num_samples=2)
+    again = SamplingParams.from_dict(json.loads(json.dumps(p.to_dict())))
+    assert again == p
+    assert p.replace(seed=4).seed == 4
+    with pytest.raises(InvalidSamplingParams):
+        p.replace(top_p=2.0)
+
+
+def test_trajectory_round_trip_with_tools_and_tool_messages():
+    traj = Trajectory(
+        messages=[
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "weather?"},
+            Message(role="assistant", content="", tool_calls=[{"type": "function", "function": {"name": "w", "arguments": {}}}]),
+            {"role": "tool", "content": "sunny", "tool_call_id": "1"},
+        ],
+        tools=[{"type": "function", "function": {"name": "w", "description": "weather", "parameters": {"type": "object"}}}],
+        extra={"id": 7},
+    )
+    assert traj.tools == [Tool(name="w", description="weather", parameters={"type": "object"})]
+    again = Trajectory.from_dict(json.loads(json.dumps(traj.to_dict())))
+    assert again == traj
+    assert traj.messages[2].to_hf()["tool_calls"][0]["function"]["name"] == "w"
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        ({"messages": []}, "non-empty list"),
+        ({"messages": [{"content": "x"}]}, "has no 'role'"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "role='robot'.*system, user, assistant, tool"),
+        ({"messages": [{"role": "user", "content": 3}]}, "content=3"),
+        ({"messages": [{"role": "user", "content": "x"}], "toolz": []}, "Did you mean 'tools'"),
+        ({"messages": "hi"}, "non-empty list"),
+    ],
+)
+def test_malformed_trajectories_raise_invalid_input(data, match):
+    with pytest.raises(InvalidInputError, match=match):
+        Trajectory.from_dict(data)
+
+
+def test_input_feature_validation_and_defaults():
+    f = InputFeature(input_ids=(1, 2, 3))
+    assert f.input_ids == [1, 2, 3] and f.attention_mask == [1, 1, 1] and f.labels is None
+    with pytest.raises(InvalidInputError, match="labels has length 2"):
+        InputFeature(input_ids=[1, 2, 3], labels=[1, 2])
+    with pytest.raises(InvalidInputError, match="flat list of integers"):
+        InputFeature(input_ids=[[1, 2]])
+    assert InputFeature.from_dict(f.to_dict()) == f
+
+
+def test_outputs_round_trip_through_json():
+    seq = SampledSequence(
+        tokens=[5, 6],
+        text="ab",
+        logprobs=[-0.1, -0.2],
+        top_logprobs=[[(5, -0.1), (7, -2.0)], [(6, -0.2), (9, -3.0)]],
+        stop_reason="stop",
+        stop=6,
+        weights_version=3,
+        adapter_name="a",
+        training_feature=InputFeature(input_ids=[1, 5, 6], labels=[-100, 5, 6]),
+    )
+    resp = SampleResponse(prompt_token_ids=[1], sequences=[seq], prompt_logprobs=[None])
+    again = SampleResponse.from_dict(json.loads(json.dumps(resp.to_dict())))
+    assert again == resp
+    with pytest.raises(ValueError, match="stop_reason='done'"):
+        SampledSequence(tokens=[], text="", stop_reason="done")

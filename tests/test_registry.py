@@ -1,0 +1,145 @@
+"""Engine and template registries: in-process registration, string targets, errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from twinkle_core import create_sampler, get_sampler_class, list_samplers, register_sampler
+from twinkle_core.errors import (
+    ConfigError,
+    DuplicateSamplerError,
+    PluginLoadError,
+    UnknownSamplerError,
+    UnknownTemplateError,
+)
+from twinkle_core.factory import sampler_registry
+from twinkle_core.sampler import Sampler
+from twinkle_core.template import ChatMLTemplate, get_template, register_template, template_registry
+
+
+class _Engine(Sampler):
+    """Smallest possible engine: enough to be constructed by the factory."""
+
+    engine_name = "unit"
+
+    def __init__(self, model_id: str = "m", **kwargs: object) -> None:
+        super().__init__()
+        self.model_id = model_id
+        self.kwargs = kwargs
+
+    @property
+    def max_model_len(self) -> int:
+        return 16
+
+    def _generate(self, prompts, params, adapter_name):  # type: ignore[no-untyped-def]
+        return []
+
+
+@pytest.fixture
+def registered():
+    names = []
+
+    def reg(name, target=None, **kw):
+        names.append(name)
+        return register_sampler(name, target, **kw)
+
+    yield reg
+    for n in names:
+        sampler_registry.unregister(n)
+
+
+def test_register_class_and_create(registered):
+    registered("unit", _Engine)
+    s = create_sampler("unit", model_id="x", foo=1)
+    assert isinstance(s, _Engine) and s.model_id == "x" and s.kwargs == {"foo": 1}
+    assert "unit" in [i.name for i in list_samplers()]
+
+
+def test_register_as_decorator(registered):
+    @registered("unit-deco")
+    class Deco(_Engine):
+        pass
+
+    assert get_sampler_class("unit-deco") is Deco
+
+
+def test_register_lazy_string_target(registered):
+    registered("unit-lazy", f"{__name__}:_Engine")
+    assert get_sampler_class("unit-lazy") is _Engine
+
+
+def test_module_colon_class_string_resolves_without_registration():
+    assert get_sampler_class(f"{__name__}:_Engine") is _Engine
+    with pytest.raises(PluginLoadError, match="no_such_module"):
+        get_sampler_class("no_such_module:Thing")
+
+
+def test_duplicate_in_process_registration_raises(registered):
+    registered("unit-dup", _Engine)
+    with pytest.raises(DuplicateSamplerError, match="already registered"):
+        registered("unit-dup", f"{__name__}:_Engine")
+    registered("unit-dup", f"{__name__}:_Engine", replace=True)
+
+
+def test_unknown_engine_error_has_did_you_mean_available_and_install_hint():
+    with pytest.raises(UnknownSamplerError) as info:
+        create_sampler("vlm")
+    msg = str(info.value)
+    assert "Unknown sampler 'vlm'" in msg
+    assert "Did you mean 'vllm'?" in msg
+    assert "Available:" in msg
+    assert 'pip install "twinkle-core[vllm]"' in msg
+    assert isinstance(info.value, LookupError)
+    # a LookupError, but its message is not mangled like a KeyError's
+    assert str(info.value).startswith("Unknown sampler")
+
+
+def test_broken_string_target_is_listed_and_raises_with_cause(registered):
+    registered("unit-broken", "twinkle_core.no_such_module:Engine")
+    info = {i.name: i for i in list_samplers()}["unit-broken"]
+    assert not info.available and "ModuleNotFoundError" in (info.error or "")
+    with pytest.raises(PluginLoadError) as exc:
+        create_sampler("unit-broken")
+    assert isinstance(exc.value.__cause__, ModuleNotFoundError)
+
+
+def test_non_sampler_target_is_rejected(registered):
+    registered("unit-notasampler", "collections:OrderedDict")
+    with pytest.raises(PluginLoadError, match="not a twinkle Sampler"):
+        get_sampler_class("unit-notasampler")
+
+
+def test_create_from_config_mapping_and_files(registered, tmp_path):
+    registered("unit", _Engine)
+    s = create_sampler({"sampler": "unit", "model_id": "cfg"}, extra=2)
+    assert s.model_id == "cfg" and s.kwargs == {"extra": 2}
+    yml = tmp_path / "s.yaml"
+    yml.write_text("sampler: unit\nmodel_id: from-yaml\nenable_x: false\n")
+    s = create_sampler(str(yml))
+    assert s.model_id == "from-yaml" and s.kwargs == {"enable_x": False}
+    js = tmp_path / "s.json"
+    js.write_text('{"sampler": "unit", "model_id": "from-json"}')
+    assert create_sampler(str(js)).model_id == "from-json"
+    with pytest.raises(ConfigError, match="no 'sampler' key"):
+        create_sampler({"model_id": "x"})
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        create_sampler(str(bad))
+    with pytest.raises(ConfigError, match="Cannot read"):
+        create_sampler(str(tmp_path / "missing.yaml"))
+
+
+def test_templates_registry():
+    assert get_template("chatml") is ChatMLTemplate
+    with pytest.raises(UnknownTemplateError, match=r"Did you mean 'chatml'"):
+        get_template("chatm")
+
+    @register_template("unit-tmpl")
+    class Mine(ChatMLTemplate):
+        pass
+
+    try:
+        assert get_template("unit-tmpl") is Mine
+    finally:
+        template_registry.unregister("unit-tmpl")
