@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import os
 import threading
-from abc import ABC, abstractmethod
+from abc import ABC, ABCMeta, abstractmethod
 from collections.abc import Iterable, Mapping
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import attrs
 
@@ -46,6 +46,7 @@ from twinkle_core.template import Template, get_template, load_tokenizer
 
 __all__ = ["AdapterInfo", "Sampler", "SampleInputs", "normalize_inputs", "resolve_params"]
 
+S = TypeVar("S", bound="Sampler")
 SampleInputs = InputFeature | Trajectory | dict[str, Any] | list[InputFeature | Trajectory | dict[str, Any]]
 OnInvalid = Literal["raise", "skip"]
 
@@ -122,8 +123,24 @@ def normalize_inputs(inputs: SampleInputs) -> list[InputFeature | Trajectory]:
     )
 
 
-class Sampler(ABC):
+class SamplerMeta(ABCMeta):
+    """Lets every engine take ``remote_group=``: then it is built as Ray replicas (``twinkle_core.remote``)."""
+
+    def __call__(cls, *args: Any, remote_group: str | None = None, **kwargs: Any) -> Any:
+        if remote_group is None:
+            return super().__call__(*args, **kwargs)
+        from twinkle_core.remote.sampler import build_remote
+
+        return build_remote(cls, remote_group, args, kwargs)
+
+
+class Sampler(ABC, metaclass=SamplerMeta):
     """Generates completions from a language model. Engines subclass it.
+
+    Any engine built with ``remote_group="name"`` (after
+    ``twinkle_core.initialize("ray", groups=[...])``) runs as
+    ``device_mesh.dp_size`` Ray actors behind a ``RemoteSampler`` with this
+    same API; engines need no code for it.
 
     The log-probability contract, common to every engine:
 
@@ -485,7 +502,7 @@ class Sampler(ABC):
         self._closed = True
         self._close()
 
-    def __enter__(self) -> Sampler:
+    def __enter__(self: S) -> S:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -14,6 +14,8 @@ __all__ = ["SampledSequence", "SampleResponse", "StopReason", "TopLogprobs"]
 StopReason = Literal["stop", "length", "abort"]
 #: Per position, the top-k ``(token_id, logprob)`` pairs, most likely first.
 TopLogprobs = list[list[tuple[int, float]]]
+#: Per prompt position, the top-k pairs; ``None`` at the first position.
+PromptTopLogprobs = list[list[tuple[int, float]] | None]
 
 
 def _to_feature(value: Any) -> Any:
@@ -87,5 +89,5 @@ class SampleResponse(Record):
     prompt_token_ids: list[int]
     sequences: list[SampledSequence] = attrs.field(factory=list, converter=_to_sequences)
     prompt_logprobs: list[float | None] | None = None
-    prompt_top_logprobs: TopLogprobs | None = attrs.field(default=None, converter=_to_top)
+    prompt_top_logprobs: PromptTopLogprobs | None = attrs.field(default=None, converter=_to_top)
     error: str | None = None

@@ -105,7 +105,7 @@ class _PluginScan:
         self.pm.add_hookspecs(hookspecs)
         self.done = False
         self.lock = threading.RLock()
-        #: entry-point name -> (distribution, version, error or None)
+        #: "dist:entry-point" -> (distribution, version, error or None)
         self.loaded: dict[str, tuple[str | None, str | None, BaseException | None]] = {}
 
     def _allowed(self, ep: EntryPoint) -> bool:
@@ -138,16 +138,15 @@ class _PluginScan:
                 try:
                     module = ep.load()
                     self.pm.register(module, name=f"{dist}:{ep.name}")
-                    self.loaded[ep.name] = (dist, version, None)
+                    self.loaded[f"{dist}:{ep.name}"] = (dist, version, None)
                 except Exception as exc:
                     _trace(f"failed to load {ep.name}: {exc!r}")
-                    self.loaded[ep.name] = (dist, version, exc)
+                    self.loaded[f"{dist}:{ep.name}"] = (dist, version, exc)
 
     def dist_of(self, plugin: object) -> tuple[str | None, str | None]:
-        name = self.pm.get_name(plugin) or ""
-        dist, _, ep_name = name.partition(":")
-        info = self.loaded.get(ep_name)
-        return (dist or None, info[1] if info else None)
+        key = self.pm.get_name(plugin) or ""
+        info = self.loaded.get(key)
+        return (info[0], info[1]) if info else (None, None)
 
 
 _scan = _PluginScan()
@@ -166,6 +165,7 @@ def reset_plugins() -> None:
         _scan = _PluginScan()
         for reg in Registry.all_registries:
             reg._plugin_entries = None
+            reg._cache.clear()
 
 
 class Registry(Generic[T]):
@@ -265,7 +265,8 @@ class Registry(Generic[T]):
                         PluginInfo(f"<{dist}>", None, dist, version, f"{type(exc).__name__}: {exc}", exc),
                     )
             # entry points that failed to import show up under their entry-point name
-            for ep_name, (dist, version, exc) in _scan.loaded.items():
+            for key, (dist, version, exc) in _scan.loaded.items():
+                ep_name = key.partition(":")[2]
                 if exc is not None and ep_name not in entries:
                     entries[ep_name] = PluginInfo(
                         ep_name, None, dist, version, f"plugin failed to import: {type(exc).__name__}: {exc}", exc

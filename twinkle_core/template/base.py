@@ -12,18 +12,21 @@ __all__ = ["Template", "ChatMLTemplate", "CHATML_JINJA", "load_tokenizer"]
 
 #: A plain ChatML template (system/user/assistant/tool), usable with any tokenizer.
 CHATML_JINJA = (
-    "{%- if tools %}<|im_start|>system\n"
-    "{%- if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
-    "You can call these tools:\n{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}<|im_end|>\n"
+    # Newlines are emitted as string expressions: the {%- tags strip literal ones.
+    "{%- if tools %}{{ '<|im_start|>system\\n' }}"
+    "{%- if messages[0].role == 'system' %}{{ messages[0].content + '\\n\\n' }}{%- endif %}"
+    "{{ 'You can call these tools:' }}{%- for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{%- endfor %}"
+    "{{ '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- for message in messages %}"
     "{%- if not (tools and loop.first and message.role == 'system') %}"
-    "<|im_start|>{{ message.role }}\n{{ message.content }}"
-    "{%- if message.tool_calls %}{%- for call in message.tool_calls %}\n<tool_call>{{ call | tojson }}</tool_call>"
-    "{%- endfor %}{%- endif %}<|im_end|>\n"
+    "{{ '<|im_start|>' + message.role + '\\n' }}{{ message.content }}"
+    "{%- if message.tool_calls %}{%- for call in message.tool_calls %}"
+    "{{ '\\n<tool_call>' }}{{ call | tojson }}{{ '</tool_call>' }}{%- endfor %}{%- endif %}"
+    "{{ '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 

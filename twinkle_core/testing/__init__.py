@@ -5,7 +5,11 @@ Importing this package does not import pytest or torch; the names load on use.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from twinkle_core.testing.contract import CONTRACT_PROMPTS, SamplerContractTests
+    from twinkle_core.testing.tiny_model import TINY_CHAT_PROMPTS, build_tiny_model
 
 __all__ = ["SamplerContractTests", "CONTRACT_PROMPTS", "build_tiny_model", "TINY_CHAT_PROMPTS"]
 

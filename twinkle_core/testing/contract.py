@@ -5,7 +5,8 @@ Subclass it in an engine's test module and provide a ``sampler`` fixture
 
     class TestMyEngine(SamplerContractTests):
         @pytest.fixture(scope="class")
-        def sampler(self):
+        @classmethod
+        def sampler(cls):
             with MySampler(build_tiny_model()) as s:
                 yield s
 
