@@ -1,0 +1,158 @@
+"""The decode loop's pure parts: batch planning, out-of-memory splitting, the cache, stop strings."""
+
+from __future__ import annotations
+
+import math
+import pytest
+import torch
+
+from twinkle_core.data_format import SamplingParams
+from twinkle_torch.cache import PreallocatedLayer
+from twinkle_torch.decoding import WorkUnit, plan_batches, run_with_split, split_batch
+from twinkle_torch.sampling import RowRandomness, TokenSampler, derive_seed
+from twinkle_torch.stopping import StopStringMatcher
+
+
+def _rows(batches: list[list[WorkUnit]]) -> dict[tuple[int, int], int]:
+    """(prompt, sample) -> how many times it is scheduled."""
+    seen: dict[tuple[int, int], int] = {}
+    for batch in batches:
+        for u in batch:
+            for s in range(u.first_sample, u.first_sample + u.count):
+                seen[(u.prompt_index, s)] = seen.get((u.prompt_index, s), 0) + 1
+    return seen
+
+
+@pytest.mark.parametrize("budget", [1, 50, 333, 1000, 10**6])
+def test_plan_covers_every_sample_once_within_budget(budget: int) -> None:
+    lengths = [5, 40, 17, 3, 60, 22]
+    n, new = 4, 25
+    batches = plan_batches(lengths, n, new, budget)
+    assert _rows(batches) == {(p, s): 1 for p in range(len(lengths)) for s in range(n)}
+    for batch in batches:
+        rows = sum(u.count for u in batch)
+        width = max(lengths[u.prompt_index] for u in batch) + new
+        assert rows * width <= budget or rows == 1
+        assert len({u.prompt_index for u in batch}) == len(batch)  # one prefill per prompt and batch
+    if budget == 10**6:
+        assert len(batches) == 1 and all(u.count == n for u in batches[0])
+
+
+def test_split_batch_halves_rows() -> None:
+    units = [WorkUnit(0, 0, 4), WorkUnit(1, 0, 4), WorkUnit(2, 0, 4)]
+    halves = split_batch(units)
+    assert halves is not None and _rows([halves[0], halves[1]]) == _rows([units])
+    single = split_batch([WorkUnit(7, 2, 5)])
+    assert single == ([WorkUnit(7, 2, 2)], [WorkUnit(7, 4, 3)])
+    assert split_batch([WorkUnit(0, 0, 1)]) is None
+
+
+class FakeOOM(RuntimeError):
+    pass
+
+
+def test_run_with_split_retries_halves_until_they_fit() -> None:
+    calls: list[int] = []
+
+    def run(units: list[WorkUnit]) -> dict[tuple[int, int], int]:
+        rows = sum(u.count for u in units)
+        calls.append(rows)
+        if rows > 3:
+            raise FakeOOM("out of memory")
+        return {(u.prompt_index, u.first_sample + j): rows for u in units for j in range(u.count)}
+
+    units = [WorkUnit(0, 0, 4), WorkUnit(1, 0, 4)]
+    out = run_with_split(units, run, is_oom=lambda e: isinstance(e, FakeOOM))
+    assert set(out) == {(p, s) for p in range(2) for s in range(4)}
+    assert calls[0] == 8 and max(out.values()) <= 3
+    # other errors, and a single row that does not fit, are raised
+    with pytest.raises(FakeOOM):
+        run_with_split([WorkUnit(0, 0, 1)], lambda u: (_ for _ in ()).throw(FakeOOM()), is_oom=lambda e: True)
+    with pytest.raises(ValueError):
+        run_with_split(units, lambda u: (_ for _ in ()).throw(ValueError()), is_oom=lambda e: isinstance(e, FakeOOM))
+
+
+def test_preallocated_layer_selects_repeats_and_grows() -> None:
+    layer = PreallocatedLayer(capacity=3)
+    k = torch.arange(2 * 1 * 2 * 4, dtype=torch.float32).reshape(2, 1, 2, 4)
+    keys, values = layer.update(k, k + 100)
+    assert torch.equal(keys, k) and layer.get_seq_length() == 2
+    layer.select(torch.tensor([1, 1, 0]), capacity=6)  # repeat row 1 twice, then row 0
+    assert torch.equal(layer.keys, k[[1, 1, 0]])
+    step = torch.full((3, 1, 1, 4), -1.0)
+    for _ in range(5):  # past the capacity: it grows
+        keys, values = layer.update(step, step)
+    assert keys.shape == (3, 1, 7, 4) and torch.equal(keys[:, :, :2], k[[1, 1, 0]])
+    assert torch.equal(values[:, :, 2:], step.expand(3, 1, 5, 4))
+    layer.select(torch.tensor([2]))
+    assert torch.equal(layer.keys[0, :, :2], k[0])
+
+
+def test_derived_seeds() -> None:
+    assert derive_seed(5, 0) == 5
+    seeds = {derive_seed(s, i) for s in range(20) for i in range(20)}
+    assert len(seeds) == 400  # no two (seed, sample) pairs share a stream
+
+
+def test_seeded_rows_draw_their_own_stream() -> None:
+    a = RowRandomness([1, None, 2])
+    first = a.uniforms(torch.device("cpu"))
+    a.select([0, 2])
+    second = a.uniforms(torch.device("cpu"))
+    b = RowRandomness([2])
+    assert b.uniforms(torch.device("cpu"))[0] == first[2]
+    assert b.uniforms(torch.device("cpu"))[0] == second[1]
+
+
+def test_truncation_widens_candidates_for_flat_rows() -> None:
+    # one peaked row and one flat row: the flat row's nucleus needs most of the vocabulary
+    vocab = 5000
+    logits = torch.zeros(2, vocab)
+    logits[0, 7] = 30.0
+    sampler = TokenSampler(SamplingParams(top_p=0.9, logprobs=0))
+    out = sampler(logits, uniforms=torch.tensor([0.5, 0.999]))
+    assert out.tokens[0] == 7
+    assert out.logprobs is not None
+    assert out.logprobs[1] == pytest.approx(-math.log(math.ceil(0.9 * vocab)), abs=1e-3)
+
+
+def test_min_p_and_top_k() -> None:
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    out = TokenSampler(SamplingParams(min_p=0.2, logprobs=4))(logits, uniforms=torch.tensor([0.99]))
+    assert out.top_logprobs is not None and out.top_ids is not None
+    kept = torch.exp(out.top_logprobs[0])
+    # min_p=0.2 of the top 0.5 is 0.1: 0.05 goes, the rest renormalise
+    assert kept.tolist() == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0.0], abs=1e-6)
+    out = TokenSampler(SamplingParams(top_k=1, logprobs=0))(logits, uniforms=torch.tensor([0.99]))
+    assert out.tokens.tolist() == [0] and out.logprobs is not None and out.logprobs.tolist() == [0.0]
+
+
+class _ByteTokenizer:
+    """Decodes ids as UTF-8 bytes: a character may take several tokens."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_stop_string_matcher_across_partial_characters() -> None:
+    text = "naïve café — end"
+    data = list(text.encode())
+    matcher = StopStringMatcher(_ByteTokenizer(), ("é —", "zzz"), rows=1)
+    hits = [matcher.push(0, b) for b in data]
+    first = next(i for i, h in enumerate(hits) if h is not None)
+    assert hits[first] == ("é —", text.index("é —"))
+    assert bytes(data[: first + 1]).decode().endswith("é —")
+    assert matcher.final_text(data[: first + 1], "é —", hits[first][1], 0) == "naïve caf"
+
+
+@pytest.mark.parametrize("params", [SamplingParams(top_p=0.75), SamplingParams(top_p=0.75, logprobs=0)], ids=["rejection", "candidates"])
+def test_top_p_samples_the_renormalised_nucleus(params: SamplingParams) -> None:
+    torch.manual_seed(0)
+    rows = 20000
+    logits = torch.log(torch.tensor([[0.05, 0.5, 0.15, 0.3]])).expand(rows, 4)
+    out = TokenSampler(params)(logits, uniforms=torch.rand(rows))
+    counts = torch.bincount(out.tokens, minlength=4).float() / rows
+    # the smallest set with mass >= 0.75 is {1, 3}: 0.5 and 0.3, renormalised
+    assert counts.tolist() == pytest.approx([0.0, 0.625, 0.0, 0.375], abs=0.015)
+    if out.logprobs is not None:
+        assert set(torch.exp(out.logprobs).round(decimals=3).tolist()) == {0.625, 0.375}

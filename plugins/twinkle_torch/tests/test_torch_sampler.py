@@ -1,0 +1,478 @@
+"""TorchSampler against Hugging Face ``generate`` and hand computations, on the core's tiny models."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from twinkle_core import DeviceMesh, SamplingParams, Trajectory
+from twinkle_core.errors import AdapterError, ConfigError, InvalidMeshError, UnknownAdapterError, WeightUpdateError
+from twinkle_torch.sampler import TorchSampler
+
+from conftest import hf_greedy
+
+
+@pytest.fixture(scope="module")
+def sampler(tiny_llama: Path) -> Iterator[TorchSampler]:
+    with TorchSampler(tiny_llama, device="cpu") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32).eval()
+
+
+def greedy(max_tokens: int = 32, **kw: Any) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def prompt_ids(sampler: TorchSampler, trajs: list[Trajectory]) -> list[list[int]]:
+    return [sampler.template.encode(t).input_ids for t in trajs]
+
+
+def tokens_of(responses: Any) -> list[list[int]]:
+    return [r.sequences[0].tokens for r in responses]
+
+
+class Outputs:
+    """Greedy tokens and their log-probs. Adapters show in the log-probs even where the peaked
+    tiny model keeps its greedy tokens; ``==`` allows float noise, ``!=`` needs a real difference."""
+
+    def __init__(self, resps: list[Any]) -> None:
+        self.tokens = [r.sequences[0].tokens for r in resps]
+        self.logprobs = [lp for r in resps for lp in r.sequences[0].logprobs]
+
+    def __eq__(self, other: object) -> bool:
+        assert isinstance(other, Outputs)
+        if self.tokens != other.tokens:
+            return False
+        return all(abs(a - b) < 1e-5 for a, b in zip(self.logprobs, other.logprobs))
+
+    def __ne__(self, other: object) -> bool:
+        assert isinstance(other, Outputs)
+        if self.tokens != other.tokens:
+            return True
+        return any(abs(a - b) > 1e-3 for a, b in zip(self.logprobs, other.logprobs))
+
+    def __repr__(self) -> str:
+        return f"Outputs({self.tokens})"
+
+
+def outputs(sampler: TorchSampler, prompts: list[Trajectory], adapter: str = "", max_tokens: int = 16) -> Outputs:
+    return Outputs(sampler.sample(prompts, greedy(max_tokens, logprobs=0), adapter_name=adapter))
+
+
+# -- greedy equals HF generate ----------------------------------------------------------------
+def test_greedy_matches_hf_generate_batched(sampler: TorchSampler, hf_model: Any, chat_prompts: list[Trajectory]) -> None:
+    ids = prompt_ids(sampler, chat_prompts)
+    expected = hf_greedy(hf_model, ids, 40, pad_id=0)
+    assert tokens_of(sampler.sample(chat_prompts, greedy(40))) == expected
+    # and prompt by prompt
+    assert [tokens_of(sampler.sample(t, greedy(40)))[0] for t in chat_prompts[:3]] == expected[:3]
+
+
+def test_greedy_matches_hf_generate_qwen2(tiny_qwen2: Path, chat_prompts: list[Trajectory]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_qwen2), dtype=torch.float32).eval()
+    with TorchSampler(tiny_qwen2, device="cpu") as s:
+        ids = prompt_ids(s, chat_prompts)
+        assert tokens_of(s.sample(chat_prompts, greedy(32))) == hf_greedy(model, ids, 32, pad_id=0)
+
+
+def test_repetition_penalty_matches_hf(sampler: TorchSampler, hf_model: Any, chat_prompts: list[Trajectory]) -> None:
+    # one prompt per generate call: HF would also penalise the padding token of a batch
+    for traj in chat_prompts[:4]:
+        ids = prompt_ids(sampler, [traj])
+        expected = hf_greedy(hf_model, ids, 24, pad_id=0, repetition_penalty=1.5)
+        assert tokens_of(sampler.sample(traj, greedy(24, repetition_penalty=1.5))) == expected
+
+
+def test_context_window_ends_with_length(sampler: TorchSampler) -> None:
+    room = 5
+    prompt = [5] * (sampler.max_model_len - room)
+    seq = sampler.sample({"input_ids": prompt}, greedy(50, ignore_eos=True))[0].sequences[0]
+    assert len(seq.tokens) == room and seq.stop_reason == "length"
+
+
+# -- log-probs against a hand computation ---------------------------------------------------------
+def _hand_processed(raw: torch.Tensor, seen: set[int], p: SamplingParams) -> torch.Tensor:
+    """The processed log-probs of one position, computed the slow, obvious way."""
+    x = raw.clone()
+    for t in seen:
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    x = x / p.temperature
+    order = torch.argsort(x, descending=True)
+    keep = torch.zeros_like(x, dtype=torch.bool)
+    keep[order[: p.top_k if p.top_k > 0 else len(order)]] = True
+    probs = torch.softmax(x.masked_fill(~keep, -math.inf), -1)
+    mass = 0.0
+    nucleus = torch.zeros_like(keep)
+    for t in order.tolist():
+        if not keep[t] or mass >= p.top_p:
+            break
+        nucleus[t] = True
+        mass += float(probs[t])
+    keep &= nucleus
+    if p.min_p > 0:
+        keep &= x >= x.max() + math.log(p.min_p)
+    return torch.log_softmax(x.masked_fill(~keep, -math.inf), -1)
+
+
+@pytest.mark.parametrize(
+    "truncation",
+    [{"top_k": 12, "top_p": 0.9, "min_p": 0.02}, {"top_p": 0.9, "min_p": 0.02}, {"top_p": 0.8}, {"min_p": 0.05}],
+    ids=["top-k+top-p+min-p", "top-p+min-p", "top-p", "min-p"],
+)
+def test_processed_and_raw_logprobs_match_hand_computation(
+    sampler: TorchSampler, hf_model: Any, chat_prompts: list[Trajectory], truncation: dict[str, Any]
+) -> None:
+    params = SamplingParams(
+        temperature=1.5, repetition_penalty=1.2, max_tokens=16, ignore_eos=True, seed=42, logprobs=4, **truncation
+    )
+    traj = chat_prompts[4]
+    proc = sampler.sample(traj, params)[0]
+    raw = sampler.sample(traj, params.replace(logprobs_mode="raw"))[0]
+    plain = sampler.sample(traj, params.replace(logprobs=None))[0]
+    seq, rseq = proc.sequences[0], raw.sequences[0]
+    # log-prob options change what is reported, not what is drawn
+    assert seq.tokens == rseq.tokens == plain.sequences[0].tokens
+    prompt = proc.prompt_token_ids
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([prompt + seq.tokens])).logits[0].float()
+    assert seq.logprobs is not None and seq.top_logprobs is not None and rseq.logprobs is not None
+    for i, tok in enumerate(seq.tokens):
+        position = logits[len(prompt) - 1 + i]
+        expected = _hand_processed(position, set(prompt + seq.tokens[:i]), params)
+        assert expected[tok] > -math.inf  # the token was drawn from the truncated distribution
+        assert seq.logprobs[i] == pytest.approx(float(expected[tok]), abs=1e-4)
+        want_top = torch.topk(expected, 4)
+        got_top = seq.top_logprobs[i]
+        finite = [(t, v) for t, v in zip(want_top.indices.tolist(), want_top.values.tolist()) if v > -math.inf]
+        assert [t for t, _ in got_top[: len(finite)]] == [t for t, _ in finite]
+        assert [v for _, v in got_top[: len(finite)]] == pytest.approx([v for _, v in finite], abs=1e-4)
+        assert all(v == -math.inf for _, v in got_top[len(finite) :])
+        raw_lp = torch.log_softmax(position, -1)
+        assert rseq.logprobs[i] == pytest.approx(float(raw_lp[tok]), abs=1e-4)
+        assert rseq.top_logprobs is not None
+        assert [t for t, _ in rseq.top_logprobs[i]] == torch.topk(raw_lp, 4).indices.tolist()
+
+
+def test_greedy_processed_logprobs_apply_only_the_penalty(
+    sampler: TorchSampler, hf_model: Any, chat_prompts: list[Trajectory]
+) -> None:
+    params = greedy(8, ignore_eos=True, repetition_penalty=1.3, logprobs=0, top_k=2, top_p=0.5)
+    resp = sampler.sample(chat_prompts[0], params)[0]
+    seq, prompt = resp.sequences[0], resp.prompt_token_ids
+    with torch.inference_mode():
+        logits = hf_model(torch.tensor([prompt + seq.tokens])).logits[0].float()
+    assert seq.logprobs is not None
+    for i, tok in enumerate(seq.tokens):
+        x = logits[len(prompt) - 1 + i].clone()
+        for t in set(prompt + seq.tokens[:i]):
+            x[t] = x[t] / 1.3 if x[t] > 0 else x[t] * 1.3
+        assert seq.logprobs[i] == pytest.approx(float(torch.log_softmax(x, -1)[tok]), abs=1e-4)
+
+
+def test_prompt_logprobs_match_model(sampler: TorchSampler, hf_model: Any, chat_prompts: list[Trajectory]) -> None:
+    resps = sampler.sample(chat_prompts[:3], SamplingParams(max_tokens=0, prompt_logprobs=3))
+    for resp in resps:
+        ids = resp.prompt_token_ids
+        with torch.inference_mode():
+            lp = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), -1)
+        want = [None] + [float(lp[i - 1, ids[i]]) for i in range(1, len(ids))]
+        assert resp.prompt_logprobs is not None and resp.prompt_logprobs[0] is None
+        assert resp.prompt_logprobs[1:] == pytest.approx(want[1:], abs=1e-4)
+        assert resp.prompt_top_logprobs is not None
+        assert [t for t, _ in resp.prompt_top_logprobs[5]] == torch.topk(lp[4], 3).indices.tolist()
+        assert [len(s.tokens) for s in resp.sequences] == [0]
+
+
+# -- seeds, batching and the token budget -----------------------------------------------------
+def test_seeded_samples_do_not_depend_on_the_batch(sampler: TorchSampler, chat_prompts: list[Trajectory]) -> None:
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=24, seed=123, num_samples=3)
+    alone = sampler.sample(chat_prompts[2], params)[0]
+    batched = sampler.sample(chat_prompts[:6], params)[2]
+    assert [s.tokens for s in batched.sequences] == [s.tokens for s in alone.sequences]
+    assert len({tuple(s.tokens) for s in alone.sequences}) > 1  # the samples of one request differ
+    # rows that end early (EOS) are pruned from the batch; the survivors keep their streams
+    budget = sampler.max_batch_tokens
+    try:
+        sampler.max_batch_tokens = 1  # one row per batch
+        one_by_one = sampler.sample(chat_prompts[:6], params)[2]
+    finally:
+        sampler.max_batch_tokens = budget
+    assert [s.tokens for s in one_by_one.sequences] == [s.tokens for s in alone.sequences]
+
+
+def test_token_budget_splits_batches_without_changing_results(
+    sampler: TorchSampler, chat_prompts: list[Trajectory]
+) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=20, num_samples=2)
+    full = sampler.sample(chat_prompts, params)
+    budget = sampler.max_batch_tokens
+    try:
+        sampler.max_batch_tokens = 100  # a few rows per batch, and prompts split across batches
+        split = sampler.sample(chat_prompts, params)
+    finally:
+        sampler.max_batch_tokens = budget
+    assert [[s.tokens for s in r.sequences] for r in split] == [[s.tokens for s in r.sequences] for r in full]
+
+
+# -- stop strings ----------------------------------------------------------------------------------
+def test_stop_strings_across_tokens(sampler: TorchSampler, chat_prompts: list[Trajectory]) -> None:
+    base = sampler.sample(chat_prompts[0], greedy(20))[0].sequences[0]
+    assert base.text == "The capital of France is Paris."
+    decoded = [sampler.template.decode(base.tokens[:k]) for k in range(len(base.tokens) + 1)]
+    for stop in ("pital of Fr", "is Par", "Paris.", "The"):
+        seq = sampler.sample(chat_prompts[0], greedy(20, stop=[stop, "never appears"]))[0].sequences[0]
+        cut = base.text.index(stop)
+        assert (seq.text, seq.stop, seq.stop_reason) == (base.text[:cut], stop, "stop")
+        # tokens end with the one that completed the stop string
+        done = next(k for k, text in enumerate(decoded) if stop in text)
+        assert seq.tokens == base.tokens[:done]
+    # the earliest stop string wins, whatever order they are given in
+    seq = sampler.sample(chat_prompts[0], greedy(20, stop=["Paris", "capital"]))[0].sequences[0]
+    assert (seq.text, seq.stop) == ("The ", "capital")
+
+
+# -- weights ---------------------------------------------------------------------------------------
+def _perturbed(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state = load_file(str(model_dir / "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    names = ["model.layers.1.mlp.down_proj.weight", "model.layers.0.self_attn.o_proj.weight", "lm_head.weight"]
+    return {n: state[n] + 0.05 * torch.randn(state[n].shape, generator=gen) for n in names}
+
+
+def test_update_weights_equals_a_fresh_model(
+    tiny_llama: Path, tmp_path: Path, chat_prompts: list[Trajectory], lora_dirs: dict[str, Path]
+) -> None:
+    from safetensors.torch import load_file, save_file
+
+    new = _perturbed(tiny_llama)
+    saved = tmp_path / "perturbed"
+    shutil.copytree(tiny_llama, saved)
+    state = load_file(str(tiny_llama / "model.safetensors"))
+    state.update(new)
+    save_file(state, str(saved / "model.safetensors"), metadata={"format": "pt"})
+
+    with TorchSampler(tiny_llama, device="cpu") as s, TorchSampler(saved, device="cpu") as fresh:
+        s.add_adapter_to_model("a", lora_dirs["a"])  # names resolve through injected LoRA layers too
+        before = outputs(s, chat_prompts, max_tokens=24)
+        version = s.update_weights(new)
+        assert version == s.weights_version == 2
+        after = s.sample(chat_prompts, greedy(24, logprobs=0))
+        assert all(r.sequences[0].weights_version == 2 for r in after)
+        assert Outputs(after) == outputs(fresh, chat_prompts, max_tokens=24)
+        assert Outputs(after) != before
+        fresh.add_adapter_to_model("a", lora_dirs["a"])
+        assert outputs(s, chat_prompts, "a", 24) == outputs(fresh, chat_prompts, "a", 24)
+
+
+def test_bad_weight_updates_change_nothing(tiny_llama: Path, chat_prompts: list[Trajectory]) -> None:
+    with TorchSampler(tiny_llama, device="cpu") as s:
+        before = tokens_of(s.sample(chat_prompts[:4], greedy(16)))
+        good = ("model.norm.weight", torch.zeros(128))
+        bad_cases = [
+            ([good, ("model.layers.9.mlp.down_proj.weight", torch.zeros(1))], "Unknown weight name"),
+            ([good, ("model.layers.0.mlp.down_proj.weight", torch.zeros(3, 3))], "shape"),
+            ([good, ("model.layers.0.input_layernorm.weight", torch.zeros(128, dtype=torch.int64))], "dtype"),
+            ([good, good], "twice"),
+            ([good, ("model.layers.0.input_layernorm.weight", [0.0] * 128)], "torch.Tensor"),
+        ]
+        for update, message in bad_cases:
+            with pytest.raises(WeightUpdateError, match=message):
+                s.update_weights(update)
+        assert s.weights_version == 0
+        assert tokens_of(s.sample(chat_prompts[:4], greedy(16))) == before
+        # a bfloat16 update of a float32 model is cast
+        s.update_weights({"model.norm.weight": torch.ones(128, dtype=torch.bfloat16)})
+        assert s.weights_version == 1
+
+
+# -- adapters --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def adapted(tiny_llama: Path, lora_dirs: dict[str, Path]) -> Iterator[TorchSampler]:
+    with TorchSampler(tiny_llama, device="cpu") as s:
+        s.add_adapter_to_model("a", lora_dirs["a"])
+        s.add_adapter_to_model("b", lora_dirs["b"])
+        yield s
+
+
+def _peft_hf(tiny_llama: Path, adapter: Path) -> Any:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+    return PeftModel.from_pretrained(base, str(adapter)).eval()
+
+
+def test_adapter_greedy_matches_hf_peft(
+    adapted: TorchSampler, tiny_llama: Path, lora_dirs: dict[str, Path], chat_prompts: list[Trajectory]
+) -> None:
+    ids = prompt_ids(adapted, chat_prompts)
+    base = outputs(adapted, chat_prompts, max_tokens=24)
+    for name in ("a", "b"):
+        expected = hf_greedy(_peft_hf(tiny_llama, lora_dirs[name]), ids, 24, pad_id=0)
+        got = adapted.sample(chat_prompts, greedy(24, logprobs=0), adapter_name=name)
+        assert tokens_of(got) == expected
+        assert Outputs(got) != base
+        assert all(r.sequences[0].adapter_name == name for r in got)
+
+
+def test_concurrent_calls_with_different_adapters_never_mix(
+    adapted: TorchSampler, chat_prompts: list[Trajectory]
+) -> None:
+    names = ["", "a", "b"]
+    expected = {n: outputs(adapted, chat_prompts[:5], n) for n in names}
+    assert expected[""] != expected["a"] and expected[""] != expected["b"] and expected["a"] != expected["b"]
+    errors: list[BaseException] = []
+
+    def worker(name: str) -> None:
+        try:
+            for _ in range(3):
+                got = adapted.sample(chat_prompts[:5], greedy(16, logprobs=0), adapter_name=name)
+                assert Outputs(got) == expected[name]
+                assert all(r.sequences[0].adapter_name == name for r in got)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(n,)) for n in names * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+
+
+def test_adapter_from_config_and_weights_in_memory(
+    adapted: TorchSampler, lora_dirs: dict[str, Path], chat_prompts: list[Trajectory]
+) -> None:
+    import json
+
+    from safetensors.torch import load_file
+
+    config = json.loads((lora_dirs["b"] / "adapter_config.json").read_text())
+    weights = load_file(str(lora_dirs["b"] / "adapter_model.safetensors"))
+    from peft import LoraConfig
+
+    adapted.add_adapter_to_model("b-mem", config, weights=weights)  # the config as a dict
+    adapted.add_adapter_to_model("b-obj", LoraConfig.from_pretrained(str(lora_dirs["b"])), weights=weights)
+    try:
+        expected = outputs(adapted, chat_prompts, "b")
+        assert outputs(adapted, chat_prompts, "b-mem") == expected
+        assert outputs(adapted, chat_prompts, "b-obj") == expected
+        assert adapted.adapters["b-mem"].source == "<memory>"
+    finally:
+        adapted.remove_adapter("b-mem")
+        adapted.remove_adapter("b-obj")
+
+
+def test_replace_remove_and_bad_adapters(
+    tiny_llama: Path, lora_dirs: dict[str, Path], chat_prompts: list[Trajectory], tmp_path: Path
+) -> None:
+    with TorchSampler(tiny_llama, device="cpu") as s:
+        base = outputs(s, chat_prompts)
+        s.add_adapter_to_model("x", lora_dirs["a"])
+        s.add_adapter_to_model("y", lora_dirs["c"])
+        out_a = outputs(s, chat_prompts, "x")
+        out_c = outputs(s, chat_prompts, "y")
+        assert out_a != base and out_c != base
+
+        # replacing keeps the name and id, bumps the version, and serves the new weights
+        adapter_id = s.adapter_id("x")
+        version = s.add_adapter_to_model("x", lora_dirs["b"])
+        assert s.adapter_id("x") == adapter_id and s.adapters["x"].version == version == 3
+        out_b = outputs(s, chat_prompts, "x")
+        assert out_b != out_a
+        assert outputs(s, chat_prompts, "y") == out_c
+
+        # bad folders: a clear error, and everything loaded keeps working
+        broken = tmp_path / "broken"
+        broken.mkdir()
+        (broken / "adapter_config.json").write_text("{not json")
+        wrong_shape = tmp_path / "wrong-shape"
+        shutil.copytree(lora_dirs["a"], wrong_shape)
+        from safetensors.torch import load_file, save_file
+
+        weights = load_file(str(wrong_shape / "adapter_model.safetensors"))
+        save_file({k: torch.zeros(3, 3) for k in weights}, str(wrong_shape / "adapter_model.safetensors"))
+        no_weights = tmp_path / "no-weights"
+        no_weights.mkdir()
+        shutil.copy(lora_dirs["a"] / "adapter_config.json", no_weights)
+        for bad in (tmp_path / "missing", broken, wrong_shape, no_weights):
+            with pytest.raises(AdapterError, match=str(bad.name)):
+                s.add_adapter_to_model("x", bad)
+            assert outputs(s, chat_prompts, "x") == out_b
+            assert outputs(s, chat_prompts) == base
+        with pytest.raises(AdapterError):
+            s.add_adapter_to_model("z", {"r": 4, "target_modules": ["q_proj"]})  # no weights
+        with pytest.raises(AdapterError, match="unexpected|missing"):
+            s.add_adapter_to_model("z", {"r": 8, "target_modules": ["q_proj"]}, weights={"nope.lora_A.weight": torch.zeros(8, 128)})
+        assert "z" not in s.adapters
+
+        s.remove_adapter("x")
+        with pytest.raises(UnknownAdapterError):
+            s.sample(chat_prompts[0], greedy(4), "x")
+        assert outputs(s, chat_prompts, "y") == out_c
+        s.remove_adapter("y")
+        # with no adapter left the model is back to its own modules
+        assert not any("lora" in n for n, _ in s.model.named_parameters())
+        assert outputs(s, chat_prompts) == base
+
+
+# -- construction -----------------------------------------------------------------------------------
+def test_parallel_meshes_point_at_remote_execution(tiny_llama: Path) -> None:
+    with pytest.raises(InvalidMeshError, match="remote_group"):
+        TorchSampler(tiny_llama, DeviceMesh.from_sizes(dp_size=2))
+    with pytest.raises(InvalidMeshError, match="tensor parallelism"):
+        TorchSampler(tiny_llama, DeviceMesh.from_sizes(tp_size=2))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [({"dtype": "float8"}, "dtype"), ({"device": "tpu:0"}, "device"), ({"max_batch_tokens": 0}, "max_batch_tokens")],
+)
+def test_bad_constructor_arguments(tiny_llama: Path, kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        TorchSampler(tiny_llama, **kwargs)
+
+
+def test_registered_as_torch(tiny_llama: Path) -> None:
+    from twinkle_core import create_sampler
+
+    with create_sampler("torch", model_id=str(tiny_llama), device="cpu", dtype="float32") as s:
+        assert isinstance(s, TorchSampler) and s.engine_name == "torch"
+        assert s.max_model_len == 512 and s.vocab_size == 768
+        assert s.sample(Trajectory(messages=[{"role": "user", "content": "Hello!"}]), greedy(4))[0].sequences
+
+
+# -- CUDA -------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="out-of-memory splitting needs CUDA")
+def test_cuda_out_of_memory_splits_the_batch(tiny_llama: Path, chat_prompts: list[Trajectory]) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, num_samples=64)
+    with TorchSampler(tiny_llama, device="cuda", max_batch_tokens=10**9) as s:
+        expected = tokens_of(s.sample(chat_prompts[:2], params.replace(num_samples=1)))
+        torch.cuda.synchronize()
+        free, total = torch.cuda.mem_get_info()
+        used = torch.cuda.memory_allocated()
+        # leave room for the model and a few rows, not for 128 rows of 450 tokens
+        torch.cuda.set_per_process_memory_fraction(min(1.0, (used + 48 * 2**20) / total))
+        try:
+            out = s.sample(chat_prompts[:2], params)
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        assert [r.sequences[0].tokens for r in out] == expected
+        assert all(len(r.sequences) == 64 for r in out)

@@ -1,0 +1,228 @@
+"""LoRA adapters injected into a plain ``transformers`` model with PEFT.
+
+Several adapters live in the model at once, each under an internal name
+(``twinkle_<id>_<n>``, as PEFT names must be valid module keys); one is made
+active per ``sample()`` call, or all are switched off for the base model.
+The model is never wrapped in a ``PeftModel``: the decode loop calls the
+``transformers`` model directly and the PEFT layers inside it route through
+the active adapter.
+
+Replacing an adapter loads the new one under a fresh internal name first and
+deletes the old one only once that succeeded, so a failed replacement leaves
+the old adapter serving. When the last adapter goes, the PEFT layers are
+unwrapped and the model is back to its original modules.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from twinkle_core.errors import AdapterError
+
+__all__ = ["AdapterSet"]
+
+
+def _tuner_layer_cls() -> type:
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return BaseTunerLayer
+
+
+def _load_config(config_or_dir: Any) -> tuple[Any, Path | None]:
+    """The PEFT config, and the folder it came from (``None`` for an in-memory config)."""
+    from peft import PeftConfig
+
+    if isinstance(config_or_dir, PeftConfig):
+        return config_or_dir, None
+    if isinstance(config_or_dir, Mapping):
+        try:
+            return PeftConfig.from_peft_type(**{"peft_type": "LORA", **dict(config_or_dir)}), None
+        except Exception as exc:
+            raise AdapterError(f"The adapter config {dict(config_or_dir)!r:.300} is invalid: {exc}") from exc
+    if isinstance(config_or_dir, (str, os.PathLike)):
+        folder = Path(config_or_dir).expanduser()
+        if not folder.is_dir():
+            raise AdapterError(
+                f"Adapter folder {str(folder)!r} does not exist: pass a folder written by PEFT's"
+                " save_pretrained (adapter_config.json + adapter_model.safetensors), or a LoraConfig with weights=."
+            )
+        if not (folder / "adapter_config.json").is_file():
+            raise AdapterError(
+                f"Adapter folder {str(folder)!r} has no adapter_config.json: it is not a PEFT adapter folder."
+            )
+        try:
+            return PeftConfig.from_pretrained(str(folder)), folder
+        except Exception as exc:
+            raise AdapterError(f"Adapter folder {str(folder)!r} has an unreadable adapter_config.json: {exc}") from exc
+    raise AdapterError(
+        f"config_or_dir={config_or_dir!r:.100} is invalid: expected a PEFT adapter folder, a peft LoraConfig"
+        " (or its dict) with weights=."
+    )
+
+
+def _load_weights(folder: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    from peft.utils import load_peft_weights
+
+    if not any((folder / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
+        raise AdapterError(
+            f"Adapter folder {str(folder)!r} has no adapter_model.safetensors (or adapter_model.bin)."
+        )
+    try:
+        return dict(load_peft_weights(str(folder), device=str(device)))
+    except Exception as exc:
+        raise AdapterError(f"Adapter folder {str(folder)!r} has unreadable weights: {exc}") from exc
+
+
+class AdapterSet:
+    """The LoRA adapters of one model, by user-facing name.
+
+    Args:
+        model: the ``transformers`` model the adapters are injected into (in place).
+        device: where the model's weights live.
+    """
+
+    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self._internal: dict[str, str] = {}  # user name -> PEFT adapter name
+        self._counter = 0
+        self._layers: list[Any] = []
+        self._active: str | None = None  # internal name, "" for the base model, None: unknown
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._internal
+
+    @property
+    def empty(self) -> bool:
+        """Whether no adapter is loaded."""
+        return not self._internal
+
+    def _refresh_layers(self) -> None:
+        layer_cls = _tuner_layer_cls()
+        self._layers = [m for m in self.model.modules() if isinstance(m, layer_cls)]
+        self._active = None
+
+    # -- loading ------------------------------------------------------------------------------
+    def load(self, name: str, config_or_dir: Any, weights: Mapping[str, Any] | None = None) -> str:
+        """Load (or replace) adapter ``name``.
+
+        Returns:
+            Where it came from: the folder, or ``"<memory>"``.
+
+        Raises:
+            AdapterError: a missing or malformed folder, a bad config, or weights
+                that do not fit the model (unknown, missing or misshapen tensors).
+        """
+        config, folder = _load_config(config_or_dir)
+        if folder is not None and weights is not None:
+            raise AdapterError("Pass either an adapter folder or a config with weights=, not a folder and weights.")
+        if folder is not None:
+            state = _load_weights(folder, self.device)
+        else:
+            if weights is None:
+                raise AdapterError(
+                    f"Adapter {name!r} was given a config without weights: pass weights= (a dict of tensors by PEFT"
+                    " name, as get_peft_model_state_dict returns) or an adapter folder."
+                )
+            if not isinstance(weights, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()
+            ):
+                raise AdapterError(f"weights for adapter {name!r} must be a dict of name -> torch.Tensor.")
+            state = dict(weights)
+        if getattr(config, "is_prompt_learning", False):
+            raise AdapterError(
+                f"Adapter {name!r} is a prompt-learning PEFT method ({config.peft_type}); only injectable adapters"
+                " such as LoRA are supported."
+            )
+        self._counter += 1
+        internal = f"twinkle_{self._counter}"
+        label = f"Adapter {name!r}" + (f" from {str(folder)!r}" if folder is not None else "")
+        self._inject(internal, config, state, label)
+        old = self._internal.get(name)
+        self._internal[name] = internal
+        if old is not None:
+            self._delete(old)
+        self._refresh_layers()
+        return str(folder) if folder is not None else "<memory>"
+
+    def _inject(self, internal: str, config: Any, state: dict[str, torch.Tensor], label: str) -> None:
+        from peft import inject_adapter_in_model, set_peft_model_state_dict
+
+        config.inference_mode = True
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "Already found a peft_config attribute": intended
+                inject_adapter_in_model(config, self.model, adapter_name=internal)
+                result = set_peft_model_state_dict(self.model, state, adapter_name=internal)
+        except Exception as exc:
+            self._delete(internal)
+            lines = str(exc).replace(f".{internal}", "").strip().splitlines()
+            if len(lines) > 4:
+                lines = [*lines[:4], f"... and {len(lines) - 4} more"]
+            detail = "\n".join(lines)
+            raise AdapterError(f"{label} does not fit this model: {detail}") from exc
+        marker = f".{internal}."
+        missing = [k for k in result.missing_keys if marker in k]
+        unexpected = list(result.unexpected_keys)
+        if missing or unexpected:
+            self._delete(internal)
+            detail = []
+            if unexpected:
+                detail.append(f"unexpected tensors {unexpected[:3]}{' ...' if len(unexpected) > 3 else ''}")
+            if missing:
+                shown = [k.replace(marker, ".") for k in missing[:3]]
+                detail.append(f"missing tensors {shown}{' ...' if len(missing) > 3 else ''}")
+            raise AdapterError(f"{label} does not fit this model: {'; '.join(detail)}.")
+
+    # -- removing -----------------------------------------------------------------------------
+    def remove(self, name: str) -> None:
+        """Unload adapter ``name`` (unknown names are ignored)."""
+        internal = self._internal.pop(name, None)
+        if internal is not None:
+            self._delete(internal)
+            self._refresh_layers()
+
+    def _delete(self, internal: str) -> None:
+        layer_cls = _tuner_layer_cls()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Setting active adapter to ...": we pick one per call anyway
+            for module in self.model.modules():
+                if isinstance(module, layer_cls):
+                    module.delete_adapter(internal)
+        configs = getattr(self.model, "peft_config", None)
+        if isinstance(configs, dict):
+            configs.pop(internal, None)
+        if not self._internal:
+            self._unwrap()
+
+    def _unwrap(self) -> None:
+        """Put the original modules back once no adapter is left."""
+        layer_cls = _tuner_layer_cls()
+        for parent in list(self.model.modules()):
+            for child_name, child in list(parent.named_children()):
+                if isinstance(child, layer_cls) and not isinstance(parent, layer_cls):
+                    setattr(parent, child_name, child.get_base_layer())
+        if hasattr(self.model, "peft_config"):
+            del self.model.peft_config
+        self._layers = []
+        self._active = None
+
+    # -- selecting ----------------------------------------------------------------------------
+    def activate(self, name: str) -> None:
+        """Route the model through adapter ``name``, or through no adapter for ``""``."""
+        internal = self._internal[name] if name else ""
+        if internal == self._active:
+            return
+        for layer in self._layers:
+            if internal:
+                layer.enable_adapters(True)
+                layer.set_adapter(internal, inference_mode=True)
+            else:
+                layer.enable_adapters(False)
+        self._active = internal

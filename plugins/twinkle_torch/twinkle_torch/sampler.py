@@ -1,0 +1,303 @@
+"""``TorchSampler``: the ``torch`` engine, on PyTorch + ``transformers``.
+
+It loads any ``AutoModelForCausalLM`` and samples with its own batched decode
+loop (:mod:`twinkle_torch.decoding`) rather than ``model.generate``: a KV
+cache written in place, one prefill per prompt shared by its samples,
+vectorised sampling, finished rows dropped from the batch, batches bounded by
+a token budget. LoRA adapters go in through PEFT (:mod:`twinkle_torch.adapters`),
+weight updates by ``state_dict`` name (:mod:`twinkle_torch.weights`).
+
+One ``sample()`` runs at a time per sampler: generation, adapter changes and
+weight updates share one lock, so concurrent calls with different adapters
+never mix and every sequence's ``weights_version`` is the version its tokens
+came from.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from twinkle_core.data_format import InputFeature, SampleResponse, SamplingParams
+from twinkle_core.errors import AdapterError, ConfigError, InvalidMeshError
+from twinkle_core.hub import resolve_model_id
+from twinkle_core.mesh import DeviceMesh
+from twinkle_core.sampler import Sampler
+
+from twinkle_torch.adapters import AdapterSet
+from twinkle_torch.attention import ATTN_IMPLEMENTATION
+from twinkle_torch.attention import register as register_attention
+from twinkle_torch.decoding import Decoder
+from twinkle_torch.weights import WeightTable
+
+__all__ = ["TorchSampler", "DEFAULT_MAX_BATCH_TOKENS"]
+
+#: Default KV-cache budget of one batch, in tokens (rows x (prompt + max_tokens)).
+DEFAULT_MAX_BATCH_TOKENS = 65536
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+
+def _check_mesh(device_mesh: Any) -> None:
+    if device_mesh is None:
+        return
+    if isinstance(device_mesh, Mapping):
+        device_mesh = DeviceMesh.from_sizes(**dict(device_mesh))
+    if not isinstance(device_mesh, DeviceMesh):
+        raise InvalidMeshError(f"device_mesh={device_mesh!r} is invalid: expected a DeviceMesh, a dict or None.")
+    if device_mesh.tp_size > 1:
+        raise InvalidMeshError(
+            f"TorchSampler has no tensor parallelism: DeviceMesh(tp_size={device_mesh.tp_size}) is not supported."
+            " Use tp_size=1 (replicate it with dp_size= and remote_group=), or the 'vllm' engine for tensor"
+            " parallelism."
+        )
+    if device_mesh.dp_size > 1:
+        raise InvalidMeshError(
+            f"DeviceMesh(dp_size={device_mesh.dp_size}) needs remote execution: one TorchSampler is one engine in"
+            " this process. Call twinkle_core.initialize('ray', groups=[DeviceGroup(name='sampler', ranks=...)])"
+            " and build it with remote_group='sampler' to run dp_size replicas."
+        )
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(f"device={device!r} is invalid: expected 'cpu', 'cuda', 'cuda:N' or None.") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r} asks for CUDA, but torch sees no CUDA device here; use 'cpu'.")
+    return dev
+
+
+def _resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if not isinstance(dtype, str):
+        raise ConfigError(f"dtype={dtype!r} is invalid: expected 'auto', a torch dtype or one of {sorted(_DTYPES)}.")
+    if dtype != "auto":
+        if dtype.lower() not in _DTYPES:
+            raise ConfigError(f"dtype={dtype!r} is invalid: expected 'auto', a torch dtype or one of {sorted(_DTYPES)}.")
+        return _DTYPES[dtype.lower()]
+    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(stored, str):
+        stored = _DTYPES.get(stored.lower(), getattr(torch, stored, None))
+    if not isinstance(stored, torch.dtype) or not stored.is_floating_point:
+        stored = torch.float32
+    if device.type == "cpu" and stored in (torch.float16, torch.bfloat16):
+        return torch.float32  # half-precision matmuls on CPU are slow and imprecise
+    return stored
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    ids: set[int] = set()
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) if gen is not None else None
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(e) for e in eos)
+    tok_eos = getattr(tokenizer, "eos_token_id", None)
+    if isinstance(tok_eos, int):
+        ids.add(tok_eos)
+    return sorted(ids)
+
+
+def _load_model(
+    path: Any, dtype: torch.dtype, device: torch.device, trust_remote_code: bool, model_kwargs: dict[str, Any]
+) -> Any:
+    """``AutoModelForCausalLM.from_pretrained``; on CPU with the grouped-query-aware attention when it fits."""
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code, **model_kwargs}
+    if device.type == "cpu" and "attn_implementation" not in model_kwargs:
+        register_attention()
+        try:
+            return AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=ATTN_IMPLEMENTATION, **kwargs)
+        except (ValueError, KeyError):  # an architecture without pluggable attention: its own default
+            pass
+    return AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+
+
+class TorchSampler(Sampler):
+    """Samples from a ``transformers`` causal LM with a batched KV-cache decode loop.
+
+    Args:
+        model_id: a local folder, ``hf://org/name``, ``ms://org/name`` (or a
+            bare ``org/name``) or ``builtin://<name>``, resolved by
+            ``twinkle_core.hub.resolve_model_id``.
+        device_mesh: ``None`` or a mesh of ``dp_size=1, tp_size=1``. Several
+            replicas (``dp_size > 1``) need ``remote_group=``; tensor
+            parallelism is not supported by this engine.
+        dtype: ``"auto"`` (the checkpoint's dtype; float32 on CPU when the
+            checkpoint is half precision), a name such as ``"float32"`` /
+            ``"bfloat16"``, or a ``torch.dtype``.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:N"``; default CUDA when available.
+        template: the chat template (a registered name, a ``Template`` class or
+            instance); default: the tokenizer's own.
+        max_batch_tokens: the KV-cache budget of one batch, in tokens: a batch
+            holds rows whose ``(longest prompt + max_tokens) * rows`` fits.
+            Bigger is faster until memory runs out; on CUDA an out-of-memory
+            error splits the batch and retries.
+        trust_remote_code: passed to ``from_pretrained``.
+        **model_kwargs: more ``AutoModelForCausalLM.from_pretrained`` arguments
+            (e.g. ``attn_implementation="eager"``); ``revision=`` goes to the model-id resolver.
+
+    Seeds: with ``SamplingParams.seed``, sample ``i`` of each prompt draws from
+    its own generator, seeded with :func:`twinkle_torch.sampling.derive_seed`
+    ``(seed, i)`` (sample 0 uses ``seed`` itself), so a seeded request gives
+    the same tokens whatever else is in the batch.
+    """
+
+    engine_name = "torch"
+
+    def __init__(
+        self,
+        model_id: str | os.PathLike[str],
+        device_mesh: DeviceMesh | None = None,
+        *,
+        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = None,
+        template: Any = None,
+        max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        trust_remote_code: bool = False,
+        **model_kwargs: Any,
+    ) -> None:
+        super().__init__()
+        _check_mesh(device_mesh)
+        if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
+            raise ConfigError(f"max_batch_tokens={max_batch_tokens!r} is invalid: expected an integer >= 1.")
+        from transformers import AutoConfig
+
+        path = resolve_model_id(model_id, revision=model_kwargs.pop("revision", None))
+        self.model_path = path
+        self.device = _resolve_device(device)
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        self.dtype = _resolve_dtype(dtype, config, self.device)
+        model = _load_model(path, self.dtype, self.device, trust_remote_code, model_kwargs)
+        self._model = model.to(self.device).eval()
+        self.max_batch_tokens = max_batch_tokens
+        self._init_template(template, path)
+        text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        self._max_model_len = int(
+            getattr(text_config, "max_position_embeddings", None)
+            or getattr(self.tokenizer, "model_max_length", None)
+            or 2048
+        )
+        self._vocab_size = int(self._model.get_input_embeddings().num_embeddings)
+        self._weights = WeightTable(self._model)
+        self._adapter_set = AdapterSet(self._model, self.device)
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        eos = _eos_ids(self._model, self.tokenizer)
+        if pad is None or not 0 <= pad < self._vocab_size:
+            pad = eos[0] if eos else 0
+        self._decoder = Decoder(
+            self._model,
+            self.tokenizer,
+            device=self.device,
+            eos_token_ids=eos,
+            pad_token_id=pad,
+            max_model_len=self._max_model_len,
+            logits_to_keep="logits_to_keep" in inspect.signature(type(self._model).forward).parameters,
+            sdpa_masks=getattr(self._model.config, "_attn_implementation", None) in ("sdpa", ATTN_IMPLEMENTATION),
+        )
+
+    # -- engine hooks --------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        """The context window: ``max_position_embeddings`` of the model's config."""
+        return self._max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's input embedding."""
+        return self._vocab_size
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The ``transformers`` model (with any LoRA layers injected)."""
+        return self._model
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Ids that end a sequence unless ``ignore_eos``: the generation config's and the tokenizer's."""
+        return self._decoder.eos_token_ids
+
+    def _on_template_changed(self) -> None:
+        decoder = getattr(self, "_decoder", None)
+        if decoder is not None:
+            decoder.tokenizer = self.tokenizer
+
+    def _generate(self, prompts: list[InputFeature], params: SamplingParams, adapter_name: str) -> list[SampleResponse]:
+        with self._admin_lock, torch.inference_mode():
+            if adapter_name and adapter_name not in self._adapter_set:
+                self._require_adapter(adapter_name)  # removed since sample() checked it
+            self._adapter_set.activate(adapter_name)
+            version = self._weights_version
+            sequences, scores = self._decoder.run(
+                [list(p.input_ids) for p in prompts], params, max_batch_tokens=self.max_batch_tokens
+            )
+            out = []
+            for prompt, seqs, score in zip(prompts, sequences, scores):
+                ids = list(prompt.input_ids)
+                built = [
+                    self._make_sequence(
+                        ids,
+                        s.tokens,
+                        stop_reason=s.stop_reason,
+                        adapter_name=adapter_name,
+                        text=s.text,
+                        stop=s.stop,
+                        logprobs=s.logprobs,
+                        top_logprobs=s.top_logprobs,
+                        weights_version=version,
+                    )
+                    for s in seqs
+                ]
+                out.append(
+                    SampleResponse(
+                        prompt_token_ids=ids,
+                        sequences=built,
+                        prompt_logprobs=score.logprobs if score is not None else None,
+                        prompt_top_logprobs=score.top_logprobs if score is not None else None,
+                    )
+                )
+            return out
+
+    def _load_adapter(self, name: str, config_or_dir: Any, *, weights: Any = None, **kwargs: Any) -> str:
+        if kwargs:
+            raise AdapterError(f"add_adapter_to_model got unexpected arguments {sorted(kwargs)} for the torch engine.")
+        with self._admin_lock:
+            return self._adapter_set.load(name, config_or_dir, weights)
+
+    def _remove_adapter(self, name: str) -> None:
+        with self._admin_lock:
+            self._adapter_set.remove(name)
+
+    def _update_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
+        with self._admin_lock:
+            pairs = self._weights.check(named_tensors)
+            self._weights.apply(pairs)
+
+    def _close(self) -> None:
+        with self._admin_lock:
+            self._decoder.model = None
+            self._adapter_set.model = None  # type: ignore[assignment]
+            self._weights.model = None  # type: ignore[assignment]
+            self._model = None  # type: ignore[assignment]
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()

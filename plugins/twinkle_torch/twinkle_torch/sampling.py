@@ -1,0 +1,368 @@
+"""Turning one decode step's logits into tokens and log-probs, for a whole batch at once.
+
+Everything here is vectorised over the rows of the batch: one call per decode
+step, whatever the batch size, with no per-row Python work except drawing one
+uniform number per seeded row (see :class:`RowRandomness`).
+
+The processing order follows Hugging Face ``generate``: repetition penalty,
+temperature, top-k, top-p (renormalised over the top-k survivors), min-p.
+Nothing sorts the vocabulary (``torch.sort`` over a 50k vocabulary is slower
+on CPU than a small model's forward): see :class:`TokenSampler` for how
+truncation is done instead.
+
+Sampling uses the inverse CDF: a uniform number ``u`` picks the first token
+whose cumulative probability exceeds ``u``. A row's result depends only on its
+own logits and its own numbers, which is what makes seeded rows reproducible
+whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+
+import attrs
+import torch
+
+from twinkle_core.data_format import SamplingParams
+
+__all__ = ["RowRandomness", "StepResult", "TokenSampler", "derive_seed"]
+
+#: Candidates examined first when top-p or min-p is on (widened x4 as needed).
+_FIRST_CANDIDATES = 64
+#: Rejection rounds before a row's kept set is searched for directly.
+_MAX_REDRAWS = 8
+
+_MASK64 = (1 << 64) - 1
+#: The largest float32 below 1: a double drawn in [0, 1) must not round up to 1.
+_BELOW_ONE = 1.0 - 2.0**-24
+
+
+def derive_seed(seed: int, index: int) -> int:
+    """The seed of sample ``index`` of a request seeded with ``seed``.
+
+    Sample 0 uses ``seed`` itself; sample ``i > 0`` uses a SplitMix64 mix of
+    ``(seed, i)``, so the samples of one request differ and requests seeded
+    ``s`` and ``s + 1`` do not share streams.
+    """
+    if index == 0:
+        return seed & _MASK64
+    z = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+class RowRandomness:
+    """Uniform numbers for the rows of a batch: a private generator per seeded row.
+
+    A seeded row draws from its own generator (a ``random.Random``: one draw
+    costs a tenth of a microsecond, against microseconds through a
+    ``torch.Generator``, and a batch may hold hundreds of rows): one number per
+    step it is alive, plus one per rejected draw (see :class:`TokenSampler`),
+    which depends on its own logits only. So its stream does not depend on its
+    batch. Unseeded rows draw together from torch's global generator, so
+    ``torch.manual_seed`` makes whole runs repeatable.
+
+    Args:
+        seeds: per row, the seed (already derived per sample) or ``None``.
+    """
+
+    def __init__(self, seeds: list[int | None]) -> None:
+        self._generators = [None if seed is None else random.Random(seed) for seed in seeds]
+        self._any_seeded = any(g is not None for g in self._generators)
+
+    def select(self, rows: list[int]) -> None:
+        """Keep the rows ``rows`` (indices into the current rows), in that order."""
+        self._generators = [self._generators[i] for i in rows]
+
+    def redraw(self, rows: list[int]) -> torch.Tensor:
+        """One ``U[0, 1)`` number for each of ``rows`` (indices into the current rows), on the CPU."""
+        if not self._any_seeded:
+            return torch.rand(len(rows))
+        gens = [self._generators[i] for i in rows]
+        shared = torch.rand(len(rows)).tolist() if any(g is None for g in gens) else None
+        values = [
+            min(g.random(), _BELOW_ONE) if g is not None else shared[i]  # type: ignore[index]
+            for i, g in enumerate(gens)
+        ]
+        return torch.tensor(values, dtype=torch.float32)
+
+    def uniforms(self, device: torch.device) -> torch.Tensor:
+        """One ``U[0, 1)`` number per current row."""
+        return self.redraw(list(range(len(self._generators)))).to(device, non_blocking=True)
+
+
+@attrs.frozen
+class StepResult:
+    """What one decode step produced, per row.
+
+    Attributes:
+        tokens: ``[rows]`` the chosen token ids.
+        logprobs: ``[rows]`` their log-probs in the requested mode, or ``None``.
+        top_ids: ``[rows, k]`` the top-k alternatives, most likely first, or ``None``.
+        top_logprobs: ``[rows, k]`` their log-probs, or ``None``.
+    """
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+
+def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """The CTRL / Hugging Face rule: seen tokens' positive logits / penalty, negative ones * penalty."""
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
+
+
+Redraw = Callable[[list[int]], torch.Tensor]
+
+
+def _global_redraw(rows: list[int]) -> torch.Tensor:
+    return torch.rand(len(rows))
+
+
+class TokenSampler:
+    """Picks the next token of every row from its logits, under one ``SamplingParams``.
+
+    Top-p and min-p without top-k sample by rejection: draw from the whole
+    (tempered) distribution, keep the draw if the token survives truncation,
+    else draw again for that row. A kept draw is distributed exactly as the
+    renormalised truncated distribution, and each test is one pass over the
+    vocabulary, where finding the truncation boundary would need a sort (slow
+    on CPU) or a wide ``topk``. Top-k takes the candidate path: ``topk`` over a
+    candidate set wide enough to hold every kept token, the kept prefix found
+    there. Processed log-probs under top-p need the boundary too, for their
+    normaliser: it is found the same way, with a candidate set that starts at
+    the width the previous step needed. How a token is drawn never depends on
+    the log-prob options, so asking for log-probs does not change the samples.
+
+    Both paths keep the tokens whose probability mass ranked above them is
+    below ``top_p``; they differ only in how they break exact ties in probability.
+
+    Args:
+        params: the request's sampling parameters.
+    """
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self.greedy = params.greedy
+        self.want_logprobs = params.logprobs is not None
+        self.top_n = params.logprobs or 0
+        self.raw_mode = params.logprobs_mode == "raw"
+        self.penalty = params.repetition_penalty if params.repetition_penalty != 1.0 else None
+        self.top_k = params.top_k if params.top_k > 0 else None
+        self.top_p = params.top_p if params.top_p < 1.0 else None
+        self.log_min_p = math.log(params.min_p) if params.min_p > 0.0 else None
+        self.truncates = self.top_k is not None or self.top_p is not None or self.log_min_p is not None
+        self.by_rejection = self.truncates and self.top_k is None
+        self._width = _FIRST_CANDIDATES  # candidate width that sufficed last step
+
+    @property
+    def needs_seen(self) -> bool:
+        """Whether the caller must keep the ``seen`` token mask (for the repetition penalty)."""
+        return self.penalty is not None
+
+    @property
+    def needs_uniforms(self) -> bool:
+        """Whether :meth:`__call__` needs one uniform number per row."""
+        return not self.greedy
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        seen: torch.Tensor | None = None,
+        uniforms: torch.Tensor | None = None,
+        redraw: Redraw = _global_redraw,
+    ) -> StepResult:
+        """Choose one token per row.
+
+        Args:
+            logits: ``[rows, vocab]`` the model's raw next-token logits.
+            seen: ``[rows, vocab]`` bool, tokens already in each row (prompt and
+                completion); needed with a repetition penalty.
+            uniforms: ``[rows]`` numbers in ``[0, 1)``; needed unless greedy.
+            redraw: more uniform numbers for the given rows (rejection sampling
+                asks for them; seeded rows must draw from their own generators).
+        """
+        raw = logits.float()
+        processed = raw
+        if self.penalty is not None:
+            assert seen is not None
+            processed = apply_repetition_penalty(raw, seen, self.penalty)
+        if self.greedy:
+            tokens = processed.argmax(dim=-1)
+            if not self.want_logprobs:
+                return StepResult(tokens)
+            return self._finish_full(tokens, raw if self.raw_mode else processed)
+        assert uniforms is not None
+        if self.params.temperature != 1.0:
+            processed = processed / self.params.temperature
+        if not self.truncates:
+            return self._sample_full(processed, raw, uniforms)
+        if self.by_rejection:
+            return self._sample_by_rejection(processed, raw, uniforms, redraw)
+        return self._sample_candidates(processed, raw, uniforms)
+
+    def _finish_full(self, tokens: torch.Tensor, scores: torch.Tensor, *, normalised: bool = False) -> StepResult:
+        """Log-probs of ``tokens`` (and the top-n) under ``scores`` (log-softmaxed unless ``normalised``)."""
+        logprobs = scores if normalised else torch.log_softmax(scores, dim=-1)
+        chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        if not self.top_n:
+            return StepResult(tokens, chosen)
+        top_lp, top_ids = logprobs.topk(min(self.top_n, logprobs.shape[-1]), dim=-1)
+        return StepResult(tokens, chosen, top_ids, top_lp)
+
+    @staticmethod
+    def _inverse_cdf(cdf: torch.Tensor, probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        """The first token of each row whose cumulative probability exceeds ``u`` times the total."""
+        target = uniforms.to(cdf.device).unsqueeze(-1) * cdf[:, -1:]
+        tokens = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
+        # Rounding can only land past the last token with probability > 0: step back to the most likely.
+        ok = probs.gather(-1, tokens) > 0
+        return torch.where(ok, tokens, probs.argmax(dim=-1, keepdim=True)).squeeze(-1)
+
+    # -- the untruncated distribution -------------------------------------------------------
+    def _sample_full(self, scaled: torch.Tensor, raw: torch.Tensor, uniforms: torch.Tensor) -> StepResult:
+        lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+        probs = torch.exp(scaled - lse)
+        tokens = self._inverse_cdf(probs.cumsum(dim=-1), probs, uniforms)
+        if not self.want_logprobs:
+            return StepResult(tokens)
+        if self.raw_mode:
+            return self._finish_full(tokens, raw)
+        return self._finish_full(tokens, scaled - lse, normalised=True)
+
+    # -- top-p / min-p by rejection ---------------------------------------------------------------
+    def _survives(self, probs: torch.Tensor, scaled: torch.Tensor, top: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Whether each row's token survives top-p and min-p (``top``: each row's largest scaled logit)."""
+        picked = tokens.unsqueeze(-1)
+        ok = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device)
+        if self.top_p is not None:
+            p = probs.gather(-1, picked)
+            ahead = torch.where(probs > p, probs, 0.0).sum(dim=-1)  # mass ranked above the token
+            ok &= ahead < self.top_p
+        if self.log_min_p is not None:
+            ok &= (scaled.gather(-1, picked) - top).squeeze(-1) >= self.log_min_p
+        return ok
+
+    def _sample_by_rejection(
+        self, scaled: torch.Tensor, raw: torch.Tensor, uniforms: torch.Tensor, redraw: Redraw
+    ) -> StepResult:
+        lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+        probs = torch.exp(scaled - lse)
+        cdf = probs.cumsum(dim=-1)
+        top = scaled.max(dim=-1, keepdim=True).values
+        tokens = self._inverse_cdf(cdf, probs, uniforms)
+        pending = (~self._survives(probs, scaled, top, tokens)).nonzero().flatten().tolist()
+        for _ in range(_MAX_REDRAWS):
+            if not pending:
+                break
+            idx = torch.tensor(pending, device=scaled.device)
+            again = self._inverse_cdf(cdf[idx], probs[idx], redraw(pending))
+            ok = self._survives(probs[idx], scaled[idx], top[idx], again).tolist()
+            tokens[idx] = again
+            pending = [row for row, kept in zip(pending, ok) if not kept]
+        if pending:  # a tiny kept mass: find it exactly instead
+            idx = torch.tensor(pending, device=scaled.device)
+            tokens[idx] = self._sample_candidates(scaled[idx], raw[idx], redraw(pending)).tokens
+        if not self.want_logprobs:
+            return StepResult(tokens)
+        if self.raw_mode:
+            return self._finish_full(tokens, raw)
+        # Processed log-probs need the kept mass. Under min-p alone that is one pass; under
+        # top-p it takes the boundary, found over sorted candidates (only the normaliser
+        # comes from there: the token was drawn above, so asking for log-probs never
+        # changes what is sampled).
+        if self.top_p is None:
+            assert self.log_min_p is not None
+            kept = (scaled - top) >= self.log_min_p
+            log_norm = lse + torch.log(torch.where(kept, probs, 0.0).sum(dim=-1, keepdim=True))
+            chosen = (scaled.gather(-1, tokens.unsqueeze(-1)) - log_norm).squeeze(-1)
+            if not self.top_n:
+                return StepResult(tokens, chosen)
+            values, ids = scaled.topk(min(self.top_n, scaled.shape[-1]), dim=-1)
+            top_lp = torch.where((values - top) >= self.log_min_p, values - log_norm, -math.inf)
+            return StepResult(tokens, chosen, ids, top_lp)
+        values, ids, cum, ref_lse, last = self._candidates(scaled)
+        return self._candidate_logprobs(tokens, scaled.gather(-1, tokens.unsqueeze(-1)), values, ids, cum, ref_lse, last)
+
+    def _candidate_logprobs(
+        self,
+        tokens: torch.Tensor,
+        token_values: torch.Tensor,
+        values: torch.Tensor,
+        ids: torch.Tensor,
+        cum: torch.Tensor,
+        ref_lse: torch.Tensor,
+        last: torch.Tensor,
+    ) -> StepResult:
+        """Processed log-probs from the sorted candidates (see :meth:`_candidates`)."""
+        log_norm = ref_lse + torch.log(cum.gather(-1, last))
+        chosen = (token_values - log_norm).squeeze(-1)
+        if not self.top_n:
+            return StepResult(tokens, chosen)
+        n = min(self.top_n, values.shape[-1])
+        top = values[:, :n] - log_norm
+        positions = torch.arange(n, device=values.device).unsqueeze(0)
+        return StepResult(tokens, chosen, ids[:, :n], top.masked_fill(positions > last, -math.inf))
+
+    # -- top-k (and top-p / min-p with it) over sorted candidates ----------------------------------
+    def _candidates(
+        self, scaled: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The sorted top candidates of each row, and the prefix of them that survives truncation.
+
+        Returns ``(values, ids, cum, ref_lse, last)``: the ``[rows, K]`` sorted
+        scaled logits and their token ids, the cumulative probabilities of the
+        candidates (normalised over the vocabulary, or over the top-k survivors
+        when top-k is on), that normaliser, and ``[rows, 1]`` the index of each
+        row's last kept candidate. Every kept token of the vocabulary is among
+        the K candidates.
+        """
+        vocab = scaled.shape[-1]
+        want = max(self.top_n, self.top_k or 0)
+        k = min(vocab, max(self.top_k or self._width, want))
+        full_lse = None if self.top_k is not None else torch.logsumexp(scaled, dim=-1, keepdim=True)
+        while True:
+            values, ids = scaled.topk(k, dim=-1)
+            if full_lse is None:  # top-p and min-p renormalise over the top-k survivors
+                ref_lse = torch.logsumexp(values[:, : self.top_k], dim=-1, keepdim=True)
+            else:
+                ref_lse = full_lse
+            probs = torch.exp(values - ref_lse)
+            cum = probs.cumsum(dim=-1)
+            # each rule keeps a prefix; count the kept candidates of each row
+            keep = None
+            if self.top_p is not None:
+                keep = (cum - probs) < self.top_p
+            if self.log_min_p is not None:
+                rule = (values - values[:, :1]) >= self.log_min_p
+                keep = rule if keep is None else keep & rule
+            if keep is None:
+                kept = torch.full((values.shape[0], 1), min(k, self.top_k or k), device=values.device)
+            else:
+                if self.top_k is not None and self.top_k < k:
+                    keep[:, self.top_k :] = False
+                kept = keep.sum(dim=-1, keepdim=True).clamp_(min=1)
+            most = int(kept.max()) if kept.numel() else 1
+            if k == vocab or (self.top_k is not None and self.top_k <= k) or most < k:
+                if self.top_k is None:  # start the next step where this one ended
+                    self._width = max(_FIRST_CANDIDATES, 1 << (2 * most - 1).bit_length())
+                return values, ids, cum, ref_lse, kept - 1
+            k = vocab if 4 * k > vocab // 2 else 4 * k
+
+    def _sample_candidates(self, scaled: torch.Tensor, raw: torch.Tensor, uniforms: torch.Tensor) -> StepResult:
+        values, ids, cum, ref_lse, last = self._candidates(scaled)
+        # the kept candidates are a prefix, so their cumulative probabilities are `cum` up to `last`
+        kept_mass = cum.gather(-1, last)
+        target = uniforms.to(cum.device).unsqueeze(-1) * kept_mass
+        pick = torch.minimum(torch.searchsorted(cum, target, right=True), last)
+        tokens = ids.gather(-1, pick).squeeze(-1)
+        if not self.want_logprobs:
+            return StepResult(tokens)
+        if self.raw_mode:
+            return self._finish_full(tokens, raw)
+        return self._candidate_logprobs(tokens, values.gather(-1, pick), values, ids, cum, ref_lse, last)
