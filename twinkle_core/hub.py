@@ -44,6 +44,7 @@ __all__ = [
     "BuiltinModel",
     "BUILTIN_MODELS",
     "DEFAULT_MODEL",
+    "build_cached_folder",
     "cache_root",
     "is_offline",
     "resolve_model_id",
