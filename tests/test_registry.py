@@ -13,6 +13,7 @@ from twinkle_core.errors import (
     UnknownTemplateError,
 )
 from twinkle_core.factory import sampler_registry
+from twinkle_core.plugins import Registry
 from twinkle_core.sampler import Sampler
 from twinkle_core.template import ChatMLTemplate, get_template, register_template, template_registry
 
@@ -81,17 +82,28 @@ def test_duplicate_in_process_registration_raises(registered):
     registered("unit-dup", f"{__name__}:_Engine", replace=True)
 
 
-def test_unknown_engine_error_has_did_you_mean_available_and_install_hint():
+def test_unknown_engine_error_has_did_you_mean_and_available():
     with pytest.raises(UnknownSamplerError) as info:
         create_sampler("vlm")
     msg = str(info.value)
     assert "Unknown sampler 'vlm'" in msg
     assert "Did you mean 'vllm'?" in msg
     assert "Available:" in msg
-    assert 'pip install "twinkle-core[vllm]"' in msg
     assert isinstance(info.value, LookupError)
     # a LookupError, but its message is not mangled like a KeyError's
     assert str(info.value).startswith("Unknown sampler")
+
+
+def test_unknown_name_of_a_first_party_engine_not_installed_gives_the_install_hint():
+    reg = Registry("sampler", "register_samplers", UnknownSamplerError, {"fancy": 'pip install "twinkle-core[fancy]"'})
+    try:
+        with pytest.raises(UnknownSamplerError) as info:
+            reg.get("fancy")
+        assert 'To install it: pip install "twinkle-core[fancy]"' in str(info.value)
+        with pytest.raises(UnknownSamplerError, match=r"Did you mean 'fancy'\?.*twinkle-core\[fancy\]"):
+            reg.get("fanzy")
+    finally:
+        Registry.all_registries.remove(reg)
 
 
 def test_broken_string_target_is_listed_and_raises_with_cause(registered):

@@ -24,6 +24,7 @@ from twinkle_core.errors import (
 )
 from twinkle_core.factory import create_sampler, get_sampler_class, list_samplers, register_sampler
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
+from twinkle_core.remote import initialize, remote_class, shutdown
 from twinkle_core.sampler import AdapterInfo, Sampler
 from twinkle_core.template import Template, register_template
 
@@ -49,7 +50,10 @@ __all__ = [
     "__version__",
     "create_sampler",
     "get_sampler_class",
+    "initialize",
     "list_samplers",
     "register_sampler",
     "register_template",
+    "remote_class",
+    "shutdown",
 ]

@@ -1,0 +1,647 @@
+"""Remote execution on a real local Ray cluster (CPU): replicas, balancing, state, failures, validation.
+
+One cluster serves the whole module. The main behaviour runs on two real
+TorchSampler replicas of the tiny model; the failure paths that need an
+engine to misbehave on purpose use ``EchoEngine``, a small, real ``Sampler``
+subclass defined here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray")
+torch = pytest.importorskip("torch")
+pytest.importorskip("twinkle_torch")
+
+import twinkle_core as tw  # noqa: E402
+from twinkle_core import DeviceGroup, DeviceMesh, InputFeature, SampleResponse, Sampler, Trajectory  # noqa: E402
+from twinkle_core.errors import (  # noqa: E402
+    ConfigError,
+    InvalidMeshError,
+    InvalidSamplingParams,
+    PromptTooLongError,
+    SamplerClosedError,
+    UnknownAdapterError,
+    WeightUpdateError,
+)
+from twinkle_core.remote import (  # noqa: E402
+    RemoteTraceback,
+    ReplicaLostError,
+    UnknownGroupError,
+    current_replica,
+    dispatch,
+    get_group,
+    remote_class,
+)
+from twinkle_core.remote._balance import split_by_cost  # noqa: E402
+from twinkle_core.template import Template  # noqa: E402
+from twinkle_core.testing import TINY_CHAT_PROMPTS, build_tiny_model  # noqa: E402
+
+GREEDY = {"temperature": 0.0, "max_tokens": 24}
+
+
+# -- a small real engine for the failure paths ------------------------------------------------
+class CharTokenizer:
+    """One token per character: enough for a Template."""
+
+    chat_template = "ascii"
+    eos_token_id = 0
+
+    def __len__(self) -> int:
+        return 256
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        return [ord(c) % 256 for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], **kw: Any) -> str:
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ">"
+
+
+class EchoEngine(Sampler):
+    """Counts up from the last prompt token (+ a weight offset, + an adapter shift); text = its pid.
+
+    ``fail_if_exists``: the constructor fails while that file exists (a model that went missing).
+    """
+
+    engine_name = "echo"
+
+    def __init__(self, model_id: str = "echo", device_mesh: DeviceMesh | None = None, *,
+                 delay: float = 0.0, fail_if_exists: str | None = None) -> None:
+        super().__init__()
+        if fail_if_exists and os.path.exists(fail_if_exists):
+            raise FileNotFoundError(f"model files missing: {fail_if_exists}")
+        self.mesh = device_mesh
+        self.delay = delay
+        self.offset = 0
+        self.shifts: dict[str, int] = {}
+        self._init_template(Template(CharTokenizer()), None)
+
+    @property
+    def max_model_len(self) -> int:
+        return 64
+
+    @property
+    def vocab_size(self) -> int:
+        return 256
+
+    def _generate(self, prompts, params, adapter_name):  # type: ignore[no-untyped-def]
+        time.sleep(self.delay * len(prompts))
+        shift = self.shifts.get(adapter_name, 0)
+        out = []
+        for p in prompts:
+            base = p.input_ids[-1] + self.offset + shift
+            seqs = [
+                self._make_sequence(p.input_ids, [(base + s + i) % 256 for i in range(params.max_tokens)],
+                                    stop_reason="length", adapter_name=adapter_name, text=str(os.getpid()))
+                for s in range(params.num_samples)
+            ]
+            out.append(SampleResponse(prompt_token_ids=p.input_ids, sequences=seqs))
+        return out
+
+    def _update_weights(self, named_tensors):  # type: ignore[no-untyped-def]
+        """``offset``; ``fail_on_replica``: this update fails on that replica only (a broken device, say)."""
+        tensors = dict(named_tensors)
+        if set(tensors) - {"offset", "fail_on_replica"}:
+            raise WeightUpdateError(f"unknown weight names {sorted(set(tensors) - {'offset', 'fail_on_replica'})}")
+        if tensors.get("fail_on_replica") == current_replica().index:
+            raise WeightUpdateError(f"replica {current_replica().index} cannot take this update")
+        self.offset = int(tensors["offset"])
+
+    def _load_adapter(self, name, config_or_dir, *, weights=None, **kwargs):  # type: ignore[no-untyped-def]
+        self.shifts[name] = int(weights["shift"])
+        return "<memory>"
+
+    def _remove_adapter(self, name: str) -> None:
+        del self.shifts[name]
+
+
+@remote_class
+class Scorer:
+    """A user class run as replicas with @remote_class."""
+
+    def __init__(self, bonus: int, device_mesh: DeviceMesh | None = None) -> None:
+        self.bonus = bonus
+        self.mesh = device_mesh
+        self.closed = False
+
+    @dispatch("split")
+    def score(self, texts: list[str]) -> list[tuple[int, int]]:
+        return [(len(t) + self.bonus, current_replica().index) for t in texts]
+
+    def where(self) -> tuple[int, int, int, int]:
+        ctx = current_replica()
+        return ctx.index, self.mesh.dp_size, os.getpid(), os.nice(0)
+
+    @dispatch("one")
+    def layout(self) -> dict[str, Any]:
+        ctx = current_replica()
+        return {"bundles": ctx.bundle_indices, "tp_size": self.mesh.tp_size, "dp_size": self.mesh.dp_size,
+                "vllm_bundles": os.environ.get("VLLM_RAY_BUNDLE_INDICES"), "pg": ctx.placement_group is not None}
+
+    @dispatch("one")
+    def fail(self) -> None:
+        raise KeyError("no such row")
+
+
+# -- fixtures -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def cluster():
+    # Classes defined in this file travel to the actors by value (the workers cannot import tests/).
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    session = tw.initialize(
+        "ray",
+        groups=[
+            DeviceGroup(name="pair", ranks=2, device_type="cpu"),
+            DeviceGroup(name="aux", ranks=3, device_type="cpu", cpus_per_rank=0.5),
+        ],
+        num_cpus=4,
+    )
+    yield session
+    tw.shutdown()
+    assert not ray.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(build_tiny_model("llama"))
+
+
+@pytest.fixture(scope="module")
+def local(model_dir):
+    from twinkle_torch.sampler import TorchSampler
+
+    with TorchSampler(model_dir) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def remote(cluster, model_dir):
+    with tw.create_sampler("torch", model_id=model_dir, device_mesh=DeviceMesh.from_sizes(dp_size=2),
+                           remote_group="pair") as s:
+        yield s
+
+
+def kill_and_wait(actor: Any) -> None:
+    """``ray.kill`` returns before the actor is gone; wait until calls on it fail."""
+    ray.kill(actor)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"actor {actor} still answers 30 s after ray.kill")
+
+
+def chats() -> list[Trajectory]:
+    return [Trajectory(messages=m) for m in TINY_CHAT_PROMPTS]
+
+
+def uneven_inputs(local_sampler: Sampler) -> list[Any]:
+    """Conversations and token-id prompts of very different lengths, mixed."""
+    feats = [local_sampler.template.encode(t) for t in chats()]
+    long = InputFeature(input_ids=sum((f.input_ids for f in feats[:6]), [])[:300])
+    return [feats[0], chats()[3], long, chats()[1], InputFeature(input_ids=feats[2].input_ids[-5:]),
+            chats()[7], feats[5], chats()[9], long, chats()[0]]
+
+
+def tokens(responses: list[SampleResponse]) -> list[list[list[int]]]:
+    return [[s.tokens for s in r.sequences] for r in responses]
+
+
+def perturbed_weights(model_dir: str, scale: float = 2.0) -> list[tuple[str, Any]]:
+    from safetensors.torch import load_file
+
+    state = load_file(os.path.join(model_dir, "model.safetensors"))
+    gen = torch.Generator().manual_seed(0)
+    names = ["model.layers.1.mlp.down_proj.weight", "lm_head.weight"]
+    return [(n, state[n] + scale * state[n].std() * torch.randn(state[n].shape, generator=gen)) for n in names]
+
+
+def original_weights(model_dir: str) -> list[tuple[str, Any]]:
+    from safetensors.torch import load_file
+
+    state = load_file(os.path.join(model_dir, "model.safetensors"))
+    return [(n, state[n]) for n in ["model.layers.1.mlp.down_proj.weight", "lm_head.weight"]]
+
+
+@pytest.fixture(scope="module")
+def lora_dir(model_dir, tmp_path_factory) -> str:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = LoraConfig(r=8, lora_alpha=32, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(model, config)
+    out = tmp_path_factory.mktemp("lora")
+    peft_model.save_pretrained(str(out))
+    return str(out)
+
+
+# -- pure logic -------------------------------------------------------------------------------------
+def test_split_by_cost_is_longest_first_and_keeps_order():
+    # 9 -> a, 5 -> b, 4 -> b, then the 1s to the lighter shard (ties to the first)
+    assert split_by_cost([1, 9, 1, 1, 5, 4], 2) == [[0, 1, 3], [2, 4, 5]]
+    assert split_by_cost([3.0], 3) == [[0], [], []]
+    assert all(s == sorted(s) for s in split_by_cost([5, 1, 4, 2, 3, 6, 7], 3))
+
+
+# -- TorchSampler replicas --------------------------------------------------------------------------
+def test_greedy_matches_local_and_keeps_order_with_uneven_prompts(remote, local):
+    assert remote.num_replicas == 2 and len({r.pid for r in remote.replicas}) == 2
+    inputs = uneven_inputs(local)
+    expected = local.sample(inputs, GREEDY)
+    got = remote.sample(inputs, GREEDY)
+    assert [r.prompt_token_ids for r in got] == [r.prompt_token_ids for r in expected]
+    assert tokens(got) == tokens(expected)
+    assert [r.sequences[0].text for r in got] == [r.sequences[0].text for r in expected]
+    assert got[0].sequences[0].text == "The capital of France is Paris."
+    # a single Trajectory is one input
+    one = remote.sample(chats()[1], GREEDY)
+    assert len(one) == 1 and one[0].sequences[0].tokens == local.sample(chats()[1], GREEDY)[0].sequences[0].tokens
+    assert remote.sample([], GREEDY) == []
+
+
+def test_seeded_requests_give_the_same_tokens_on_any_replica(remote, local):
+    params = {"temperature": 1.5, "max_tokens": 24, "seed": 1234}
+    expected = local.sample(chats(), params, num_samples=2)
+    assert sum(r.sequences[0].tokens != r.sequences[1].tokens for r in expected) >= 5  # really random
+    crowd = remote.sample(chats() * 2, params, num_samples=2)  # each prompt twice: on either replica
+    assert tokens(crowd) == tokens(expected) * 2
+    alone = remote.sample(chats()[6], params, num_samples=2)
+    assert tokens(alone) == tokens([expected[6]])
+
+
+def test_errors_come_back_as_their_own_type_naming_the_replica(remote, local):
+    with pytest.raises(InvalidSamplingParams, match="temperature"):
+        remote.sample(chats()[0], {"temperature": -1})
+    with pytest.raises(UnknownAdapterError, match="Unknown adapter 'nope'"):
+        remote.sample(chats()[0], GREEDY, adapter_name="nope")
+    too_long = InputFeature(input_ids=[5] * (local.max_model_len + 10))
+    inputs = [*chats()[:5], too_long]
+    with pytest.raises(PromptTooLongError, match=r"inputs\[5\] has 522 prompt tokens") as info:
+        remote.sample(inputs, GREEDY)
+    assert info.value.index == 5 and type(info.value) is PromptTooLongError
+    assert any("Raised in replica" in n for n in info.value.__notes__)
+    assert isinstance(info.value.__cause__, RemoteTraceback) and "_validate_prompt" in info.value.__cause__.text
+    skipped = remote.sample(inputs, GREEDY, on_invalid="skip")
+    assert skipped[5].error and "inputs[5]" in skipped[5].error and not skipped[5].sequences
+    assert tokens(skipped[:5]) == tokens(local.sample(chats()[:5], GREEDY))
+    version = remote.weights_version
+    with pytest.raises(WeightUpdateError, match="no_such.weight") as info:
+        remote.update_weights({"no_such.weight": torch.zeros(2)})
+    assert type(info.value) is WeightUpdateError and remote.weights_version == version
+    assert tokens(remote.sample(chats()[:2], GREEDY)) == tokens(local.sample(chats()[:2], GREEDY))
+
+
+@pytest.fixture
+def changed(remote, local, model_dir, lora_dir):
+    """Adapter 'lora' and perturbed weights on both samplers; both put back afterwards."""
+    for s in (remote, local):
+        s.add_adapter_to_model("lora", lora_dir)
+        s.update_weights(perturbed_weights(model_dir))
+    yield
+    for s in (remote, local):
+        s.remove_adapter("lora")
+        s.update_weights(original_weights(model_dir))
+
+
+def test_template_reaches_every_replica(remote, local):
+    many = chats() * 2  # each prompt served by both replicas
+
+    class Briefly(Template):
+        chat_template = (
+            "<|im_start|>system\nAnswer briefly.<|im_end|>\n"
+            "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+        )
+
+    remote.set_template(Briefly)
+    local.set_template(Briefly)
+    try:
+        got = remote.sample(many, GREEDY)
+        assert [r.prompt_token_ids for r in got] == [r.prompt_token_ids for r in local.sample(many, GREEDY)]
+        assert tokens(got) == tokens(local.sample(many, GREEDY))
+        assert remote.template.encode(chats()[0]).input_ids == local.template.encode(chats()[0]).input_ids
+    finally:
+        remote.set_template(Template)
+        local.set_template(Template)
+    assert remote.template.encode(chats()[0]).input_ids == local.template.encode(chats()[0]).input_ids
+
+
+def test_adapters_and_weights_reach_every_replica(remote, local, model_dir, lora_dir):
+    base = tokens(local.sample(chats(), GREEDY))
+    many = chats() * 2  # each prompt served by both replicas
+    v0 = remote.weights_version
+    assert remote.add_adapter_to_model("lora", lora_dir) == v0 + 1
+    local.add_adapter_to_model("lora", lora_dir)
+    assert set(remote.adapters) == {"lora"} and remote.adapters["lora"].version == v0 + 1
+    with_lora = tokens(local.sample(chats(), GREEDY, adapter_name="lora"))
+    assert with_lora != base
+    got = remote.sample(many, GREEDY, adapter_name="lora")
+    assert tokens(got) == with_lora * 2
+    assert {(s.weights_version, s.adapter_name) for r in got for s in r.sequences} == {(v0 + 1, "lora")}
+
+    new = perturbed_weights(model_dir)
+    assert remote.update_weights(new) == v0 + 2
+    local.update_weights(new)
+    updated = tokens(local.sample(chats(), GREEDY))
+    assert updated != base
+    got = remote.sample(many, GREEDY)
+    assert tokens(got) == updated * 2
+    assert {s.weights_version for r in got for s in r.sequences} == {v0 + 2}
+    assert tokens(remote.sample(many, GREEDY, adapter_name="lora")) == tokens(
+        local.sample(chats(), GREEDY, adapter_name="lora")) * 2
+
+    remote.remove_adapter("lora")
+    local.remove_adapter("lora")
+    assert dict(remote.adapters) == {}
+    with pytest.raises(UnknownAdapterError):
+        remote.sample(chats()[0], GREEDY, adapter_name="lora")
+    assert remote.update_weights(original_weights(model_dir), version=v0 + 10) == v0 + 10
+    local.update_weights(original_weights(model_dir), version=v0 + 10)
+    out = remote.sample(many, GREEDY)
+    assert out[0].sequences[0].text == "The capital of France is Paris."
+    assert tokens(out) == base * 2
+
+
+def test_killed_replica_is_rebuilt_with_its_state_and_the_work_retried(remote, local, changed):
+    work = [c for c in chats() for _ in range(4)]
+    params = {"temperature": 0.0, "max_tokens": 96, "ignore_eos": True}
+    expected = local.sample(work, params)
+    victim = remote.actors[1]
+    restarts = [r.restarts for r in remote.replicas]
+    version = remote.weights_version
+    result: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["out"] = remote.sample(work, params)
+        except BaseException as exc:  # pragma: no cover - reported below
+            result["err"] = exc
+
+    t = threading.Thread(target=run)
+    t.start()
+    time.sleep(0.5)
+    ray.kill(victim)
+    t.join(timeout=120)
+    assert "err" not in result, result.get("err")
+    assert tokens(result["out"]) == tokens(expected)
+    assert [r.restarts for r in remote.replicas] == [restarts[0], restarts[1] + 1]  # it died during the call
+    assert remote.actors[1] is not victim and remote.weights_version == version
+    # the rebuilt replica has the adapter and the updated weights
+    got = remote.sample(chats() * 2, GREEDY, adapter_name="lora")
+    assert tokens(got) == tokens(local.sample(chats(), GREEDY, adapter_name="lora")) * 2
+    assert {s.weights_version for r in got for s in r.sequences} == {version}
+    assert tokens(remote.sample(chats() * 2, GREEDY)) == tokens(local.sample(chats(), GREEDY)) * 2
+
+
+def test_weight_refs_kept_for_rebuilds_are_only_the_current_ones(remote, model_dir):
+    full = original_weights(model_dir)
+    remote.update_weights(full)
+    assert len(remote._weight_ops) == 1  # an update of every name supersedes all earlier refs
+    remote.update_weights(full[:1])
+    assert sorted(sorted(names) for _, names in remote._weight_ops.values()) == sorted([[full[0][0]], [full[1][0]]])
+    remote.update_weights(full)
+    ((ref, names),) = remote._weight_ops.values()
+    assert isinstance(ref, ray.ObjectRef) and names == {n for n, _ in full}
+
+
+# -- the machinery, on EchoEngine ---------------------------------------------------------------------
+def test_work_is_balanced_across_replicas_and_order_kept(cluster):
+    with EchoEngine(device_mesh=DeviceMesh.from_sizes(dp_size=3), remote_group="aux") as s:
+        pids = {r.pid for r in s.replicas}
+        inputs = [InputFeature(input_ids=[i] * (1 + (i * 7) % 30)) for i in range(30)]
+        out = s.sample(inputs, {"max_tokens": 2})
+        assert [r.sequences[0].tokens for r in out] == [[i, i + 1] for i in range(30)]
+        served = [r.sequences[0].text for r in out]
+        assert {int(p) for p in served} == pids
+        # balanced by tokens x samples, not by count: the three loads are within one input of each other
+        loads = {p: sum(len(inputs[i]) + 2 for i in range(30) if served[i] == str(p)) for p in pids}
+        assert max(loads.values()) - min(loads.values()) <= 32
+
+
+def test_updates_wait_for_running_samples_so_no_call_mixes_versions(cluster):
+    with EchoEngine(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="aux", delay=0.2) as s:
+        inputs = [InputFeature(input_ids=[i]) for i in range(8)]  # ~0.8 s per replica
+        result: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: result.setdefault("out", s.sample(inputs, {"max_tokens": 1})))
+        t.start()
+        time.sleep(0.3)
+        assert s.update_weights({"offset": 50}) == 1  # waits for the call in flight
+        assert not t.is_alive()
+        t.join()
+        assert {(r.sequences[0].weights_version, r.sequences[0].tokens[0] - i) for i, r in enumerate(result["out"])} == {
+            (0, 0)}
+        out = s.sample(inputs, {"max_tokens": 1})
+        assert {(r.sequences[0].weights_version, r.sequences[0].tokens[0] - i) for i, r in enumerate(out)} == {(1, 50)}
+
+
+def test_a_rebuilt_replica_carries_the_same_state_and_version(cluster):
+    with EchoEngine(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="aux") as s:
+        s.update_weights({"offset": 10})
+        s.add_adapter_to_model("gone", {"r": 1}, weights={"shift": 1})
+        s.add_adapter_to_model("kept", {"r": 1}, weights={"shift": 100})
+        s.remove_adapter("gone")
+        assert s.weights_version == 3
+        kill_and_wait(s.actors[0])
+        out = s.sample([InputFeature(input_ids=[i]) for i in range(8)], {"max_tokens": 1}, adapter_name="kept")
+        assert [r.sequences[0].tokens for r in out] == [[i + 110] for i in range(8)]
+        assert {r.sequences[0].weights_version for r in out} == {3}
+        assert [r.restarts for r in s.replicas] == [1, 0]
+        with pytest.raises(UnknownAdapterError):
+            s.sample(InputFeature(input_ids=[1]), adapter_name="gone")
+
+
+def test_lost_replica_is_reported_and_the_others_keep_serving(cluster, tmp_path):
+    marker = tmp_path / "gone"
+    with EchoEngine(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="aux",
+                    fail_if_exists=str(marker)) as s:
+        s.update_weights({"offset": 3})
+        marker.write_text("the model folder went away")
+        kill_and_wait(s.actors[0])
+        with pytest.raises(ReplicaLostError, match=r"Replica 0 .* could not be restarted: FileNotFoundError.*"
+                                                   r"the 1 surviving replica\(s\) keep serving") as info:
+            s.sample([InputFeature(input_ids=[i]) for i in range(6)], {"max_tokens": 1})
+        assert info.value.replica == 0 and info.value.survivors == 1
+        assert s.num_replicas == 1 and [r.alive for r in s.replicas] == [False, True]
+        out = s.sample([InputFeature(input_ids=[i]) for i in range(6)], {"max_tokens": 1})
+        assert [r.sequences[0].tokens for r in out] == [[i + 3] for i in range(6)]
+        assert s.update_weights({"offset": 5}) == 2
+        assert get_group("aux").free == [0, 2]  # the lost replica's device went back to the group
+    assert get_group("aux").free == [0, 1, 2]
+
+
+def test_an_update_only_some_replicas_take_is_kept_and_the_others_rebuilt(cluster):
+    with EchoEngine(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="aux") as s:
+        with pytest.raises(WeightUpdateError, match="unknown weight names"):
+            s.update_weights({"offset": 1, "bogus": 0})  # every replica rejects it: nothing changes
+        assert s.weights_version == 0 and s.num_replicas == 2
+        with pytest.raises(WeightUpdateError, match="replica 1 cannot take this update") as info:
+            s.update_weights({"offset": 4, "fail_on_replica": 1})
+        notes = "\n".join(info.value.__notes__)
+        assert "Replicas [0] applied update_weights (version 1); replicas [1] failed and were rebuilt" in notes
+        # replica 1 cannot take it on a rebuild either, so it is out of service: no replica serves old weights
+        assert "could not be restarted" in notes and [r.alive for r in s.replicas] == [True, False]
+        out = s.sample([InputFeature(input_ids=[i]) for i in range(4)], {"max_tokens": 1})
+        assert [r.sequences[0].tokens for r in out] == [[i + 4] for i in range(4)]
+        assert s.weights_version == 1 and {r.sequences[0].weights_version for r in out} == {1}
+
+
+def test_mesh_and_group_validation(cluster):
+    aux = get_group("aux")
+    with pytest.raises(InvalidMeshError, match=r"needs 4 devices but group 'aux' has 3"):
+        EchoEngine(device_mesh=DeviceMesh.from_sizes(dp_size=2, tp_size=2), remote_group="aux")
+    with pytest.raises(UnknownGroupError, match=r"remote_group='smapler'.*initialised groups: 'pair', 'aux'"):
+        EchoEngine(device_mesh=DeviceMesh.from_sizes(dp_size=1), remote_group="smapler")
+    with pytest.raises(TypeError, match="colour"):
+        EchoEngine(colour="red", remote_group="aux")
+    with pytest.raises(InvalidMeshError, match="device_mesh="):
+        EchoEngine(device_mesh=4, remote_group="aux")
+    with EchoEngine(device_mesh={"dp_size": 2}, remote_group="aux") as held:
+        assert held.num_replicas == 2
+        with pytest.raises(InvalidMeshError, match=r"needs 2 devices of group 'aux', but only 1 of its 3 are free"):
+            EchoEngine(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="aux")
+    assert aux.free == [0, 1, 2]
+    # constructor errors reach the driver as their own type, and nothing is left holding devices
+    with pytest.raises(FileNotFoundError, match="model files missing"):
+        EchoEngine(fail_if_exists=__file__, remote_group="aux")
+    assert aux.free == [0, 1, 2]
+
+
+def test_initialize_twice(cluster):
+    same = tw.initialize(
+        "ray",
+        groups=[DeviceGroup(name="pair", ranks=2, device_type="cpu")],
+        num_cpus=4,
+    )
+    assert same is cluster  # same options, same group: nothing changes
+    with pytest.raises(InvalidMeshError, match="'pair' is already initialised"):
+        tw.initialize("ray", groups=[DeviceGroup(name="pair", ranks=1, device_type="cpu")], num_cpus=4)
+    with pytest.raises(ConfigError, match="num_cpus differ"):
+        tw.initialize("ray", num_cpus=3)
+    with pytest.raises(ConfigError, match="already initialised in mode 'ray'"):
+        tw.initialize("local")
+    more = tw.initialize("ray", groups=[DeviceGroup(name="extra", ranks=1, device_type="cpu", cpus_per_rank=0.1)],
+                         num_cpus=4)
+    assert more is cluster and set(cluster.groups) == {"pair", "aux", "extra"}
+    with pytest.raises(Exception, match="needs 1 x"):
+        tw.initialize("ray", groups=[DeviceGroup(name="gpus", ranks=1, device_type="cuda")], num_cpus=4)
+    assert "gpus" not in cluster.groups
+
+
+def test_remote_class_dispatch(cluster):
+    with Scorer(10, remote_group="aux", device_mesh=DeviceMesh.from_sizes(dp_size=3)) as scorer:
+        where = scorer.where()
+        assert [w[:2] for w in where] == [(0, 1), (1, 1), (2, 1)] and len({w[2] for w in where}) == 3
+        assert {w[3] for w in where} == {0}  # replicas run at the driver's priority, not Ray's niceness 15
+        texts = ["a", "bb", "ccc", "dddd", "eeeee", "ffffff", "g"]
+        scored = scorer.score(texts)
+        assert [s for s, _ in scored] == [len(t) + 10 for t in texts]
+        assert [r for _, r in scored] == [0, 0, 0, 1, 1, 2, 2]
+        with pytest.raises(KeyError, match="no such row") as info:
+            scorer.fail()
+        assert "Raised in replica" in info.value.__notes__[0]
+        with pytest.raises(AttributeError, match="bonus is not a method"):
+            scorer.bonus  # noqa: B018
+        kill_and_wait(scorer.actors[2])
+        assert [s for s, _ in scorer.score(texts)] == [len(t) + 10 for t in texts]  # rebuilt and retried
+        assert scorer.replicas[2].restarts == 1
+    plain = Scorer(1)  # without remote_group: an ordinary object
+    assert isinstance(plain, Scorer) and plain.bonus == 1
+
+
+def test_tensor_parallel_replicas_get_their_bundles(cluster):
+    with Scorer(0, remote_group="aux", device_mesh=DeviceMesh.from_sizes(dp_size=1, tp_size=2)) as tp:
+        assert tp.layout() == {"bundles": (0, 1), "tp_size": 2, "dp_size": 1, "vllm_bundles": "0,1", "pg": True}
+        assert get_group("aux").free == [2]
+        with pytest.raises(InvalidMeshError, match="needs 2 devices of group 'aux', but only 1"):
+            Scorer(0, remote_group="aux", device_mesh=DeviceMesh.from_sizes(dp_size=1, tp_size=2))
+
+
+def test_close_releases_actors_and_devices(cluster):
+    s = EchoEngine(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="aux")
+    actors = s.actors
+    assert len(get_group("aux").free) == 1
+    s.close()
+    s.close()  # harmless
+    assert get_group("aux").free == [0, 1, 2]
+    with pytest.raises(SamplerClosedError):
+        s.sample(InputFeature(input_ids=[1]))
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(actors[0].ready.remote(), timeout=30)
+
+
+def test_a_second_driver_joins_by_address_and_exits_cleanly(cluster, tmp_path):
+    """A driver that leaves a remote sampler open still exits at once, and frees what it held."""
+    script = tmp_path / "driver.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import ray
+        import twinkle_core as tw
+        import test_remote
+        ray.cloudpickle.register_pickle_by_value(test_remote)
+        tw.initialize("ray", groups=[tw.DeviceGroup(name="d", ranks=1, device_type="cpu", cpus_per_rank=0.1)],
+                      address={ray.get_runtime_context().gcs_address!r})
+        s = test_remote.EchoEngine(remote_group="d")
+        print(s.sample(tw.InputFeature(input_ids=[7]), {{"max_tokens": 2}})[0].sequences[0].tokens)
+    """))
+    before = ray.available_resources().get("CPU", 0.0)
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[7, 8]" in proc.stdout
+    assert time.monotonic() - start < 90
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and ray.available_resources().get("CPU", 0.0) < before - 1e-6:
+        time.sleep(0.5)
+    assert ray.available_resources().get("CPU", 0.0) >= before - 1e-6  # its group and actor are gone
+
+
+def test_local_mode_runs_remote_code_in_process(tmp_path):
+    """``initialize('local')`` (and no initialize at all) never imports Ray; remote_group builds in process."""
+    code = textwrap.dedent("""
+        import sys
+        import twinkle_core as tw
+        from twinkle_core.remote import UnknownGroupError
+        from twinkle_core.errors import InvalidMeshError
+        class E(tw.Sampler):
+            def __init__(self, device_mesh=None):
+                super().__init__()
+                self.mesh = device_mesh
+            max_model_len = 8
+            def _generate(self, prompts, params, adapter_name):
+                return []
+        try:
+            E(remote_group="sampler")
+        except UnknownGroupError as exc:
+            assert "initialize() was never called" in str(exc), exc
+        tw.initialize("local", groups=[tw.DeviceGroup(name="sampler", ranks=2, device_type="cpu")])
+        e = E(device_mesh=tw.DeviceMesh.from_sizes(dp_size=2), remote_group="sampler")
+        assert type(e) is E and e.mesh.dp_size == 2
+        try:
+            E(device_mesh=tw.DeviceMesh.from_sizes(dp_size=3), remote_group="sampler")
+        except InvalidMeshError as exc:
+            assert "needs 3 devices but group 'sampler' has 2" in str(exc)
+        tw.shutdown()
+        assert "ray" not in sys.modules
+        print("ok")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]

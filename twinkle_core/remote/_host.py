@@ -1,0 +1,222 @@
+"""What runs inside each Ray actor: the host of one replica (an engine, or a ``@remote_class`` object).
+
+One generic actor class serves every engine: the driver sends the class and
+its constructor arguments, and the host builds the object in the actor
+process. Ray is imported lazily, so importing this module costs nothing.
+"""
+
+from __future__ import annotations
+
+import copyreg
+import functools
+import os
+import pickle
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import attrs
+
+from twinkle_core.data_format import InputFeature, SampleResponse, SamplingParams, Trajectory
+from twinkle_core.errors import TwinkleError
+
+__all__ = ["ReplicaContext", "ReplicaHost", "current_replica"]
+
+
+@attrs.frozen(kw_only=True)
+class ReplicaContext:
+    """Where a replica runs; :func:`current_replica` returns it inside the actor.
+
+    Attributes:
+        index: the replica's index among its sampler's replicas.
+        num_replicas: how many replicas the sampler has (its ``dp_size``).
+        group: the device group's name.
+        device_type: ``"cuda"`` or ``"cpu"``.
+        tp_size: devices per replica.
+        bundle_indices: the replica's bundles in the group's placement group
+            (``tp_size`` of them); the actor itself sits in the first one.
+        placement_group: the group's Ray placement group; an engine with
+            ``tp_size > 1`` starts its tensor-parallel workers on
+            ``bundle_indices`` of it.
+    """
+
+    index: int
+    num_replicas: int
+    group: str
+    device_type: str
+    tp_size: int
+    bundle_indices: tuple[int, ...]
+    placement_group: Any = None
+
+
+_current: ReplicaContext | None = None
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def current_replica() -> ReplicaContext | None:
+    """Inside a replica's actor, where it runs; ``None`` anywhere else (the driver, local mode)."""
+    return _current
+
+
+def _rebuild_exception(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
+    exc = cls.__new__(cls)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
+
+def _reduce_exception(exc: BaseException) -> tuple[Any, ...]:
+    return _rebuild_exception, (type(exc), exc.args, dict(exc.__dict__))
+
+
+def _make_picklable(exc: BaseException) -> None:
+    """Make ``exc`` survive the trip to the driver.
+
+    Exceptions whose ``__init__`` takes keyword-only arguments (such as
+    ``PromptTooLongError``) pickle but cannot be unpickled; for those, a
+    reducer that restores ``args`` and attributes without calling
+    ``__init__`` is registered, so the driver still gets the original type.
+    """
+    try:
+        pickle.loads(pickle.dumps(exc))
+    except Exception:
+        copyreg.pickle(type(exc), _reduce_exception)
+
+
+def _portable_errors(method: F) -> F:
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        except BaseException as exc:
+            _make_picklable(exc)
+            raise
+
+    return wrapper  # type: ignore[return-value]
+
+
+class ReplicaHost:
+    """Builds one object from its class and arguments, and serves the driver's calls on it.
+
+    A constructor error is kept and re-raised by :meth:`ready`, so it reaches
+    the driver as its own type (Ray would otherwise turn it into a bare
+    ``ActorDiedError``).
+    """
+
+    def __init__(self, target_cls: type, args: tuple[Any, ...], kwargs: dict[str, Any], context: ReplicaContext) -> None:
+        global _current
+        _current = context
+        os.environ["TWINKLE_REPLICA_INDEX"] = str(context.index)
+        if context.tp_size > 1:
+            # vLLM's Ray executor places its tensor-parallel workers on these bundles.
+            os.environ.setdefault("VLLM_RAY_BUNDLE_INDICES", ",".join(map(str, context.bundle_indices)))
+        self._error: BaseException | None = None
+        self._target: Any = None
+        try:
+            self._target = target_cls(*args, **kwargs)
+        except BaseException as exc:  # re-raised by ready()
+            self._error = exc
+
+    @_portable_errors
+    def ready(self) -> dict[str, Any]:
+        """Where this replica runs, and what the driver caches about its engine."""
+        if self._error is not None:
+            raise self._error
+        import socket
+
+        import ray
+
+        info: dict[str, Any] = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+        }
+        from twinkle_core.sampler import Sampler
+
+        if isinstance(self._target, Sampler):
+            info.update(
+                max_model_len=self._target.max_model_len,
+                vocab_size=self._target.vocab_size,
+                engine_name=self._target.engine_name,
+                weights_version=self._target.weights_version,
+            )
+        return info
+
+    @_portable_errors
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Call ``target.method(*args, **kwargs)`` (object refs among the top-level args arrive resolved)."""
+        return getattr(self._target, method)(*args, **kwargs)
+
+    @_portable_errors
+    def get(self, name: str) -> Any:
+        """Read an attribute of the target."""
+        return getattr(self._target, name)
+
+    @_portable_errors
+    def replay(self, ops: list[tuple[str, tuple[Any, ...], dict[str, Any]]], weights_version: int | None = None) -> None:
+        """Re-apply recorded state changes in order (refs inside them are fetched here).
+
+        ``weights_version``: the version the other replicas carry; a rebuilt
+        engine takes it even when the change that set it (say, an adapter
+        added then removed) left nothing to replay.
+        """
+        import ray
+
+        def resolve(value: Any) -> Any:
+            return ray.get(value) if isinstance(value, ray.ObjectRef) else value
+
+        for method, args, kwargs in ops:
+            getattr(self._target, method)(*map(resolve, args), **{k: resolve(v) for k, v in kwargs.items()})
+        from twinkle_core.sampler import Sampler
+
+        if weights_version is not None and isinstance(self._target, Sampler):
+            with self._target._admin_lock:
+                self._target._weights_version = max(self._target._weights_version, weights_version)
+
+    @_portable_errors
+    def sample_shard(
+        self,
+        items: list[InputFeature | Trajectory],
+        indices: list[int],
+        params: SamplingParams,
+        adapter_name: str,
+        on_invalid: str,
+    ) -> list[SampleResponse]:
+        """``sample()`` on this replica's share of a call; errors name each input's index in the whole call."""
+        engine = self._target
+        features: list[InputFeature | None] = []
+        errors: dict[int, TwinkleError] = {}
+        for k, (index, item) in enumerate(zip(indices, items)):
+            feature = item if isinstance(item, InputFeature) else None
+            try:
+                feature = engine.encode(item)
+                engine._validate_prompt(feature, index, params)
+            except TwinkleError as exc:
+                if on_invalid == "raise" or not isinstance(exc, ValueError):
+                    raise
+                errors[k] = exc
+            features.append(feature)
+        valid = [f for k, f in enumerate(features) if k not in errors and f is not None]
+        generated = iter(engine.sample(valid, params, adapter_name) if valid else [])
+        out: list[SampleResponse] = []
+        for k, feature in enumerate(features):
+            if k in errors:
+                ids = feature.input_ids if feature is not None else []
+                out.append(SampleResponse(prompt_token_ids=list(ids), error=str(errors[k])))
+            else:
+                out.append(next(generated))
+        return out
+
+    def close(self) -> None:
+        """Close the target if it has ``close()`` and drop it; errors are printed, never raised (the actor is killed next)."""
+        close = getattr(self._target, "close", None)
+        if callable(close):
+            try:
+                close()
+            except Exception:
+                traceback.print_exc()
+        # Free it now rather than when Ray stops the process (its SIGTERM handler would interrupt finalizers).
+        self._target = None
+        import gc
+
+        gc.collect()

@@ -1,0 +1,215 @@
+"""``@remote_class``: run instances of your own class as Ray replicas, like a remote sampler.
+
+::
+
+    @remote_class
+    class RewardModel:
+        def __init__(self, path): ...
+
+        @dispatch("split")
+        def score(self, texts): ...          # each replica scores its share; results joined in order
+
+        def reload(self, path): ...          # default "all": every replica, a list of their results
+
+    rm = RewardModel("/models/rm", remote_group="sampler", device_mesh=DeviceMesh.from_sizes(dp_size=2))
+    rm.score(texts)                          # runs in the actors
+
+Without ``remote_group`` (or in ``"local"`` mode) the class is built in
+process, exactly as if undecorated.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
+
+from twinkle_core.errors import InvalidInputError
+from twinkle_core.mesh import DeviceGroup, DeviceMesh
+from twinkle_core.remote._runtime import PlacedGroup, register_owner
+
+if TYPE_CHECKING:  # pragma: no cover
+    from twinkle_core.remote._pool import ReplicaInfo
+
+__all__ = ["DISPATCH_MODES", "RemoteObject", "dispatch", "remote_class"]
+
+DispatchMode = Literal["all", "split", "one"]
+#: ``"all"``: every replica runs the call, the result is the list of their results (by replica).
+#: ``"split"``: the first argument (a sequence) is cut into contiguous, near-equal parts, one per
+#: replica; each part's result must be a sequence; the results are joined in input order.
+#: ``"one"``: one replica (round-robin) runs the call; the result is its result.
+DISPATCH_MODES: tuple[str, ...] = ("all", "split", "one")
+_ATTR = "__twinkle_dispatch__"
+
+F = TypeVar("F", bound=Callable[..., Any])
+C = TypeVar("C", bound=type)
+
+
+def dispatch(mode: DispatchMode) -> Callable[[F], F]:
+    """Mark how a method of a ``@remote_class`` runs on the replicas (default ``"all"``).
+
+    Raises:
+        ValueError: an unknown mode.
+    """
+    if mode not in DISPATCH_MODES:
+        raise ValueError(f"dispatch({mode!r}) is invalid: expected one of {', '.join(DISPATCH_MODES)}.")
+
+    def mark(fn: F) -> F:
+        setattr(fn, _ATTR, mode)
+        return fn
+
+    return mark
+
+
+def remote_class(cls: C) -> C:
+    """Let ``cls(..., remote_group="name", device_mesh=...)`` build ``dp_size`` Ray replicas of it.
+
+    The class is returned itself (still picklable, still subclassable): its
+    constructor learns the ``remote_group`` keyword, and with it returns a
+    :class:`RemoteObject` whose public methods run in the replicas, as
+    :func:`dispatch` marks them. Samplers need no decorator: every ``Sampler``
+    subclass takes ``remote_group`` already.
+    """
+    from twinkle_core.sampler import Sampler
+
+    if not isinstance(cls, type):
+        raise TypeError(f"@remote_class decorates a class, not {cls!r}.")
+    if issubclass(cls, Sampler) or getattr(cls, "__twinkle_remote__", False) is cls:
+        return cls
+    original_new = cls.__new__
+    original_init = cls.__init__
+
+    def __new__(klass: type, *args: Any, remote_group: str | None = None, **kwargs: Any) -> Any:
+        if remote_group is not None:
+            from twinkle_core.remote.sampler import build_remote
+
+            return build_remote(klass, remote_group, args, kwargs)
+        if original_new is object.__new__:
+            return object.__new__(klass)
+        return original_new(klass, *args, **kwargs)
+
+    @functools.wraps(original_init)
+    def __init__(self: Any, *args: Any, remote_group: str | None = None, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+
+    cls.__new__ = __new__  # type: ignore[method-assign]
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    cls.__twinkle_remote__ = cls  # type: ignore[attr-defined]
+    return cls
+
+
+class RemoteObject:
+    """The driver's handle on the replicas of a ``@remote_class`` object.
+
+    Public methods of the class are called on the replicas, as
+    :func:`dispatch` marks them; exceptions come back as their own type with
+    the replica named. A replica that dies is rebuilt with the constructor
+    arguments (state set by earlier calls is not replayed) and the
+    interrupted call is retried once. ``close()`` calls the object's own
+    ``close()`` on every replica if it has one, then stops the actors.
+
+    Attributes:
+        target_class: the decorated class.
+        device_mesh: the layout.
+        group: the device group.
+    """
+
+    def __init__(
+        self, target_class: type, args: tuple[Any, ...], kwargs: dict[str, Any], *, placed: PlacedGroup, mesh: DeviceMesh
+    ) -> None:
+        from twinkle_core.remote._pool import ReplicaPool
+
+        self.target_class = target_class
+        self.device_mesh = mesh
+        self.group: DeviceGroup = placed.group
+        self._pool = ReplicaPool(
+            target_class,
+            args,
+            kwargs,
+            placed=placed,
+            mesh=mesh,
+            label=f"{target_class.__name__} on group {placed.name!r}",
+            max_concurrency=int(getattr(target_class, "remote_max_concurrency", 1)),
+        )
+        self._pool.start()
+        register_owner(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"RemoteObject({self.target_class.__name__}, group={self.group.name!r},"
+            f" dp_size={self.device_mesh.dp_size}, tp_size={self.device_mesh.tp_size})"
+        )
+
+    @property
+    def replicas(self) -> list[ReplicaInfo]:
+        """Each replica: actor id, bundles, process, node, restarts, whether in service."""
+        return self._pool.infos()
+
+    @property
+    def actors(self) -> list[Any]:
+        """The Ray actor handles by replica index."""
+        return self._pool.actors()
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas in service."""
+        return len(self._pool.alive())
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        member = getattr(self.target_class, name, None)
+        if not callable(member) or isinstance(member, type):
+            raise AttributeError(
+                f"{self.target_class.__name__}.{name} is not a method; a remote object exposes its public methods"
+                " only (add a method that returns the value)."
+            )
+        mode = getattr(member, _ATTR, "all")
+
+        @functools.wraps(member)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return self._call(name, mode, args, kwargs)
+
+        return call
+
+    def _call(self, name: str, mode: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        pool = self._pool
+        if mode == "one":
+            return pool.run(pool.pick(), "call", name, *args, **kwargs)
+        if mode == "all":
+            return pool.broadcast("call", name, *args, **kwargs)
+        if not args or not isinstance(args[0], Sequence) or isinstance(args[0], (str, bytes)):
+            raise InvalidInputError(
+                f"{self.target_class.__name__}.{name} is dispatched 'split': its first argument must be a list"
+                f" (or another sequence) to share out, got {type(args[0]).__name__ if args else 'nothing'}."
+            )
+        from twinkle_core.remote._pool import split_evenly
+
+        data, rest = args[0], args[1:]
+        pool._check()
+        alive = pool.alive()
+        parts = split_evenly(data, len(alive))
+        jobs = []
+        for replica, indices in zip(alive, parts):
+            if indices:
+                call_args = ("call", name, [data[i] for i in indices], *rest)
+                jobs.append((call_args, replica, pool.submit(replica, *call_args, **kwargs)))
+        results = [pool.finish(replica, submitted, *call_args, **kwargs) for call_args, replica, submitted in jobs]
+        return list(itertools.chain.from_iterable(results))
+
+    def close(self) -> None:
+        """Close the object on every replica (if it has ``close()``), stop the actors, free the devices."""
+        self._pool.close()
+
+    def __enter__(self) -> RemoteObject:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort at interpreter exit
+        try:
+            self._pool.close()
+        except Exception:
+            pass

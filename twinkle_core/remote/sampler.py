@@ -1,0 +1,439 @@
+"""``RemoteSampler``: any engine as ``dp_size`` Ray actors, behind the ordinary ``Sampler`` API.
+
+It is what ``TorchSampler(..., remote_group="sampler")`` (or
+``create_sampler("vllm", ..., remote_group="sampler")``) returns in
+``"ray"`` mode. The driver object keeps no engine: it splits ``sample()``
+across the replicas and gathers the responses in input order; adapter,
+template and weight changes go to every replica, and are recorded so a
+replica that dies can be rebuilt in the same state.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+from twinkle_core.data_format import InputFeature, SampleResponse, SamplingParams, Trajectory
+from twinkle_core.errors import InvalidInputError, InvalidMeshError, WeightUpdateError
+from twinkle_core.mesh import DeviceGroup, DeviceMesh
+from twinkle_core.remote._balance import estimate_prompt_tokens, item_cost, split_by_cost, trajectory_chars
+from twinkle_core.remote._pool import Op, ReplicaInfo, ReplicaPool
+from twinkle_core.remote._runtime import PlacedGroup, current_session, get_group, import_ray, register_owner
+from twinkle_core.remote.errors import ReplicaLostError
+from twinkle_core.sampler import AdapterInfo, OnInvalid, SampleInputs, Sampler, normalize_inputs, resolve_params
+from twinkle_core.template import Template
+
+__all__ = ["RemoteSampler", "build_remote"]
+
+
+class _ReadWriteLock:
+    """Many readers (``sample`` calls) or one writer (an adapter/weight/template change); writers go first."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._waiting_writers = 0
+
+    @contextmanager
+    def read(self) -> Iterator[None]:
+        with self._cond:
+            while self._writer or self._waiting_writers:
+                self._cond.wait()
+            self._readers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._readers -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def write(self) -> Iterator[None]:
+        with self._cond:
+            self._waiting_writers += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._waiting_writers -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+def _coerce_mesh(value: Any) -> DeviceMesh:
+    if value is None:
+        return DeviceMesh()
+    if isinstance(value, DeviceMesh):
+        return value
+    if isinstance(value, Mapping):
+        return DeviceMesh(**value)
+    raise InvalidMeshError(f"device_mesh={value!r} is invalid: expected a DeviceMesh, e.g. DeviceMesh.from_sizes(dp_size=2).")
+
+
+def split_mesh(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[DeviceMesh, tuple[Any, ...], dict[str, Any]]:
+    """Take the layout out of a constructor call; return it with the arguments each replica gets.
+
+    The constructor arguments are checked against the signature here, in the
+    driver, so a typo fails before any actor starts. If the class takes a
+    ``device_mesh`` parameter, each replica gets
+    ``DeviceMesh(dp_size=1, tp_size=mesh.tp_size)`` in its place; otherwise
+    ``device_mesh`` is only the layout and is not passed on.
+    """
+    try:
+        sig = inspect.signature(cls.__init__)
+        params = list(sig.parameters.values())[1:]  # drop self
+        sig = sig.replace(parameters=params)
+    except (TypeError, ValueError):  # no introspectable signature: pass arguments through
+        kwargs = dict(kwargs)
+        mesh = _coerce_mesh(kwargs.pop("device_mesh", None))
+        return mesh, args, kwargs
+    param = sig.parameters.get("device_mesh")
+    takes_mesh = param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+    if not takes_mesh:
+        kwargs = dict(kwargs)
+        raw = kwargs.pop("device_mesh", None)
+        sig.bind(*args, **kwargs)
+        return _coerce_mesh(raw), args, kwargs
+    bound = sig.bind(*args, **kwargs)
+    mesh = _coerce_mesh(bound.arguments.get("device_mesh"))
+    bound.arguments["device_mesh"] = DeviceMesh.from_sizes(dp_size=1, tp_size=mesh.tp_size)
+    return mesh, tuple(bound.args), dict(bound.kwargs)
+
+
+def build_remote(cls: type, remote_group: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What ``cls(*args, remote_group=..., **kwargs)`` returns: replicas in ``"ray"`` mode, a local object in ``"local"``.
+
+    Raises:
+        UnknownGroupError: the group was never initialised.
+        InvalidMeshError: the mesh does not fit the group.
+        TypeError: the arguments do not fit the constructor.
+    """
+    placed = get_group(remote_group)
+    session = current_session()
+    if session is None or session.mode == "local":
+        mesh, _, _ = split_mesh(cls, args, kwargs)
+        placed.group.check_mesh(mesh)
+        return cls(*args, **kwargs)
+    mesh, actor_args, actor_kwargs = split_mesh(cls, args, kwargs)
+    if isinstance(cls, type) and issubclass(cls, Sampler):
+        return RemoteSampler(cls, actor_args, actor_kwargs, placed=placed, mesh=mesh)
+    from twinkle_core.remote.remote_class import RemoteObject
+
+    return RemoteObject(cls, actor_args, actor_kwargs, placed=placed, mesh=mesh)
+
+
+class RemoteSampler(Sampler):
+    """A sampler whose engine runs as ``mesh.dp_size`` Ray actors of ``tp_size`` devices each.
+
+    Built by passing ``remote_group=`` to any engine in ``"ray"`` mode; not
+    meant to be constructed directly. It has the whole ``Sampler`` API:
+
+    * ``sample`` splits the inputs across the replicas in service, balanced by
+      estimated work (each input whole, costliest first, to the least loaded
+      replica), runs them concurrently and returns the responses in input order.
+    * ``add_adapter_to_model``, ``remove_adapter``, ``set_template`` and
+      ``update_weights`` reach every replica and return once all applied them;
+      tensors go into Ray's object store once and every replica reads that copy;
+      every replica gets the same explicit version. They wait for running
+      ``sample`` calls, and hold new ones back, so no call mixes versions.
+    * An exception in a replica is raised here as its own type, the replica
+      named in a note and the remote traceback chained as its cause.
+    * A replica that dies is rebuilt with the same arguments on the same
+      devices; the template, adapters and weights are re-applied before it
+      takes work, and the interrupted work is retried once. If it cannot be
+      rebuilt, :class:`~twinkle_core.remote.ReplicaLostError` says so and the
+      other replicas keep serving.
+
+    Attributes:
+        engine_class: the engine each replica runs.
+        device_mesh: the layout.
+        group: the device group the replicas run on.
+    """
+
+    def __init__(
+        self,
+        engine_class: type[Sampler],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        placed: PlacedGroup,
+        mesh: DeviceMesh,
+    ) -> None:
+        super().__init__()
+        self.engine_class = engine_class
+        self.engine_name = engine_class.engine_name
+        self.device_mesh = mesh
+        self.group: DeviceGroup = placed.group
+        self._rw = _ReadWriteLock()
+        # version -> (ref of the update's tensors, names still current from it)
+        self._weight_ops: dict[int, tuple[Any, set[str]]] = {}
+        self._adapter_ops: dict[str, tuple[int, Any, Any, dict[str, Any]]] = {}
+        self._template_op: tuple[Any, dict[str, Any]] | None = None
+        self._chars = 0
+        self._tokens = 0
+        label = f"{engine_class.__name__} on group {placed.name!r}"
+        self._pool = ReplicaPool(
+            engine_class,
+            args,
+            kwargs,
+            placed=placed,
+            mesh=mesh,
+            label=label,
+            max_concurrency=int(getattr(engine_class, "remote_max_concurrency", 1)),
+            replay=self._replay_ops,
+        )
+        self._pool.start()
+        info = self._pool.first_info()
+        self._max_model_len: int = info["max_model_len"]
+        self._vocab_size: int | None = info.get("vocab_size")
+        self._weights_version = info.get("weights_version", 0)
+        register_owner(self)
+
+    def __repr__(self) -> str:
+        m = self.device_mesh
+        return (
+            f"RemoteSampler({self.engine_class.__name__}, group={self.group.name!r}, dp_size={m.dp_size},"
+            f" tp_size={m.tp_size}, replicas in service={len(self._pool.alive())})"
+        )
+
+    # -- introspection ---------------------------------------------------------------------
+    @property
+    def replicas(self) -> list[ReplicaInfo]:
+        """Each replica: actor id, bundles, process, node, restarts, whether in service."""
+        return self._pool.infos()
+
+    @property
+    def actors(self) -> list[Any]:
+        """The Ray actor handles by replica index (``None`` for a lost replica)."""
+        return self._pool.actors()
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas in service."""
+        return len(self._pool.alive())
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self._vocab_size
+
+    @property
+    def template(self) -> Template:
+        """The replicas' template (fetched from one replica on first use; needs the tokenizer's library here)."""
+        with self._rw.read():
+            if self._template is None:
+                self._template = self._pool.run(self._pool.pick(), "get", "template")
+            return self._template
+
+    # -- state changes ---------------------------------------------------------------------
+    def _replay_ops(self) -> tuple[list[Op], int]:
+        """What a rebuilt replica needs: template, adapters and weight updates in version order; the version."""
+        ops: list[tuple[int, Op]] = []
+        for version, (ref, _names) in self._weight_ops.items():
+            ops.append((version, ("update_weights", (ref,), {"version": version})))
+        for name, (version, source, weights, kwargs) in self._adapter_ops.items():
+            ops.append((version, ("add_adapter_to_model", (name, source), {"weights": weights, "version": version, **kwargs})))
+        ordered = [op for _, op in sorted(ops, key=lambda x: x[0])]
+        if self._template_op is not None:
+            template, kwargs = self._template_op
+            ordered.insert(0, ("set_template", (template,), kwargs))
+        return ordered, self._weights_version
+
+    def set_template(self, template: type[Template] | Template | str, **kwargs: Any) -> None:
+        """Set the chat template on every replica (a registered name, a class or an instance)."""
+        self._check_open()
+        with self._rw.write():
+
+            def record() -> None:
+                self._template_op = (template, kwargs)
+                self._template = None
+                self._chars = self._tokens = 0
+
+            self._apply("set_template", (template,), kwargs, record=record)
+
+    def add_adapter_to_model(
+        self, adapter_name: str, config_or_dir: Any, *, weights: Any = None, version: int | None = None, **kwargs: Any
+    ) -> int:
+        """Load or replace a LoRA adapter on every replica (see ``Sampler.add_adapter_to_model``).
+
+        A folder must be readable at the same path on every node (a shared
+        file system); otherwise pass a config and ``weights``, which go into
+        Ray's object store once.
+        """
+        self._check_open()
+        if not isinstance(adapter_name, str) or not adapter_name:
+            raise InvalidInputError(f"adapter_name={adapter_name!r} is invalid: expected a non-empty string.")
+        with self._rw.write():
+            new_version = self._next_version(version)
+            ray = import_ray()
+            ref = ray.put(weights) if weights is not None else None
+            self._apply(
+                "add_adapter_to_model",
+                (adapter_name, config_or_dir),
+                {"weights": ref, "version": new_version, **kwargs},
+                record=lambda: self._adapter_ops.__setitem__(adapter_name, (new_version, config_or_dir, ref, kwargs)),
+                version=new_version,
+            )
+            source = "<memory>" if weights is not None else str(config_or_dir)
+            old = self._adapters.get(adapter_name)
+            adapter_id = old.adapter_id if old is not None else self._next_adapter_id
+            if old is None:
+                self._next_adapter_id += 1
+            self._adapters[adapter_name] = AdapterInfo(adapter_name, adapter_id, new_version, source)
+            return new_version
+
+    def remove_adapter(self, adapter_name: str) -> None:
+        """Unload an adapter from every replica."""
+        self._check_open()
+        with self._rw.write():
+            self._require_adapter(adapter_name)
+
+            def record() -> None:
+                self._adapter_ops.pop(adapter_name, None)
+                del self._adapters[adapter_name]
+
+            self._apply("remove_adapter", (adapter_name,), {}, record=record)
+
+    def update_weights(
+        self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], *, version: int | None = None
+    ) -> int:
+        """Replace base weights on every replica; returns the one new version they all carry.
+
+        The tensors are put into Ray's object store once; every replica reads
+        that copy. The driver keeps the object ref (for each tensor name, the
+        latest update holding it) so a rebuilt replica gets the same weights:
+        superseded updates are released.
+        """
+        self._check_open()
+        items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
+        for i, item in enumerate(items):
+            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                raise WeightUpdateError(f"named_tensors[{i}] is invalid: expected a (name, tensor) pair.")
+        if not items:
+            raise WeightUpdateError("update_weights got no tensors.")
+        with self._rw.write():
+            new_version = self._next_version(version)
+            ref = import_ray().put(items)
+            names = {name for name, _ in items}
+
+            def record() -> None:
+                for old_version in list(self._weight_ops):
+                    old_ref, old_names = self._weight_ops[old_version]
+                    old_names -= names
+                    if not old_names:
+                        del self._weight_ops[old_version]
+                self._weight_ops[new_version] = (ref, set(names))
+
+            self._apply("update_weights", (ref,), {"version": new_version}, record=record, version=new_version)
+            return new_version
+
+    def _apply(
+        self,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        record: Callable[[], None],
+        version: int | None = None,
+    ) -> None:
+        """Make a state change on every replica and record it (for rebuilds), once at least one applied it.
+
+        If every replica rejects it (bad input: they all agree), nothing
+        changes. If only some applied it, it is kept, the others are rebuilt
+        with it (so all replicas stay alike), and the first error is raised
+        with a note saying so.
+        """
+        values, errors = self._pool.broadcast_collect("call", method, *args, **kwargs)
+        if errors and not values:
+            raise errors[min(errors)]
+        record()
+        if version is not None:
+            self._weights_version = version
+        if not errors:
+            return
+        first = errors[min(errors)]
+        out_of_step = [i for i in sorted(errors) if not isinstance(errors[i], ReplicaLostError)]
+        for i in out_of_step:
+            try:
+                self._pool.restart(i, errors[i])
+            except Exception as exc:  # lost: the note below still tells the story
+                first.add_note(str(exc))
+        done = f"Replicas {sorted(values)} applied {method}" + (f" (version {version})" if version is not None else "")
+        first.add_note(f"{done}; replicas {out_of_step} failed and were rebuilt with it." if out_of_step else f"{done}.")
+        raise first
+
+    # -- sampling --------------------------------------------------------------------------
+    def _chars_per_token(self) -> float:
+        if self._tokens < 64:
+            return 4.0
+        return min(max(self._chars / self._tokens, 1.0), 16.0)
+
+    def sample(
+        self,
+        inputs: SampleInputs,
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        adapter_name: str = "",
+        *,
+        num_samples: int | None = None,
+        on_invalid: OnInvalid = "raise",
+    ) -> list[SampleResponse]:
+        """Sample on the replicas (same arguments and results as ``Sampler.sample``).
+
+        Parameters and input structure are checked here before anything is
+        sent; prompt encoding and length checks run in the replicas (each input
+        named by its index in this call). Work is balanced by
+        ``num_samples x (prompt tokens + max_tokens)``; a conversation's prompt
+        tokens are estimated from its text, calibrated on what earlier calls
+        measured.
+        """
+        self._check_open()
+        if on_invalid not in ("raise", "skip"):
+            raise InvalidInputError(f"on_invalid={on_invalid!r} is invalid: expected 'raise' or 'skip'.")
+        params = resolve_params(sampling_params, num_samples)
+        items = normalize_inputs(inputs)
+        if not items:
+            return []
+        if adapter_name or not isinstance(adapter_name, str):
+            self._require_adapter(adapter_name)
+        with self._rw.read():
+            self._pool._check()
+            alive = self._pool.alive()
+            cpt = self._chars_per_token()
+            costs = [item_cost(estimate_prompt_tokens(item, cpt), params) for item in items]
+            shards = split_by_cost(costs, len(alive))
+            jobs = []
+            for replica, indices in zip(alive, shards):
+                if not indices:
+                    continue
+                args = ([items[i] for i in indices], indices, params, adapter_name, on_invalid)
+                jobs.append((replica, indices, args, self._pool.submit(replica, "sample_shard", *args)))
+            out: list[SampleResponse | None] = [None] * len(items)
+            for replica, indices, args, submitted in jobs:
+                responses = self._pool.finish(replica, submitted, "sample_shard", *args)
+                for i, response in zip(indices, responses):
+                    out[i] = response
+        self._calibrate(items, out)
+        return out  # type: ignore[return-value]
+
+    def _calibrate(self, items: list[InputFeature | Trajectory], out: list[SampleResponse | None]) -> None:
+        for item, response in zip(items, out):
+            if isinstance(item, Trajectory) and response is not None and response.prompt_token_ids:
+                self._chars += trajectory_chars(item)
+                self._tokens += len(response.prompt_token_ids)
+
+    def _generate(self, prompts: list[InputFeature], params: SamplingParams, adapter_name: str) -> list[SampleResponse]:
+        return self.sample(prompts, params, adapter_name)  # pragma: no cover - sample() is overridden
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def _close(self) -> None:
+        self._pool.close()
