@@ -133,3 +133,14 @@ def test_outputs_round_trip_through_json():
     assert again == resp
     with pytest.raises(ValueError, match="stop_reason='done'"):
         SampledSequence(tokens=[], text="", stop_reason="done")
+
+
+def test_errors_with_attributes_survive_pickling():
+    import pickle
+
+    from twinkle_core.errors import PromptTooLongError, WeightSyncTimeoutError
+
+    e = pickle.loads(pickle.dumps(PromptTooLongError("too long", index=2, length=9, limit=8)))
+    assert (str(e), e.index, e.length, e.limit) == ("too long", 2, 9, 8)
+    t = pickle.loads(pickle.dumps(WeightSyncTimeoutError("slow", stage="ack")))
+    assert isinstance(t, TimeoutError) and t.stage == "ack"

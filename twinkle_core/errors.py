@@ -68,6 +68,10 @@ class PromptTooLongError(InvalidInputError):
         self.length = length
         self.limit = limit
 
+    def __reduce__(self) -> tuple[object, ...]:
+        # keyword-only attributes survive pickling (errors cross process boundaries on Ray)
+        return (_rebuild, (type(self), self.args[0], {"index": self.index, "length": self.length, "limit": self.limit}))
+
 
 class UnknownSamplerError(TwinkleError, LookupError):
     """No engine is registered under the requested name."""
@@ -128,6 +132,9 @@ class WeightSyncTimeoutError(TwinkleError, TimeoutError):
         super().__init__(message)
         self.stage = stage
 
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (type(self), self.args[0], {"stage": self.stage}))
+
 
 class UnsupportedFeatureError(TwinkleError, NotImplementedError):
     """The engine cannot honour a requested feature or parameter."""
@@ -135,3 +142,7 @@ class UnsupportedFeatureError(TwinkleError, NotImplementedError):
 
 class SamplerClosedError(TwinkleError, RuntimeError):
     """The sampler was used after ``close()``."""
+
+
+def _rebuild(cls: type[TwinkleError], message: str, kwargs: dict[str, object]) -> TwinkleError:
+    return cls(message, **kwargs)  # type: ignore[call-arg]
