@@ -16,7 +16,7 @@ from twinkle_core import DeviceMesh, SamplingParams, Trajectory
 from twinkle_core.errors import AdapterError, ConfigError, InvalidMeshError, UnknownAdapterError, WeightUpdateError
 from twinkle_torch.sampler import TorchSampler
 
-from conftest import hf_greedy
+from torch_helpers import hf_greedy
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +73,9 @@ def outputs(sampler: TorchSampler, prompts: list[Trajectory], adapter: str = "",
 
 
 # -- greedy equals HF generate ----------------------------------------------------------------
-def test_greedy_matches_hf_generate_batched(sampler: TorchSampler, hf_model: Any, chat_prompts: list[Trajectory]) -> None:
+def test_greedy_matches_hf_generate_batched(
+    sampler: TorchSampler, hf_model: Any, chat_prompts: list[Trajectory]
+) -> None:
     ids = prompt_ids(sampler, chat_prompts)
     expected = hf_greedy(hf_model, ids, 40, pad_id=0)
     assert tokens_of(sampler.sample(chat_prompts, greedy(40))) == expected
@@ -420,7 +422,9 @@ def test_replace_remove_and_bad_adapters(
         with pytest.raises(AdapterError):
             s.add_adapter_to_model("z", {"r": 4, "target_modules": ["q_proj"]})  # no weights
         with pytest.raises(AdapterError, match="unexpected|missing"):
-            s.add_adapter_to_model("z", {"r": 8, "target_modules": ["q_proj"]}, weights={"nope.lora_A.weight": torch.zeros(8, 128)})
+            s.add_adapter_to_model(
+                "z", {"r": 8, "target_modules": ["q_proj"]}, weights={"nope.lora_A.weight": torch.zeros(8, 128)}
+            )
         assert "z" not in s.adapters
 
         s.remove_adapter("x")

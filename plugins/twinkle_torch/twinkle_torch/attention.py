@@ -40,15 +40,29 @@ def grouped_sdpa_attention_forward(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """``transformers``' attention-function signature; ``[batch, heads, seq, dim]`` in, ``[batch, seq, heads, dim]`` out."""
+    """``transformers``' attention-function signature.
+
+    Takes ``[batch, heads, seq, dim]`` queries, keys and values; returns ``[batch, seq, heads, dim]``.
+    """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if query.shape[1] == key.shape[1] or any(kwargs.get(k) is not None for k in _STOCK_ONLY):
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    if q_len == 1 and (attention_mask is None or attention_mask.shape[-2] == 1):
+        # Decoding: the query heads of a group attend to the same keys under the same mask, so
+        # they can be the query rows of one head: [batch, kv_heads, group, dim]. Faster still
+        # than enable_gqa, which loops over the groups.
+        grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            grouped, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+        )
+        return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    causal = bool(query.shape[2] > 1 and attention_mask is None and causal)
+    causal = bool(q_len > 1 and attention_mask is None and causal)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal, enable_gqa=True
     )

@@ -91,7 +91,9 @@ def _resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) 
         raise ConfigError(f"dtype={dtype!r} is invalid: expected 'auto', a torch dtype or one of {sorted(_DTYPES)}.")
     if dtype != "auto":
         if dtype.lower() not in _DTYPES:
-            raise ConfigError(f"dtype={dtype!r} is invalid: expected 'auto', a torch dtype or one of {sorted(_DTYPES)}.")
+            raise ConfigError(
+                f"dtype={dtype!r} is invalid: expected 'auto', a torch dtype or one of {sorted(_DTYPES)}."
+            )
         return _DTYPES[dtype.lower()]
     stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(stored, str):

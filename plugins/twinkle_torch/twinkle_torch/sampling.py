@@ -216,19 +216,22 @@ class TokenSampler:
         return StepResult(tokens, chosen, top_ids, top_lp)
 
     @staticmethod
-    def _inverse_cdf(cdf: torch.Tensor, probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-        """The first token of each row whose cumulative probability exceeds ``u`` times the total."""
-        target = uniforms.to(cdf.device).unsqueeze(-1) * cdf[:, -1:]
-        tokens = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
-        # Rounding can only land past the last token with probability > 0: step back to the most likely.
-        ok = probs.gather(-1, tokens) > 0
-        return torch.where(ok, tokens, probs.argmax(dim=-1, keepdim=True)).squeeze(-1)
+    def _inverse_cdf(cdf: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        """The first token of each row whose cumulative probability exceeds ``u`` times the total.
+
+        The target stays strictly below the total, so the token found always has
+        a probability above zero (its cumulative probability rises past the target).
+        """
+        total = cdf[:, -1:]
+        below_total = torch.nextafter(total, torch.zeros_like(total))
+        target = torch.minimum(uniforms.to(cdf.device).unsqueeze(-1) * total, below_total)
+        return torch.searchsorted(cdf, target, right=True).squeeze(-1)
 
     # -- the untruncated distribution -------------------------------------------------------
     def _sample_full(self, scaled: torch.Tensor, raw: torch.Tensor, uniforms: torch.Tensor) -> StepResult:
         lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
         probs = torch.exp(scaled - lse)
-        tokens = self._inverse_cdf(probs.cumsum(dim=-1), probs, uniforms)
+        tokens = self._inverse_cdf(probs.cumsum(dim=-1), uniforms)
         if not self.want_logprobs:
             return StepResult(tokens)
         if self.raw_mode:
@@ -236,16 +239,21 @@ class TokenSampler:
         return self._finish_full(tokens, scaled - lse, normalised=True)
 
     # -- top-p / min-p by rejection ---------------------------------------------------------------
-    def _survives(self, probs: torch.Tensor, scaled: torch.Tensor, top: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def _survives(
+        self, probs: torch.Tensor, scaled: torch.Tensor, top: torch.Tensor | None, tokens: torch.Tensor
+    ) -> torch.Tensor:
         """Whether each row's token survives top-p and min-p (``top``: each row's largest scaled logit)."""
         picked = tokens.unsqueeze(-1)
-        ok = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device)
+        ok: torch.Tensor | None = None
         if self.top_p is not None:
             p = probs.gather(-1, picked)
             ahead = torch.where(probs > p, probs, 0.0).sum(dim=-1)  # mass ranked above the token
-            ok &= ahead < self.top_p
+            ok = ahead < self.top_p
         if self.log_min_p is not None:
-            ok &= (scaled.gather(-1, picked) - top).squeeze(-1) >= self.log_min_p
+            assert top is not None
+            rule = (scaled.gather(-1, picked) - top).squeeze(-1) >= self.log_min_p
+            ok = rule if ok is None else ok & rule
+        assert ok is not None
         return ok
 
     def _sample_by_rejection(
@@ -254,15 +262,15 @@ class TokenSampler:
         lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
         probs = torch.exp(scaled - lse)
         cdf = probs.cumsum(dim=-1)
-        top = scaled.max(dim=-1, keepdim=True).values
-        tokens = self._inverse_cdf(cdf, probs, uniforms)
+        top = scaled.max(dim=-1, keepdim=True).values if self.log_min_p is not None else None
+        tokens = self._inverse_cdf(cdf, uniforms)
         pending = (~self._survives(probs, scaled, top, tokens)).nonzero().flatten().tolist()
         for _ in range(_MAX_REDRAWS):
             if not pending:
                 break
             idx = torch.tensor(pending, device=scaled.device)
-            again = self._inverse_cdf(cdf[idx], probs[idx], redraw(pending))
-            ok = self._survives(probs[idx], scaled[idx], top[idx], again).tolist()
+            again = self._inverse_cdf(cdf[idx], redraw(pending))
+            ok = self._survives(probs[idx], scaled[idx], None if top is None else top[idx], again).tolist()
             tokens[idx] = again
             pending = [row for row, kept in zip(pending, ok) if not kept]
         if pending:  # a tiny kept mass: find it exactly instead
@@ -277,7 +285,7 @@ class TokenSampler:
         # comes from there: the token was drawn above, so asking for log-probs never
         # changes what is sampled).
         if self.top_p is None:
-            assert self.log_min_p is not None
+            assert self.log_min_p is not None and top is not None
             kept = (scaled - top) >= self.log_min_p
             log_norm = lse + torch.log(torch.where(kept, probs, 0.0).sum(dim=-1, keepdim=True))
             chosen = (scaled.gather(-1, tokens.unsqueeze(-1)) - log_norm).squeeze(-1)
@@ -287,7 +295,8 @@ class TokenSampler:
             top_lp = torch.where((values - top) >= self.log_min_p, values - log_norm, -math.inf)
             return StepResult(tokens, chosen, ids, top_lp)
         values, ids, cum, ref_lse, last = self._candidates(scaled)
-        return self._candidate_logprobs(tokens, scaled.gather(-1, tokens.unsqueeze(-1)), values, ids, cum, ref_lse, last)
+        token_values = scaled.gather(-1, tokens.unsqueeze(-1))
+        return self._candidate_logprobs(tokens, token_values, values, ids, cum, ref_lse, last)
 
     def _candidate_logprobs(
         self,

@@ -145,14 +145,18 @@ def test_stop_string_matcher_across_partial_characters() -> None:
     assert matcher.final_text(data[: first + 1], "é —", hits[first][1], 0) == "naïve caf"
 
 
-@pytest.mark.parametrize("params", [SamplingParams(top_p=0.75), SamplingParams(top_p=0.75, logprobs=0)], ids=["rejection", "candidates"])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(top_p=0.75), SamplingParams(top_p=0.75, logprobs=0), SamplingParams(top_k=2, logprobs=0)],
+    ids=["top-p", "top-p-with-logprobs", "top-k"],
+)
 def test_top_p_samples_the_renormalised_nucleus(params: SamplingParams) -> None:
     torch.manual_seed(0)
     rows = 20000
     logits = torch.log(torch.tensor([[0.05, 0.5, 0.15, 0.3]])).expand(rows, 4)
     out = TokenSampler(params)(logits, uniforms=torch.rand(rows))
     counts = torch.bincount(out.tokens, minlength=4).float() / rows
-    # the smallest set with mass >= 0.75 is {1, 3}: 0.5 and 0.3, renormalised
+    # the smallest set with mass >= 0.75, and the top 2, are {1, 3}: 0.5 and 0.3, renormalised
     assert counts.tolist() == pytest.approx([0.0, 0.625, 0.0, 0.375], abs=0.015)
     if out.logprobs is not None:
         assert set(torch.exp(out.logprobs).round(decimals=3).tolist()) == {0.625, 0.375}

@@ -1,0 +1,299 @@
+"""A small GRPO trainer on twinkle: plain PyTorch + peft, no RL framework.
+
+Each step samples ``group_size`` completions per prompt through a twinkle
+sampler (any engine, local or on Ray), scores them, normalises rewards within
+each group, recomputes the policy's log-probs on each sample's
+``training_feature``, takes a clipped policy-gradient step, and pushes the new
+weights into the sampler in memory. Every sample must carry the weights
+version the trainer last pushed: a sampler running an old policy stops the run.
+
+    python examples/grpo/grpo.py --config examples/grpo/tiny_torch.yaml
+    python examples/grpo/grpo.py --config examples/grpo/tiny_torch.yaml --set engine=vllm --set steps=10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tasks import make_task  # noqa: E402
+
+from twinkle_core import SamplingParams, Trajectory, create_sampler  # noqa: E402
+from twinkle_core.errors import TwinkleError  # noqa: E402
+
+__all__ = ["GRPOConfig", "StalePolicyError", "train", "main"]
+
+
+class StalePolicyError(TwinkleError, RuntimeError):
+    """A sample was produced by weights other than the ones the trainer last pushed."""
+
+
+@dataclass
+class GRPOConfig:
+    """Everything a run needs; every field can be set from YAML or ``--set key=value``."""
+
+    engine: str = "torch"
+    model_id: str = "tiny"  # "tiny": twinkle's tiny test model, built offline
+    task: str = "digits"
+    mode: str = "lora"  # "lora" or "full"
+    steps: int = 20
+    prompts_per_step: int = 8
+    group_size: int = 8
+    max_tokens: int = 16
+    temperature: float = 1.0
+    lr: float = 1e-2
+    clip_eps: float = 0.2
+    lora_rank: int = 8
+    lora_alpha: int = 16
+    seed: int = 0
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    remote_group: str | None = None  # run the sampler as Ray actors in this group
+    ray_cpus: int = 2
+    skip_sync: bool = False  # deliberately lose the weight push (to prove the version check)
+    out_dir: str = "out/grpo"
+    plot: bool = True
+    log: bool = True
+
+    @classmethod
+    def load(cls, path: str | None, overrides: list[str]) -> GRPOConfig:
+        """Read a YAML file, then apply ``key=value`` overrides (values parsed as YAML)."""
+        data: dict[str, Any] = yaml.safe_load(Path(path).read_text()) if path else {}
+        for item in overrides:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ValueError(f"--set expects key=value, got {item!r}")
+            data[key] = yaml.safe_load(value)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"Unknown config keys {unknown}; accepted: {sorted(known)}")
+        return cls(**data)
+
+
+def _model_dir(model_id: str) -> Path:
+    if model_id == "tiny":
+        from twinkle_core.testing import build_tiny_model
+
+        return build_tiny_model("llama")
+    from twinkle_core.hub import resolve_model_id
+
+    return resolve_model_id(model_id)
+
+
+def completion_logprobs(model: Any, features: list[Any], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs the policy gives each completion token, under the sampling temperature.
+
+    Returns:
+        ``(logprobs, mask)``, both ``[batch, max_len - 1]``; ``mask`` marks completion tokens.
+    """
+    width = max(len(f.input_ids) for f in features)
+    ids = torch.zeros(len(features), width, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    labels = torch.full_like(ids, -100)
+    for i, f in enumerate(features):
+        n = len(f.input_ids)
+        ids[i, :n] = torch.tensor(f.input_ids)
+        attn[i, :n] = 1
+        labels[i, :n] = torch.tensor(f.labels)
+    logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    if temperature > 0:
+        logits = logits / temperature
+    logp = torch.log_softmax(logits, dim=-1)
+    targets = labels[:, 1:]
+    mask = targets != -100
+    token_lp = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    return token_lp * mask, mask
+
+
+def _group_advantages(rewards: list[float], group: int) -> list[float]:
+    out = []
+    for g in range(0, len(rewards), group):
+        chunk = torch.tensor(rewards[g : g + group])
+        out += ((chunk - chunk.mean()) / (chunk.std(unbiased=False) + 1e-4)).tolist()
+    return out
+
+
+def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
+    """Run GRPO; return one metrics dict per step."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    rng = random.Random(cfg.seed)
+    task = make_task(cfg.task)
+    model_dir = _model_dir(cfg.model_id)
+    policy = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    lora_config = None
+    if cfg.mode == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        lora_config = LoraConfig(
+            r=cfg.lora_rank,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=0.0,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+        )
+        policy = get_peft_model(policy, lora_config)
+    elif cfg.mode != "full":
+        raise ValueError(f"mode={cfg.mode!r}: expected 'lora' or 'full'")
+    trainable = [p for p in policy.parameters() if p.requires_grad]
+    optim = torch.optim.Adam(trainable, lr=cfg.lr)
+
+    if cfg.remote_group:
+        from twinkle_core import DeviceGroup, initialize
+
+        initialize("ray", groups=[DeviceGroup(name=cfg.remote_group, ranks=1, device_type="cpu")], num_cpus=cfg.ray_cpus)
+    kwargs = dict(cfg.engine_kwargs)
+    if cfg.remote_group:
+        kwargs["remote_group"] = cfg.remote_group
+    sampler = create_sampler(cfg.engine, model_id=str(model_dir), **kwargs)
+
+    def push() -> tuple[int, float]:
+        t = time.perf_counter()
+        if lora_config is not None:
+            from peft import get_peft_model_state_dict
+
+            weights = {k: v.detach().clone() for k, v in get_peft_model_state_dict(policy).items()}
+            version = sampler.add_adapter_to_model("policy", lora_config, weights=weights)
+        else:
+            version = sampler.update_weights([(k, v.detach()) for k, v in policy.state_dict().items()])
+        return version, time.perf_counter() - t
+
+    adapter = "policy" if lora_config is not None else ""
+    expected_version, _ = push()
+    history: list[dict[str, Any]] = []
+    out_dir = Path(cfg.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        for step in range(cfg.steps):
+            batch = task.batch(rng, cfg.prompts_per_step)
+            params = SamplingParams(
+                max_tokens=cfg.max_tokens,
+                temperature=cfg.temperature,
+                logprobs=0,
+                num_samples=cfg.group_size,
+                seed=rng.randrange(2**31),
+            )
+            t0 = time.perf_counter()
+            responses = sampler.sample([Trajectory(messages=m) for m, _ in batch], params, adapter_name=adapter)
+            t_sample = time.perf_counter() - t0
+            seqs, rewards = [], []
+            for (_, info), resp in zip(batch, responses):
+                for seq in resp.sequences:
+                    if seq.weights_version != expected_version:
+                        raise StalePolicyError(
+                            f"step {step}: a sample carries weights_version {seq.weights_version} but the trainer"
+                            f" pushed version {expected_version}: the sampler is not running the current policy."
+                        )
+                    seqs.append(seq)
+                    rewards.append(task.reward(seq.text, info))
+            n_tokens = sum(len(s.tokens) for s in seqs)
+            adv = torch.tensor(_group_advantages(rewards, cfg.group_size))
+
+            t1 = time.perf_counter()
+            features = [s.training_feature for s in seqs]
+            sampler_lp = torch.zeros(len(seqs), max(len(f.input_ids) for f in features) - 1)
+            for i, s in enumerate(seqs):
+                start = len(s.training_feature.input_ids) - len(s.tokens) - 1
+                sampler_lp[i, start : start + len(s.tokens)] = torch.tensor(s.logprobs)
+            policy.train()
+            new_lp, mask = completion_logprobs(policy, features, cfg.temperature)
+            old_lp = new_lp.detach()
+            diff = (old_lp - sampler_lp).abs()[mask]
+            is_ratio = torch.exp(old_lp - sampler_lp)[mask]
+            ratio = torch.exp(new_lp - old_lp)
+            a = adv.unsqueeze(1)
+            objective = torch.minimum(ratio * a, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * a)
+            loss = -(objective * mask).sum() / mask.sum()
+            optim.zero_grad()
+            loss.backward()
+            optim.step()
+            t_train = time.perf_counter() - t1
+
+            if cfg.skip_sync:
+                expected_version += 1  # the trainer believes it pushed; the sampler never got it
+                t_sync = 0.0
+            else:
+                expected_version, t_sync = push()
+            row = {
+                "step": step,
+                "reward": sum(rewards) / len(rewards),
+                "loss": float(loss.detach()),
+                "mismatch_mean": float(diff.mean()),
+                "mismatch_max": float(diff.max()),
+                "is_ratio_mean": float(is_ratio.mean()),
+                "is_ratio_min": float(is_ratio.min()),
+                "is_ratio_max": float(is_ratio.max()),
+                "sample_s": t_sample,
+                "train_s": t_train,
+                "sync_s": t_sync,
+                "sample_tokens_per_s": n_tokens / t_sample if t_sample > 0 else math.inf,
+                "weights_version": expected_version,
+            }
+            history.append(row)
+            if cfg.log:
+                print(
+                    f"step {step:3d}  reward {row['reward']:.3f}  mismatch mean {row['mismatch_mean']:.2e}"
+                    f" max {row['mismatch_max']:.2e}  ratio [{row['is_ratio_min']:.4f}, {row['is_ratio_max']:.4f}]"
+                    f"  sample {t_sample:.2f}s ({row['sample_tokens_per_s']:.0f} tok/s)  train {t_train:.2f}s"
+                    f"  sync {t_sync * 1000:.0f}ms",
+                    flush=True,
+                )
+    finally:
+        sampler.close()
+        (out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
+        (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+        if cfg.plot and history:
+            plot(history, out_dir / "curves.png", title=f"GRPO {cfg.task} on {cfg.model_id} ({cfg.engine}, {cfg.mode})")
+    return history
+
+
+def plot(history: list[dict[str, Any]], path: Path, title: str = "") -> None:
+    """Reward and sampler-vs-trainer log-prob mismatch per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in history]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    ax1.plot(steps, [r["reward"] for r in history], marker="o")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("mean reward")
+    ax1.set_title("reward")
+    ax2.semilogy(steps, [max(r["mismatch_mean"], 1e-12) for r in history], label="mean |Δ logprob|")
+    ax2.semilogy(steps, [max(r["mismatch_max"], 1e-12) for r in history], label="max |Δ logprob|")
+    ax2.set_xlabel("step")
+    ax2.set_title("sampler vs trainer log-probs")
+    ax2.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML config file")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a config field")
+    args = parser.parse_args(argv)
+    cfg = GRPOConfig.load(args.config, args.set)
+    history = train(cfg)
+    first = sum(r["reward"] for r in history[:3]) / min(3, len(history))
+    last = sum(r["reward"] for r in history[-3:]) / min(3, len(history))
+    print(f"reward: first 3 steps {first:.3f} -> last 3 steps {last:.3f}; metrics in {cfg.out_dir}")
+
+
+if __name__ == "__main__":
+    main()

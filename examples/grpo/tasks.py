@@ -1,0 +1,110 @@
+"""Verifiable toy tasks for the GRPO example: prompts and a reward function each.
+
+* ``digits`` (tiny test model): "answer with numbers". The reward of a completion
+  is the share of its non-space characters that are digits. It is learnable in
+  minutes on a CPU because the reward is dense (every digit counts) and the
+  base model already emits digits at temperature 1 for some prompts (it was
+  trained on counting and sums), so from the first step some samples of each
+  group score higher than others and the group-normalised advantage has signal.
+* ``compare`` (SmolLM2-135M-Instruct): "Is 17 greater than 25? Answer yes or
+  no." The reward is 1 when the completion starts with the right yes/no. The
+  135M model often rambles instead of answering, and is right about half the
+  time when it does answer: RL first teaches the format, then sharpens it.
+* ``arithmetic``: "What is 17 + 25? Answer with just the number." (reward 1 for
+  the right sum first). Too hard for the 135M model to learn on a CPU budget;
+  kept for larger models.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["Task", "TASKS", "make_task"]
+
+Prompt = list[dict[str, str]]
+
+
+class Task:
+    """A named set of prompts with a reward function.
+
+    Args:
+        name: the task's name.
+        prompts: a function ``rng -> (messages, info)`` drawing one prompt.
+        reward: ``(completion_text, info) -> float`` in [0, 1].
+    """
+
+    def __init__(
+        self,
+        name: str,
+        prompts: Callable[[random.Random], tuple[Prompt, dict[str, Any]]],
+        reward: Callable[[str, dict[str, Any]], float],
+    ) -> None:
+        self.name = name
+        self._prompts = prompts
+        self.reward = reward
+
+    def batch(self, rng: random.Random, n: int) -> list[tuple[Prompt, dict[str, Any]]]:
+        """Draw ``n`` prompts."""
+        return [self._prompts(rng) for _ in range(n)]
+
+
+_DIGIT_QUESTIONS = [
+    "Count from {a} to {b}.",
+    "What is {a} plus {c}?",
+    "Write {a} in words.",
+    "Tell me a story about a cat.",
+    "What is the capital of France?",
+    "List three colors.",
+]
+
+
+def _digits_prompt(rng: random.Random) -> tuple[Prompt, dict[str, Any]]:
+    a = rng.randrange(1, 12)
+    q = rng.choice(_DIGIT_QUESTIONS).format(a=a, b=a + rng.randrange(2, 6), c=rng.randrange(1, 7))
+    return [{"role": "user", "content": q}], {}
+
+
+def _digits_reward(text: str, info: dict[str, Any]) -> float:
+    chars = [c for c in text if not c.isspace()]
+    return sum(c.isdigit() for c in chars) / len(chars) if chars else 0.0
+
+
+def _arith_prompt(rng: random.Random) -> tuple[Prompt, dict[str, Any]]:
+    a, b = rng.randrange(2, 30), rng.randrange(2, 30)
+    q = f"What is {a} + {b}? Answer with just the number."
+    return [{"role": "user", "content": q}], {"answer": a + b}
+
+
+def _arith_reward(text: str, info: dict[str, Any]) -> float:
+    m = re.search(r"-?\d+", text)
+    return 1.0 if m is not None and int(m.group()) == info["answer"] else 0.0
+
+
+def _compare_prompt(rng: random.Random) -> tuple[Prompt, dict[str, Any]]:
+    a, b = rng.sample(range(1, 100), 2)
+    word = rng.choice(["greater", "smaller"])
+    q = f"Is {a} {word} than {b}? Answer yes or no."
+    truth = (a > b) if word == "greater" else (a < b)
+    return [{"role": "user", "content": q}], {"answer": "yes" if truth else "no"}
+
+
+def _compare_reward(text: str, info: dict[str, Any]) -> float:
+    m = re.match(r"\W*(yes|no)\b", text.strip().lower())
+    return 1.0 if m is not None and m.group(1) == info["answer"] else 0.0
+
+
+TASKS = {
+    "digits": Task("digits", _digits_prompt, _digits_reward),
+    "arithmetic": Task("arithmetic", _arith_prompt, _arith_reward),
+    "compare": Task("compare", _compare_prompt, _compare_reward),
+}
+
+
+def make_task(name: str) -> Task:
+    """Look a task up by name."""
+    if name not in TASKS:
+        raise ValueError(f"Unknown task {name!r}: expected one of {', '.join(TASKS)}.")
+    return TASKS[name]

@@ -1,0 +1,78 @@
+"""Construction errors and engine-option forwarding (no engine is started here)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from twinkle_core.errors import ConfigError, UnsupportedFeatureError
+from twinkle_core.mesh import DeviceMesh
+
+from twinkle_vllm import IPC_TIMEOUT_ENV
+from twinkle_vllm._engine_args import DEFAULT_IPC_TIMEOUT_S, build_engine_args, read_ipc_timeout
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "nan", "inf", "-0.5"])
+def test_invalid_ipc_timeout_fails_at_construction(value: str, monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
+    from twinkle_vllm.sampler import vLLMSampler
+
+    monkeypatch.setenv(IPC_TIMEOUT_ENV, value)
+    with pytest.raises(ConfigError, match=IPC_TIMEOUT_ENV) as info:
+        vLLMSampler(tiny_model)
+    assert repr(value) in str(info.value)
+
+
+def test_ipc_timeout_parsing() -> None:
+    assert read_ipc_timeout({}) == DEFAULT_IPC_TIMEOUT_S == 300
+    assert read_ipc_timeout({IPC_TIMEOUT_ENV: ""}) == 300
+    assert read_ipc_timeout({IPC_TIMEOUT_ENV: "2.5"}) == 2.5
+    assert read_ipc_timeout({IPC_TIMEOUT_ENV: " 10 "}) == 10
+
+
+def test_unknown_engine_option_lists_the_valid_ones(tiny_model: Path) -> None:
+    from twinkle_vllm.sampler import vLLMSampler
+
+    with pytest.raises(ConfigError) as info:
+        vLLMSampler(tiny_model, engine_args={"enable_prefix_cachin": False})
+    message = str(info.value)
+    assert "'enable_prefix_cachin'" in message and "Did you mean 'enable_prefix_caching'" in message
+    assert "gpu_memory_utilization" in message and "max_model_len" in message
+    with pytest.raises(ConfigError, match="no_such_option"):
+        vLLMSampler(tiny_model, no_such_option=1)
+
+
+@pytest.mark.parametrize("option", ["worker_extension_cls", "logprobs_mode", "model"])
+def test_reserved_engine_options(option: str, tiny_model: Path) -> None:
+    from twinkle_vllm.sampler import vLLMSampler
+
+    with pytest.raises(ConfigError, match=option):
+        vLLMSampler(tiny_model, engine_args={option: "x"})
+
+
+def test_mesh_and_options_conflicts(tiny_model: Path) -> None:
+    from twinkle_vllm.sampler import vLLMSampler
+
+    with pytest.raises(ConfigError, match="tp_size"):
+        vLLMSampler(tiny_model, DeviceMesh.from_sizes(tp_size=1), engine_args={"tensor_parallel_size": 2})
+    with pytest.raises(UnsupportedFeatureError, match="remote_group"):
+        vLLMSampler(tiny_model, DeviceMesh.from_sizes(dp_size=2))
+    with pytest.raises(ConfigError, match="given twice"):
+        vLLMSampler(tiny_model, engine_args={"max_num_seqs": 4}, max_num_seqs=8)
+    with pytest.raises(ConfigError, match="engine_args"):
+        vLLMSampler(tiny_model, engine_args=["enforce_eager"])  # type: ignore[arg-type]
+
+
+def test_options_are_forwarded_explicitly_false_included(tiny_model: Path) -> None:
+    args = build_engine_args(
+        tiny_model, 2, {"enable_prefix_caching": False, "enforce_eager": False, "max_num_seqs": 3, "seed": 0}
+    )
+    assert args.enable_prefix_caching is False
+    assert args.enforce_eager is False
+    assert args.max_num_seqs == 3 and args.seed == 0
+    assert args.tensor_parallel_size == 2
+    assert args.model == str(tiny_model)
+    assert args.worker_extension_cls == "twinkle_vllm.extension.TwinkleWorkerExtension"
+    assert args.logprobs_mode == "processed_logprobs"
+    args = build_engine_args(tiny_model, 1, {"logits_processors": ["my.pkg:Proc"]})
+    assert args.logits_processors == ["twinkle_vllm._logits:TemperatureProcessor", "my.pkg:Proc"]

@@ -1,0 +1,25 @@
+"""twinkle engine on vLLM.
+
+``import twinkle_vllm`` is cheap: :class:`vLLMSampler` (and with it vLLM and
+torch) is imported on first use of the name.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__all__ = ["vLLMSampler", "IPC_TIMEOUT_ENV"]
+
+#: The per-message timeout of the weight-sync channel, in seconds (default 300).
+IPC_TIMEOUT_ENV = "TWINKLE_VLLM_IPC_TIMEOUT_S"
+
+if TYPE_CHECKING:  # pragma: no cover
+    from twinkle_vllm.sampler import vLLMSampler
+
+
+def __getattr__(name: str) -> Any:
+    if name == "vLLMSampler":
+        from twinkle_vllm.sampler import vLLMSampler
+
+        return vLLMSampler
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

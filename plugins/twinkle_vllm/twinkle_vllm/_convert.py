@@ -1,0 +1,182 @@
+"""twinkle ``SamplingParams`` -> vLLM ``SamplingParams``, and vLLM outputs back.
+
+Every twinkle field is mapped; what vLLM cannot do natively is emulated here
+(and only where the emulation is exact), else refused with a typed error:
+
+* ``temperature`` outside vLLM's ``[0.01, 2]``: run at 1 and let
+  :class:`twinkle_vllm._logits.TemperatureProcessor` divide the logits.
+* ``num_samples > 1`` with greedy decoding (vLLM refuses ``n > 1`` there) or
+  when scoring: run once and copy; such samples are identical by definition.
+* ``max_tokens=0`` (scoring): vLLM needs at least one step, so it generates
+  one token that is dropped.
+* ``logprobs_mode="raw"``: the engine runs with processed log-probs; a raw
+  request re-scores its completions (prompt + completion as a prompt, whose
+  prompt log-probs are the raw log-softmax at each position).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from twinkle_core.data_format import SamplingParams
+from twinkle_core.errors import InvalidSamplingParams, UnsupportedFeatureError
+
+from twinkle_vllm._logits import EXTRA_ARG
+
+__all__ = ["Plan", "flat_entries", "make_plan", "scoring_params", "SEED_MODULUS"]
+
+#: vLLM gives the i-th of n samples ``seed + i``; keep that inside 64 bits.
+SEED_MODULUS = 1 << 62
+VLLM_MIN_TEMPERATURE = 0.01
+VLLM_MAX_TEMPERATURE = 2.0
+
+
+@dataclass
+class Plan:
+    """How one ``sample()`` call runs on vLLM.
+
+    Attributes:
+        params: the user's parameters.
+        vllm: keyword arguments of ``vllm.SamplingParams`` (``max_tokens`` may be
+            lowered per prompt, see :meth:`for_prompt`).
+        copies: how many times each vLLM sample is repeated (greedy ``num_samples``).
+        scoring: ``max_tokens == 0``: drop the one generated token.
+        rescore_raw: re-score completions for raw log-probs.
+    """
+
+    params: SamplingParams
+    vllm: dict[str, Any] = field(default_factory=dict)
+    copies: int = 1
+    scoring: bool = False
+    rescore_raw: bool = False
+
+    def for_prompt(self, prompt_len: int, max_model_len: int) -> dict[str, Any] | None:
+        """The vLLM keyword arguments for one prompt, or ``None`` if nothing can be generated.
+
+        Raw re-scoring submits prompt + completion as one prompt, which vLLM
+        accepts only up to ``max_model_len - 1`` tokens; raw requests therefore
+        stop one token before the context window (``stop_reason="length"``).
+        """
+        if not self.rescore_raw:
+            return self.vllm
+        room = max_model_len - 1 - prompt_len
+        if room <= 0:
+            return None
+        if self.vllm["max_tokens"] <= room:
+            return self.vllm
+        return {**self.vllm, "max_tokens": room}
+
+
+def make_plan(
+    params: SamplingParams,
+    *,
+    max_logprobs: int,
+    vocab_size: int,
+    temperature_processor: bool,
+) -> Plan:
+    """Map ``params`` onto vLLM, or raise if the engine cannot honour them.
+
+    Raises:
+        InvalidSamplingParams: a stop token id outside the vocabulary.
+        UnsupportedFeatureError: more log-probs than the engine's ``max_logprobs``,
+            or a temperature vLLM cannot reach when the temperature processor is off.
+    """
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k > max_logprobs:
+            raise UnsupportedFeatureError(
+                f"SamplingParams.{name}={k} exceeds this engine's max_logprobs={max_logprobs}:"
+                f" start the sampler with engine_args={{'max_logprobs': {k}}} (or more)."
+            )
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise InvalidSamplingParams(
+            f"SamplingParams.stop_token_ids={list(params.stop_token_ids)!r} is invalid: token id {bad[0]} is"
+            f" outside the vocabulary [0, {vocab_size})."
+        )
+
+    plan = Plan(params=params)
+    greedy = params.greedy
+    raw = params.logprobs_mode == "raw"
+    plan.scoring = params.max_tokens == 0
+    plan.rescore_raw = raw and params.logprobs is not None and not plan.scoring
+    # Greedy samples are identical, and scoring generates nothing: one request, copied.
+    single = greedy or plan.scoring
+    plan.copies = params.num_samples if single else 1
+
+    kw: dict[str, Any] = {
+        "n": 1 if single else params.num_samples,
+        "top_p": params.top_p,
+        "top_k": 0 if params.top_k == -1 else params.top_k,
+        "min_p": params.min_p,
+        "repetition_penalty": params.repetition_penalty,
+        "seed": None if params.seed is None else params.seed % SEED_MODULUS,
+        "stop": list(params.stop),
+        "stop_token_ids": list(params.stop_token_ids),
+        "ignore_eos": params.ignore_eos,
+        "max_tokens": max(params.max_tokens, 1),
+        # Raw log-probs come from re-scoring; the sampling request need not compute any.
+        "logprobs": None if plan.rescore_raw else params.logprobs,
+        "prompt_logprobs": params.prompt_logprobs,
+        "flat_logprobs": True,
+        # Text is decoded once by the template; vLLM needs it only to match stop strings.
+        "detokenize": bool(params.stop),
+        "include_stop_str_in_output": False,
+    }
+    temperature = params.temperature
+    if greedy or VLLM_MIN_TEMPERATURE <= temperature <= VLLM_MAX_TEMPERATURE:
+        kw["temperature"] = temperature
+    elif temperature_processor:
+        kw["temperature"] = 1.0
+        kw["min_p"] = 0.0  # applied by the processor, after the real temperature
+        kw["extra_args"] = {EXTRA_ARG: [temperature, params.min_p]}
+    else:
+        raise UnsupportedFeatureError(
+            f"SamplingParams.temperature={temperature!r} is outside vLLM's range"
+            f" [{VLLM_MIN_TEMPERATURE}, {VLLM_MAX_TEMPERATURE}] and twinkle's temperature processor is off"
+            " (speculative decoding disables custom logits processors)."
+        )
+    plan.vllm = kw
+    return plan
+
+
+def scoring_params(num_logprobs: int) -> dict[str, Any]:
+    """vLLM keyword arguments of a raw re-scoring request (prompt log-probs only)."""
+    return {
+        "n": 1,
+        "temperature": 0.0,
+        "max_tokens": 1,
+        "prompt_logprobs": num_logprobs,
+        "flat_logprobs": True,
+        "detokenize": False,
+    }
+
+
+def flat_entries(
+    flat: Any, positions: range, want_top: bool
+) -> tuple[list[float], list[list[tuple[int, float]]] | None, list[int]]:
+    """Read positions of a vLLM ``FlatLogprobs``.
+
+    vLLM stores, per position, the chosen token first (sampled or prompt token)
+    and then the top-k in descending order; the chosen token's entry is there
+    whether or not it is in the top k.
+
+    Returns:
+        The chosen tokens' log-probs, the top-k ``(id, logprob)`` lists (or
+        ``None`` when ``want_top`` is false), and the chosen token ids.
+    """
+    starts, ends = flat.start_indices, flat.end_indices
+    ids, values = flat.token_ids, flat.logprobs
+    chosen: list[float] = []
+    tops: list[list[tuple[int, float]]] = []
+    tokens: list[int] = []
+    for i in positions:
+        s, e = starts[i], ends[i]
+        value = values[s]
+        chosen.append(value if not math.isnan(value) else -math.inf)
+        tokens.append(ids[s])
+        if want_top:
+            tops.append([(ids[j], values[j]) for j in range(s + 1, e)])
+    return chosen, (tops if want_top else None), tokens

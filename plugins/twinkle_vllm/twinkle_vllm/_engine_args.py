@@ -1,0 +1,139 @@
+"""Building vLLM's ``AsyncEngineArgs`` from what the user gave, and the env knobs.
+
+Engine options are forwarded to vLLM *explicitly*: whatever the user sets is
+passed as given, ``False`` and ``0`` included, and an option vLLM does not
+know is an error (with the valid names), never dropped with a warning.
+A few options belong to twinkle itself (it needs them to keep its contract)
+and cannot be overridden.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from twinkle_core.errors import ConfigError
+
+from twinkle_vllm import IPC_TIMEOUT_ENV
+
+__all__ = [
+    "DEFAULT_IPC_TIMEOUT_S",
+    "EXTENSION_CLS",
+    "LOGITS_PROCESSOR",
+    "RESERVED",
+    "build_engine_args",
+    "engine_option_names",
+    "read_ipc_timeout",
+]
+
+DEFAULT_IPC_TIMEOUT_S = 300.0
+
+#: Our worker extension: weight sync, in-memory LoRA, debug hooks.
+EXTENSION_CLS = "twinkle_vllm.extension.TwinkleWorkerExtension"
+#: Our logits processor: temperatures vLLM's own range does not reach.
+LOGITS_PROCESSOR = "twinkle_vllm._logits:TemperatureProcessor"
+
+#: Options twinkle sets itself, and why a user cannot override them.
+RESERVED: dict[str, str] = {
+    "model": "pass the model as vLLMSampler(model_id=...)",
+    "tokenizer": "the tokenizer comes from the model folder (use template=... to change the chat template)",
+    "worker_extension_cls": "twinkle installs its own worker extension for weight sync",
+    "logprobs_mode": (
+        "twinkle runs vLLM with processed log-probs and serves logprobs_mode='raw' per request"
+        " (SamplingParams.logprobs_mode)"
+    ),
+}
+
+
+def read_ipc_timeout(environ: dict[str, str] | None = None) -> float:
+    """Parse ``TWINKLE_VLLM_IPC_TIMEOUT_S`` (seconds, a number > 0; default 300).
+
+    Raises:
+        ConfigError: the variable is set to anything but a finite number > 0.
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get(IPC_TIMEOUT_ENV)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_IPC_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(
+            f"{IPC_TIMEOUT_ENV}={raw!r} is invalid: expected a number of seconds > 0"
+            f" (default {DEFAULT_IPC_TIMEOUT_S:g})."
+        )
+    return value
+
+
+def engine_option_names() -> list[str]:
+    """Every option ``vllm.AsyncEngineArgs`` accepts, sorted."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return sorted(f.name for f in dataclasses.fields(AsyncEngineArgs))
+
+
+def _did_you_mean(name: str, choices: list[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, choices, n=3, cutoff=0.6)
+    return f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+
+
+def build_engine_args(model_dir: Path, tp_size: int, options: dict[str, Any]) -> Any:
+    """Return ``AsyncEngineArgs`` for ``model_dir`` with the user's ``options``.
+
+    Args:
+        model_dir: the local model folder.
+        tp_size: tensor-parallel size (from the device mesh).
+        options: engine options as the user gave them (``engine_args`` merged
+            with extra keyword arguments of the sampler).
+
+    Raises:
+        ConfigError: an unknown or reserved option, a ``tensor_parallel_size``
+            that contradicts the mesh, or a value vLLM rejects.
+    """
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    valid = engine_option_names()
+    for name in options:
+        if not isinstance(name, str) or name not in valid:
+            raise ConfigError(
+                f"Unknown vLLM engine option {name!r}.{_did_you_mean(str(name), valid)}"
+                f" Valid options (vllm.AsyncEngineArgs): {', '.join(valid)}."
+            )
+        if name in RESERVED:
+            raise ConfigError(f"Engine option {name!r} cannot be set: {RESERVED[name]}.")
+    if "tensor_parallel_size" in options and options["tensor_parallel_size"] != tp_size:
+        raise ConfigError(
+            f"Engine option tensor_parallel_size={options['tensor_parallel_size']!r} contradicts"
+            f" device_mesh.tp_size={tp_size}: set it through DeviceMesh.from_sizes(tp_size=...)."
+        )
+
+    custom_procs = options.get("logits_processors") or []
+    if not isinstance(custom_procs, (list, tuple)):
+        raise ConfigError(
+            f"Engine option logits_processors={custom_procs!r} is invalid: expected a list of"
+            " 'pkg.module:Class' strings or classes."
+        )
+    # vLLM refuses custom logits processors with speculative decoding; without ours,
+    # temperatures outside [0.01, 2] are then refused per request instead.
+    ours = [] if options.get("speculative_config") else [LOGITS_PROCESSOR]
+    kwargs: dict[str, Any] = {
+        "disable_log_stats": True,
+        # The user's options go last so they win over our defaults, False included.
+        **options,
+        "model": str(model_dir),
+        "tensor_parallel_size": tp_size,
+        "worker_extension_cls": EXTENSION_CLS,
+        "logprobs_mode": "processed_logprobs",
+        "logits_processors": [*ours, *custom_procs],
+    }
+    try:
+        return AsyncEngineArgs(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"vLLM rejected the engine options {sorted(options)}: {exc}") from exc

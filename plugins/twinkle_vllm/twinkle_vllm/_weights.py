@@ -1,0 +1,166 @@
+"""Validation of ``update_weights`` input against the model's checkpoint.
+
+The names a trainer sends are its Hugging Face ``state_dict`` names, which are
+the checkpoint's names: the spec (names, shapes, dtypes) is read from the
+safetensors headers of the model folder, without loading any tensor. Nothing
+is sent to the engine until every tensor passed these checks.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+from typing import Any
+
+from twinkle_core.errors import UnsupportedFeatureError, WeightUpdateError
+
+__all__ = ["WeightSpec"]
+
+_ST_DTYPES = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+_EXPERT = re.compile(r"\.experts\.\d+(\.|$)")
+
+
+def _read_header(path: Path) -> dict[str, Any]:
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length))
+
+
+class WeightSpec:
+    """Names, shapes and dtypes a weight update may carry.
+
+    Args:
+        shapes: checkpoint name -> shape.
+        dtypes: checkpoint name -> dtype name (``"bfloat16"``...).
+        engine_dtype: the dtype the engine runs in; floating-point tensors must have it.
+        packed_modules_mapping: vLLM's fused modules (``qkv_proj`` -> ``q_proj``, ``k_proj``, ``v_proj``).
+        tied_embeddings: ``lm_head.weight`` is ``model.embed_tokens.weight``.
+    """
+
+    def __init__(
+        self,
+        shapes: dict[str, tuple[int, ...]],
+        dtypes: dict[str, str],
+        engine_dtype: str,
+        packed_modules_mapping: dict[str, list[str]],
+        tied_embeddings: bool,
+    ) -> None:
+        self.shapes = shapes
+        self.dtypes = dtypes
+        self.engine_dtype = engine_dtype
+        self.tied = tied_embeddings and "lm_head.weight" not in shapes
+        self._fused = {part: fused for fused, parts in packed_modules_mapping.items() for part in parts}
+        # Tensors that vLLM loads into one layer must arrive together: a layer
+        # is rebuilt from what is sent, so half a fused layer would be garbage.
+        self.groups: dict[str, list[str]] = {}
+        for name in shapes:
+            self.groups.setdefault(self._layer_key(name), []).append(name)
+
+    @classmethod
+    def from_model_dir(
+        cls, model_dir: Path, engine_dtype: str, packed_modules_mapping: dict[str, list[str]]
+    ) -> WeightSpec:
+        """Read the spec from ``model_dir/*.safetensors``.
+
+        Raises:
+            UnsupportedFeatureError: the folder has no safetensors checkpoint.
+        """
+        files = sorted(p for p in Path(model_dir).glob("*.safetensors") if not p.name.startswith("adapter_"))
+        if not files:
+            raise UnsupportedFeatureError(
+                f"update_weights needs a safetensors checkpoint to validate against; {model_dir} has none."
+            )
+        shapes: dict[str, tuple[int, ...]] = {}
+        dtypes: dict[str, str] = {}
+        for file in files:
+            for name, info in _read_header(file).items():
+                if name == "__metadata__":
+                    continue
+                shapes[name] = tuple(info["shape"])
+                dtypes[name] = _ST_DTYPES.get(info["dtype"], info["dtype"].lower())
+        tied = False
+        config = Path(model_dir) / "config.json"
+        if config.is_file():
+            data = json.loads(config.read_text())
+            tied = bool(data.get("tie_word_embeddings", data.get("text_config", {}).get("tie_word_embeddings", False)))
+        return cls(shapes, dtypes, engine_dtype, packed_modules_mapping, tied)
+
+    def _layer_key(self, name: str) -> str:
+        module = name.rsplit(".", 1)[0]
+        expert = _EXPERT.search(module)
+        if expert:
+            # vLLM keeps all experts of a layer in one fused module.
+            return module[: expert.start()] + ".experts"
+        head, _, last = module.rpartition(".")
+        fused = self._fused.get(last)
+        return f"{head}.{fused}" if fused else module
+
+    def validate(self, items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """Check every tensor; return what to send (tied ``lm_head`` folded into the embedding).
+
+        Raises:
+            WeightUpdateError: an unknown or repeated name, a non-tensor, a wrong
+                shape or dtype, or a fused layer sent in part. Nothing is sent then.
+        """
+        import torch
+
+        seen: dict[str, Any] = {}
+        for name, tensor in items:
+            if name in seen:
+                raise WeightUpdateError(f"update_weights got {name!r} twice.")
+            if not isinstance(tensor, torch.Tensor):
+                raise WeightUpdateError(
+                    f"update_weights: {name!r} is a {type(tensor).__name__}, expected a torch.Tensor."
+                )
+            seen[name] = tensor
+        if self.tied and "lm_head.weight" in seen:
+            # One tensor in the trainer; vLLM keeps only the embedding.
+            lm_head = seen.pop("lm_head.weight")
+            seen.setdefault("model.embed_tokens.weight", lm_head)
+        unknown = [n for n in seen if n not in self.shapes]
+        if unknown:
+            from twinkle_core.data_format._base import did_you_mean
+
+            raise WeightUpdateError(
+                f"update_weights: {unknown[0]!r} is not a weight of this model.{did_you_mean(unknown[0], list(self.shapes))}"
+                f" ({len(unknown)} unknown name(s); names are the model's Hugging Face state_dict names.)"
+            )
+        for name, tensor in seen.items():
+            expected = self.shapes[name]
+            if tuple(tensor.shape) != expected:
+                raise WeightUpdateError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, expected {expected}."
+                )
+            want = self.dtypes[name]
+            if tensor.is_floating_point() or want.startswith(("float", "bfloat")):
+                want = self.engine_dtype
+            got = str(tensor.dtype).removeprefix("torch.")
+            if got != want:
+                raise WeightUpdateError(
+                    f"update_weights: {name!r} has dtype {got}, but the engine runs in {want};"
+                    f" send tensor.to(torch.{want})."
+                )
+        for name in seen:
+            members = self.groups[self._layer_key(name)]
+            missing = [m for m in members if m not in seen]
+            if missing:
+                raise WeightUpdateError(
+                    f"update_weights: {name!r} is loaded into one engine layer together with {missing};"
+                    " send all of them in the same update."
+                )
+        return list(seen.items())
