@@ -324,7 +324,8 @@ class Registry(Generic[T]):
         available = [i.name for i in self.infos() if i.available]
         known = sorted(set(available) | set(self.install_hint))
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-        msg = f"Unknown {self.kind} {name!r}." + (f" Did you mean {close[0]!r}?" if close else "")
+        suggest = bool(close) and close[0] != name  # a known-but-not-installed name gets its hint, not a suggestion
+        msg = f"Unknown {self.kind} {name!r}." + (f" Did you mean {close[0]!r}?" if suggest else "")
         msg += f" Available: {', '.join(available) if available else '(none)'}."
         hint = self.install_hint.get(close[0] if close and close[0] not in available else name)
         if hint:

@@ -155,6 +155,7 @@ class TokenSampler:
         self.penalty = params.repetition_penalty if params.repetition_penalty != 1.0 else None
         self.top_k = params.top_k if params.top_k > 0 else None
         self.top_p = params.top_p if params.top_p < 1.0 else None
+        self.min_p = params.min_p if params.min_p > 0.0 else None
         self.log_min_p = math.log(params.min_p) if params.min_p > 0.0 else None
         self.truncates = self.top_k is not None or self.top_p is not None or self.log_min_p is not None
         self.by_rejection = self.truncates and self.top_k is None
@@ -229,48 +230,45 @@ class TokenSampler:
 
     # -- the untruncated distribution -------------------------------------------------------
     def _sample_full(self, scaled: torch.Tensor, raw: torch.Tensor, uniforms: torch.Tensor) -> StepResult:
-        lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
-        probs = torch.exp(scaled - lse)
+        probs = torch.softmax(scaled, dim=-1)
         tokens = self._inverse_cdf(probs.cumsum(dim=-1), uniforms)
         if not self.want_logprobs:
             return StepResult(tokens)
-        if self.raw_mode:
-            return self._finish_full(tokens, raw)
-        return self._finish_full(tokens, scaled - lse, normalised=True)
+        return self._finish_full(tokens, raw if self.raw_mode else scaled)
 
     # -- top-p / min-p by rejection ---------------------------------------------------------------
-    def _survives(
-        self, probs: torch.Tensor, scaled: torch.Tensor, top: torch.Tensor | None, tokens: torch.Tensor
-    ) -> torch.Tensor:
-        """Whether each row's token survives top-p and min-p (``top``: each row's largest scaled logit)."""
-        picked = tokens.unsqueeze(-1)
-        ok: torch.Tensor | None = None
+    def _survives(self, probs: torch.Tensor, peak: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+        """Whether each row's token survives top-p and min-p (``peak``: each row's largest probability)."""
+        p = probs.gather(-1, tokens.unsqueeze(-1))
+        ok = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device)
+        if self.min_p is not None:
+            assert peak is not None
+            ok &= (p >= self.min_p * peak).squeeze(-1)
         if self.top_p is not None:
-            p = probs.gather(-1, picked)
-            ahead = torch.where(probs > p, probs, 0.0).sum(dim=-1)  # mass ranked above the token
-            ok = ahead < self.top_p
-        if self.log_min_p is not None:
-            assert top is not None
-            rule = (scaled.gather(-1, picked) - top).squeeze(-1) >= self.log_min_p
-            ok = rule if ok is None else ok & rule
-        assert ok is not None
+            # A token holding more than 1 - top_p of the mass is inside the nucleus whatever the
+            # rest; only the others need the pass over the vocabulary.
+            unsure = (p.squeeze(-1) <= 1.0 - self.top_p).nonzero().flatten()
+            if unsure.numel() * 2 > len(tokens):
+                ok &= torch.where(probs > p, probs, 0.0).sum(dim=-1) < self.top_p  # mass ranked above
+            elif unsure.numel():
+                rows = probs[unsure]
+                ok[unsure] &= torch.where(rows > p[unsure], rows, 0.0).sum(dim=-1) < self.top_p
         return ok
 
     def _sample_by_rejection(
         self, scaled: torch.Tensor, raw: torch.Tensor, uniforms: torch.Tensor, redraw: Redraw
     ) -> StepResult:
-        lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
-        probs = torch.exp(scaled - lse)
+        probs = torch.softmax(scaled, dim=-1)
         cdf = probs.cumsum(dim=-1)
-        top = scaled.max(dim=-1, keepdim=True).values if self.log_min_p is not None else None
+        peak = probs.amax(dim=-1, keepdim=True) if self.min_p is not None else None
         tokens = self._inverse_cdf(cdf, uniforms)
-        pending = (~self._survives(probs, scaled, top, tokens)).nonzero().flatten().tolist()
+        pending = (~self._survives(probs, peak, tokens)).nonzero().flatten().tolist()
         for _ in range(_MAX_REDRAWS):
             if not pending:
                 break
             idx = torch.tensor(pending, device=scaled.device)
             again = self._inverse_cdf(cdf[idx], redraw(pending))
-            ok = self._survives(probs[idx], scaled[idx], None if top is None else top[idx], again).tolist()
+            ok = self._survives(probs[idx], None if peak is None else peak[idx], again).tolist()
             tokens[idx] = again
             pending = [row for row, kept in zip(pending, ok) if not kept]
         if pending:  # a tiny kept mass: find it exactly instead
@@ -285,14 +283,14 @@ class TokenSampler:
         # comes from there: the token was drawn above, so asking for log-probs never
         # changes what is sampled).
         if self.top_p is None:
-            assert self.log_min_p is not None and top is not None
-            kept = (scaled - top) >= self.log_min_p
-            log_norm = lse + torch.log(torch.where(kept, probs, 0.0).sum(dim=-1, keepdim=True))
-            chosen = (scaled.gather(-1, tokens.unsqueeze(-1)) - log_norm).squeeze(-1)
+            assert self.min_p is not None and peak is not None
+            threshold = self.min_p * peak
+            log_kept = torch.log(torch.where(probs >= threshold, probs, 0.0).sum(dim=-1, keepdim=True))
+            chosen = (torch.log(probs.gather(-1, tokens.unsqueeze(-1))) - log_kept).squeeze(-1)
             if not self.top_n:
                 return StepResult(tokens, chosen)
-            values, ids = scaled.topk(min(self.top_n, scaled.shape[-1]), dim=-1)
-            top_lp = torch.where((values - top) >= self.log_min_p, values - log_norm, -math.inf)
+            values, ids = probs.topk(min(self.top_n, probs.shape[-1]), dim=-1)
+            top_lp = torch.where(values >= threshold, torch.log(values) - log_kept, -math.inf)
             return StepResult(tokens, chosen, ids, top_lp)
         values, ids, cum, ref_lse, last = self._candidates(scaled)
         token_values = scaled.gather(-1, tokens.unsqueeze(-1))
