@@ -1,6 +1,6 @@
 """TorchSampler against Hugging Face ``generate``, side by side, on the same workload.
 
-    python bench/bench_torch.py --preset quick   # about 2 minutes on 2 CPU cores
+    python bench/bench_torch.py --preset quick   # about a minute on 2 idle CPU cores
     python bench/bench_torch.py --preset full    # the issue's workload: 32 prompts x 4 x 128 tokens
 
 Workloads: the core's tiny test model and the built-in SmolLM2-135M-Instruct,

@@ -207,9 +207,9 @@ class TokenSampler:
             return self._sample_by_rejection(processed, raw, uniforms, redraw)
         return self._sample_candidates(processed, raw, uniforms)
 
-    def _finish_full(self, tokens: torch.Tensor, scores: torch.Tensor, *, normalised: bool = False) -> StepResult:
-        """Log-probs of ``tokens`` (and the top-n) under ``scores`` (log-softmaxed unless ``normalised``)."""
-        logprobs = scores if normalised else torch.log_softmax(scores, dim=-1)
+    def _finish_full(self, tokens: torch.Tensor, scores: torch.Tensor) -> StepResult:
+        """Log-probs of ``tokens`` (and the top-n) under the log-softmax of ``scores``."""
+        logprobs = torch.log_softmax(scores, dim=-1)
         chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         if not self.top_n:
             return StepResult(tokens, chosen)
