@@ -74,8 +74,11 @@ def vllm_raw_runner(workload: Workload, **engine_args: Any) -> Callable[[Workloa
 
     from twinkle_core.hub import resolve_model_id
 
+    from twinkle_vllm._engine_args import platform_defaults
+
     path = str(resolve_model_id(workload.model_id))
-    llm = LLM(model=path, dtype=workload.dtype, **engine_args)
+    # the scheduler twinkle's engine runs with on this platform, so both arms run the same engine
+    llm = LLM(model=path, dtype=workload.dtype, **{**platform_defaults(), **engine_args})
     tokenizer = llm.get_tokenizer()
 
     def run(w: Workload) -> int:

@@ -208,3 +208,24 @@ def test_loop_thread_runs_and_cancels() -> None:
     finally:
         loop.stop()
     assert not loop.alive
+
+
+def test_a_seed_is_refused_where_it_would_crash_the_engine() -> None:
+    why = "chunked prefill on CPU"
+    with pytest.raises(UnsupportedFeatureError, match=r"seed=5 cannot be used here: chunked prefill on CPU"):
+        make_plan(SamplingParams(seed=5), max_logprobs=20, vocab_size=100, temperature_processor=True, seeds_crash=why)
+    unseeded = make_plan(SamplingParams(), max_logprobs=20, vocab_size=100, temperature_processor=True, seeds_crash=why)
+    assert unseeded.vllm["seed"] is None
+
+
+def test_cpu_engines_default_to_whole_prompt_prefills(tiny_model: Path) -> None:
+    """vLLM's CPU backend cannot rewind a seeded request after a partial prefill, so twinkle turns chunking off."""
+    from vllm.platforms import current_platform
+
+    from twinkle_vllm._engine_args import build_engine_args
+
+    if not current_platform.is_cpu():
+        pytest.skip("vLLM's GPU backends keep chunked prefill")
+    assert build_engine_args(tiny_model, 1, {}).enable_chunked_prefill is False
+    assert build_engine_args(tiny_model, 1, {"enable_chunked_prefill": True}).enable_chunked_prefill is True
+

@@ -75,14 +75,18 @@ def make_plan(
     max_logprobs: int,
     vocab_size: int,
     temperature_processor: bool,
+    seeds_crash: str = "",
 ) -> Plan:
     """Map ``params`` onto vLLM, or raise if the engine cannot honour them.
 
     Raises:
         InvalidSamplingParams: a stop token id outside the vocabulary.
         UnsupportedFeatureError: more log-probs than the engine's ``max_logprobs``,
-            or a temperature vLLM cannot reach when the temperature processor is off.
+            a temperature vLLM cannot reach when the temperature processor is off,
+            or a seed where ``seeds_crash`` says why the engine cannot take one.
     """
+    if params.seed is not None and seeds_crash:
+        raise UnsupportedFeatureError(f"SamplingParams.seed={params.seed} cannot be used here: {seeds_crash}")
     for name in ("logprobs", "prompt_logprobs"):
         k = getattr(params, name)
         if k is not None and k > max_logprobs:

@@ -26,6 +26,7 @@ __all__ = [
     "RESERVED",
     "build_engine_args",
     "engine_option_names",
+    "platform_defaults",
     "read_ipc_timeout",
 ]
 
@@ -84,6 +85,22 @@ def _did_you_mean(name: str, choices: list[str]) -> str:
     return f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
 
 
+def platform_defaults() -> dict[str, Any]:
+    """Engine options twinkle defaults differently from vLLM on this platform (the user's own win).
+
+    On vLLM's CPU backend, a seeded request whose prompt is prefilled in chunks
+    kills the engine: vLLM rewinds the request's random generator after a
+    partial prefill with ``Generator.set_offset``, which CPU generators do not
+    have ("CPU Generator does not use offset", vLLM 0.32). A call with many
+    prompts (or samples) fills the step's token budget and gets chunked, so any
+    seeded call could hit it. Without chunked prefill every prompt is prefilled
+    whole (a prompt that waits goes in a later step), and seeds work at any size.
+    """
+    from vllm.platforms import current_platform
+
+    return {"enable_chunked_prefill": False} if current_platform.is_cpu() else {}
+
+
 def build_engine_args(model_dir: Path, tp_size: int, options: dict[str, Any]) -> Any:
     """Return ``AsyncEngineArgs`` for ``model_dir`` with the user's ``options``.
 
@@ -125,6 +142,7 @@ def build_engine_args(model_dir: Path, tp_size: int, options: dict[str, Any]) ->
     ours = [] if options.get("speculative_config") else [LOGITS_PROCESSOR]
     kwargs: dict[str, Any] = {
         "disable_log_stats": True,
+        **platform_defaults(),
         # The user's options go last so they win over our defaults, False included.
         **options,
         "model": str(model_dir),

@@ -141,6 +141,13 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
             self._lora_config = config.lora_config
             self._device_type = str(config.device_config.device_type)
             self._world_size = int(config.parallel_config.world_size)
+            # See platform_defaults(): only a user who turned chunked prefill back on gets here.
+            self._seeds_crash = (
+                "on vLLM's CPU backend a seeded request in a chunked prefill kills the engine (vLLM 0.32);"
+                " start the sampler without engine_args={'enable_chunked_prefill': True}, or drop the seed."
+                if self._device_type == "cpu" and config.scheduler_config.enable_chunked_prefill
+                else ""
+            )
             self._workers = self._rpc("twinkle_describe")
         except BaseException:
             self._shutdown()
@@ -201,6 +208,7 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
             max_logprobs=self._max_logprobs,
             vocab_size=self._vocab_size,
             temperature_processor=self._temperature_processor,
+            seeds_crash=self._seeds_crash,
         )
         with self._state.read():
             if self._asleep:
