@@ -57,6 +57,7 @@ class GRPOConfig:
     lora_rank: int = 8
     lora_alpha: int = 16
     seed: int = 0
+    eval_prompts: int = 0  # held-out prompts scored before the first and after the last step (0: none)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     remote_group: str | None = None  # run the sampler as Ray actors in this group
     ray_cpus: int = 2
@@ -171,6 +172,22 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
 
     adapter = "policy" if lora_config is not None else ""
     expected_version, _ = push()
+    # a held-out set, drawn from its own random stream so it never meets a training prompt's draw
+    held_out = task.batch(random.Random(cfg.seed + 1_000_003), cfg.eval_prompts)
+
+    def evaluate() -> float:
+        """Mean reward of ``group_size`` samples per held-out prompt, with a fixed seed."""
+        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                                num_samples=cfg.group_size, seed=cfg.seed)
+        responses = sampler.sample([Trajectory(messages=m) for m, _ in held_out], params, adapter_name=adapter)
+        scores = [task.reward(s.text, info) for (_, info), r in zip(held_out, responses) for s in r.sequences]
+        return sum(scores) / len(scores)
+
+    summary: dict[str, Any] = {}
+    if held_out:
+        summary["eval_before"] = evaluate()
+        if cfg.log:
+            print(f"held-out reward before training: {summary['eval_before']:.3f} ({len(held_out)} prompts)", flush=True)
     history: list[dict[str, Any]] = []
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -249,10 +266,20 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
                     f"  sync {t_sync * 1000:.0f}ms",
                     flush=True,
                 )
+        if held_out:
+            summary["eval_after"] = evaluate()
+            if cfg.log:
+                print(f"held-out reward after training: {summary['eval_after']:.3f}", flush=True)
     finally:
         sampler.close()
+        if cfg.remote_group:
+            from twinkle_core import shutdown
+
+            shutdown()  # the Ray runtime this run started
         (out_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
         (out_dir / "config.json").write_text(json.dumps(asdict(cfg), indent=2))
+        if summary:
+            (out_dir / "eval.json").write_text(json.dumps(summary, indent=2))
         if cfg.plot and history:
             plot(history, out_dir / "curves.png", title=f"GRPO {cfg.task} on {cfg.model_id} ({cfg.engine}, {cfg.mode})")
     return history
@@ -267,7 +294,13 @@ def plot(history: list[dict[str, Any]], path: Path, title: str = "") -> None:
 
     steps = [r["step"] for r in history]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    ax1.plot(steps, [r["reward"] for r in history], marker="o")
+    rewards = [r["reward"] for r in history]
+    ax1.plot(steps, rewards, marker="o", alpha=0.5, label="per step")
+    window = 5
+    if len(rewards) >= window:
+        smooth = [sum(rewards[i - window + 1 : i + 1]) / window for i in range(window - 1, len(rewards))]
+        ax1.plot(steps[window - 1 :], smooth, label=f"mean of last {window}")
+        ax1.legend()
     ax1.set_xlabel("step")
     ax1.set_ylabel("mean reward")
     ax1.set_title("reward")

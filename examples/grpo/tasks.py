@@ -6,10 +6,16 @@
   base model already emits digits at temperature 1 for some prompts (it was
   trained on counting and sums), so from the first step some samples of each
   group score higher than others and the group-normalised advantage has signal.
-* ``compare`` (SmolLM2-135M-Instruct): "Is 17 greater than 25? Answer yes or
-  no." The reward is 1 when the completion starts with the right yes/no. The
-  135M model often rambles instead of answering, and is right about half the
-  time when it does answer: RL first teaches the format, then sharpens it.
+* ``compare``: "Is 17 greater than 25? Answer yes or no." The reward is 1 when
+  the completion starts with the right yes/no. Not a good task for the 135M
+  model: it mostly answers "No", so RL collapses onto "always No" within a step
+  (reward 0.5, then no signal left in any group). Kept as a cautionary example.
+* ``extract`` (SmolLM2-135M-Instruct, its config's task): "Sam has 42 coins.
+  How many coins does Sam have? Reply with just the number." The reward is 1
+  when the completion's first number is the one in the question. The 135M model
+  can read the number but mostly chats instead of answering: at temperature 1
+  about a quarter of its answers are right and every group of 8 samples holds
+  right and wrong ones, so each step has signal; RL teaches it to answer.
 * ``arithmetic``: "What is 17 + 25? Answer with just the number." (reward 1 for
   the right sum first). Too hard for the 135M model to learn on a CPU budget;
   kept for larger models.
@@ -78,11 +84,6 @@ def _arith_prompt(rng: random.Random) -> tuple[Prompt, dict[str, Any]]:
     return [{"role": "user", "content": q}], {"answer": a + b}
 
 
-def _arith_reward(text: str, info: dict[str, Any]) -> float:
-    m = re.search(r"-?\d+", text)
-    return 1.0 if m is not None and int(m.group()) == info["answer"] else 0.0
-
-
 def _compare_prompt(rng: random.Random) -> tuple[Prompt, dict[str, Any]]:
     a, b = rng.sample(range(1, 100), 2)
     word = rng.choice(["greater", "smaller"])
@@ -96,10 +97,26 @@ def _compare_reward(text: str, info: dict[str, Any]) -> float:
     return 1.0 if m is not None and m.group(1) == info["answer"] else 0.0
 
 
+_NOUNS = ["apples", "books", "cats", "coins", "chairs", "pens", "birds", "cups"]
+_NAMES = ["Sam", "Ana", "Li", "Omar", "Kim", "Eva"]
+
+
+def _extract_prompt(rng: random.Random) -> tuple[Prompt, dict[str, Any]]:
+    n, noun, name = rng.randrange(2, 99), rng.choice(_NOUNS), rng.choice(_NAMES)
+    q = f"{name} has {n} {noun}. How many {noun} does {name} have? Reply with just the number."
+    return [{"role": "user", "content": q}], {"answer": n}
+
+
+def _first_number_reward(text: str, info: dict[str, Any]) -> float:
+    m = re.search(r"-?\d+", text)
+    return 1.0 if m is not None and int(m.group()) == info["answer"] else 0.0
+
+
 TASKS = {
     "digits": Task("digits", _digits_prompt, _digits_reward),
-    "arithmetic": Task("arithmetic", _arith_prompt, _arith_reward),
+    "arithmetic": Task("arithmetic", _arith_prompt, _first_number_reward),
     "compare": Task("compare", _compare_prompt, _compare_reward),
+    "extract": Task("extract", _extract_prompt, _first_number_reward),
 }
 
 

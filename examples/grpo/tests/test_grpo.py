@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import random
+import re
 import sys
 from pathlib import Path
 
@@ -12,6 +15,7 @@ HERE = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(HERE))
 
 from grpo import GRPOConfig, StalePolicyError, train  # noqa: E402
+from tasks import make_task  # noqa: E402
 
 #: float32 on both sides: the sampler's log-probs must match the trainer's this closely.
 MISMATCH_BOUND = 1e-3
@@ -39,10 +43,32 @@ def _check_learned(history: list[dict], margin: float) -> None:
 
 
 def test_lora_grpo_with_the_torch_engine_learns(tmp_path: Path) -> None:
-    history = _run(tmp_path, "tiny_torch.yaml", steps=12)
+    history = _run(tmp_path, "tiny_torch.yaml", steps=12, eval_prompts=8)
     _check_learned(history, margin=0.4)
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 12
+    # the held-out prompts, never trained on, improve as much
+    scores = json.loads((tmp_path / "eval.json").read_text())
+    assert scores["eval_after"] > scores["eval_before"] + 0.4, scores
+
+
+def test_grpo_with_the_sampler_on_ray_keeps_the_policy_in_sync(tmp_path: Path) -> None:
+    """The sampler as a Ray actor: every step's samples carry the version just pushed, log-probs match."""
+    history = _run(tmp_path, "tiny_torch.yaml", steps=4, remote_group="grpo_sampler", ray_cpus=1)
+    first = history[0]["weights_version"]
+    assert [r["weights_version"] for r in history] == [first, first + 1, first + 2, first + 3]
+    assert max(r["mismatch_max"] for r in history) < MISMATCH_BOUND
+
+
+def test_extract_task_rewards_the_number_of_the_question_first() -> None:
+    task = make_task("extract")
+    messages, info = task.batch(random.Random(0), 1)[0]
+    (n,) = map(int, re.findall(r"\d+", messages[-1]["content"]))
+    assert info["answer"] == n
+    assert task.reward(f"{n}", info) == 1.0
+    assert task.reward(f"They have {n}.", info) == 1.0
+    assert task.reward(f"{n + 1}, not {n}", info) == 0.0
+    assert task.reward("I cannot say.", info) == 0.0
 
 
 def test_full_finetune_grpo_with_update_weights_learns(tmp_path: Path) -> None:
