@@ -9,6 +9,7 @@ subclass defined here.
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -254,11 +255,21 @@ def lora_dir(model_dir, tmp_path_factory) -> str:
 
 
 # -- pure logic -------------------------------------------------------------------------------------
-def test_split_by_cost_is_longest_first_and_keeps_order():
-    # 9 -> a, 5 -> b, 4 -> b, then the 1s to the lighter shard (ties to the first)
-    assert split_by_cost([1, 9, 1, 1, 5, 4], 2) == [[0, 1, 3], [2, 4, 5]]
-    assert split_by_cost([3.0], 3) == [[0], [], []]
-    assert all(s == sorted(s) for s in split_by_cost([5, 1, 4, 2, 3, 6, 7], 3))
+def test_split_by_cost_groups_similar_lengths_in_balanced_runs():
+    costs = [1, 9, 1, 1, 5, 4]
+    assert split_by_cost(costs, 2) == [[0, 2, 3, 4, 5], [1]]  # 12 | 9: the 9 alone
+    assert split_by_cost([3.0], 3) == [[], [0], []]
+    rng = random.Random(0)
+    for bins in (2, 3, 5):
+        costs = [rng.randint(100, 900) for _ in range(40)]
+        shards = split_by_cost(costs, bins)
+        assert sorted(i for s in shards for i in s) == list(range(40)) and all(s == sorted(s) for s in shards)
+        mean = sum(costs) / bins
+        assert all(abs(sum(costs[i] for i in s) - mean) <= max(costs) for s in shards)
+        # runs: every input of one shard costs no more than every input of the next
+        for a, b in zip(shards, shards[1:]):
+            if a and b:
+                assert max(costs[i] for i in a) <= min(costs[i] for i in b)
 
 
 # -- TorchSampler replicas --------------------------------------------------------------------------

@@ -136,8 +136,9 @@ class RemoteSampler(Sampler):
     meant to be constructed directly. It has the whole ``Sampler`` API:
 
     * ``sample`` splits the inputs across the replicas in service, balanced by
-      estimated work (each input whole, costliest first, to the least loaded
-      replica), runs them concurrently and returns the responses in input order.
+      estimated work (each input whole; prompts of similar length together, in
+      runs of near-equal cost), runs them concurrently and returns the
+      responses in input order.
     * ``add_adapter_to_model``, ``remove_adapter``, ``set_template`` and
       ``update_weights`` reach every replica and return once all applied them;
       tensors go into Ray's object store once and every replica reads that copy;
