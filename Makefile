@@ -32,7 +32,7 @@ $(VENV)/.test: $(VENV)/.demo pyproject.toml plugins/twinkle_vllm/pyproject.toml
 	touch $@
 
 demo: $(VENV)/.demo
-	$(VENV)/bin/twinkle sample --engine torch -n 2 --max-tokens 48 --temperature 0.7 --seed 0 \
+	$(VENV)/bin/twinkle sample --engine torch -n 2 --max-tokens 48 --temperature 0.7 --seed 0 --format text \
 		--prompt "What is the capital of France?" \
 		--prompt "Write a haiku about the sea." \
 		--prompt "Give me three tips for learning Python."

@@ -56,6 +56,23 @@ def test_sample_prompts_flags_to_jsonl(tiny):
     assert "Paris" in records[0]["sequences"][0]["text"]
 
 
+def test_sample_as_readable_text(tiny):
+    out = run(
+        "sample", "-e", "torch", "-m", tiny, "-p", "What is the capital of France?", "-p", "Count to five.",
+        "-n", "2", "--max-tokens", "12", "--temperature", "0", "--format", "text", "--no-progress",
+    )
+    assert out.returncode == 0, out.stderr
+    blocks = out.stdout.strip().split("\n\n")
+    assert len(blocks) == 2
+    first = blocks[0].splitlines()
+    assert first[0] == "[0] What is the capital of France?"
+    assert first[1].startswith("  (1) ") and "Paris" in first[1] and "tokens]" in first[1]
+    assert first[2].startswith("  (2) ")
+    assert blocks[1].startswith("[1] Count to five.")
+    bad = run("sample", "-e", "torch", "-m", tiny, "-p", "hi", "--format", "text", "--full")
+    assert bad.returncode != 0 and "--full" in bad.stderr
+
+
 def test_sample_reads_jsonl_from_stdin_and_config_file(tiny, tmp_path):
     cfg = tmp_path / "run.yaml"
     cfg.write_text(f"sampler: torch\nmodel_id: {tiny}\nsampling_params:\n  max_tokens: 5\n  temperature: 0.0\n")

@@ -137,7 +137,9 @@ _PARAM_FLAGS = [
 @click.option("--template", default=None, help="A registered chat template name (e.g. chatml).")
 @click.option("--output", "-o", type=click.File("w"), default="-", help="Where to write JSONL (default stdout).")
 @click.option("--batch-size", type=int, default=16, show_default=True, help="Inputs per sample() call (progress granularity).")
-@click.option("--full", is_flag=True, help="Also write token-level training features.")
+@click.option("--full", is_flag=True, help="Also write token-level training features (JSONL only).")
+@click.option("--format", "fmt", type=click.Choice(["jsonl", "text"]), default="jsonl", show_default=True,
+              help="jsonl: one JSON record per input; text: each prompt and its completions, for reading.")
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 def sample(
     engine: str | None,
@@ -151,10 +153,11 @@ def sample(
     output: TextIO,
     batch_size: int,
     full: bool,
+    fmt: str,
     no_progress: bool,
     **param_flags: Any,
 ) -> None:
-    """Sample completions and write one JSON line per input."""
+    """Sample completions and write one JSON line per input (or readable text with --format text)."""
     from tqdm import tqdm
 
     config: dict[str, Any] = load_config(config_path) if config_path else {}
@@ -177,6 +180,8 @@ def sample(
         raise click.UsageError("No inputs: give --prompt, --input FILE, or JSONL on stdin.")
     if batch_size < 1:
         raise click.BadParameter(f"{batch_size} (expected >= 1)", param_hint="--batch-size")
+    if full and fmt != "jsonl":
+        raise click.UsageError("--full writes token-level features, which only --format jsonl carries.")
     if model_id is not None:
         config["model_id"] = model_id
     elif "model_id" not in config:
@@ -196,6 +201,11 @@ def sample(
         for start in range(0, len(inputs), batch_size):
             chunk = inputs[start : start + batch_size]
             for item, resp in zip(chunk, sampler.sample(chunk, params, adapter_name)):
+                if fmt == "text":
+                    output.write(_as_text(index, item, resp))
+                    output.flush()
+                    index += 1
+                    continue
                 record: dict[str, Any] = {"index": index}
                 if isinstance(item, Trajectory):
                     record["messages"] = [m.to_hf() for m in item.messages]
@@ -208,6 +218,22 @@ def sample(
                 index += 1
             bar.update(len(chunk) * params.num_samples)
         bar.close()
+
+
+def _as_text(index: int, item: Any, resp: Any) -> str:
+    """One input and its completions, for a human reader."""
+    if isinstance(item, Trajectory):
+        prompt = item.messages[-1].content if item.messages else ""
+        prompt = prompt if isinstance(prompt, str) else json.dumps(prompt)
+    else:
+        prompt = f"<{len(item.input_ids)} prompt tokens>"
+    lines = [f"[{index}] {prompt}"]
+    many = len(resp.sequences) > 1
+    for k, seq in enumerate(resp.sequences):
+        head = f"  ({k + 1}) " if many else "  "
+        body = seq.text.strip().replace("\n", "\n" + " " * len(head))
+        lines.append(f"{head}{body}  [{seq.stop_reason}, {len(seq.tokens)} tokens]")
+    return "\n".join(lines) + "\n\n"
 
 
 def main() -> None:
