@@ -94,6 +94,19 @@ def test_any_integer_seed_is_reproducible(engine: Any, seed: int) -> None:
     assert engine.sample(PROMPTS[0], params)[0].sequences[0].tokens == first
 
 
+def test_a_seeded_call_too_big_for_one_prefill_step(engine: Any) -> None:
+    """48 long prompts x 4 samples overflow a step's token budget: on vLLM's CPU
+    backend a chunked prefill of a seeded request used to kill the engine."""
+    prompts = [Trajectory(messages=[{"role": "user", "content": "count " * 60 + str(i)}]) for i in range(48)]
+    assert sum(len(engine.template.encode(p).input_ids) for p in prompts) * 4 > 4096
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, num_samples=4, seed=11)
+    big = engine.sample(prompts, params)
+    assert len(big) == 48 and all(len(r.sequences) == 4 for r in big)
+    # the seed means the same thing whatever else shares the engine's steps
+    alone = engine.sample(prompts[:1], params)
+    assert [s.tokens for s in alone[0].sequences] == [s.tokens for s in big[0].sequences]
+
+
 def test_raw_logprobs_near_the_context_window(engine: Any) -> None:
     tok = engine.template.encode(PROMPTS[0]).input_ids[0]
     prompt = InputFeature(input_ids=[tok] * (engine.max_model_len - 4))
@@ -160,15 +173,3 @@ def test_close_is_final_and_idempotent(engine: Any) -> None:
     with pytest.raises(SamplerClosedError):
         engine.update_weights({"x": None})
 
-
-def test_a_seeded_call_too_big_for_one_prefill_step(engine: Any) -> None:
-    """48 long prompts x 4 samples overflow a step's token budget: on vLLM's CPU
-    backend a chunked prefill of a seeded request used to kill the engine."""
-    prompts = [Trajectory(messages=[{"role": "user", "content": "count " * 60 + str(i)}]) for i in range(48)]
-    assert sum(len(engine.template.encode(p).input_ids) for p in prompts) * 4 > 4096
-    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True, num_samples=4, seed=11)
-    big = engine.sample(prompts, params)
-    assert len(big) == 48 and all(len(r.sequences) == 4 for r in big)
-    # the seed means the same thing whatever else shares the engine's steps
-    alone = engine.sample(prompts[:1], params)
-    assert [s.tokens for s in alone[0].sequences] == [s.tokens for s in big[0].sequences]
