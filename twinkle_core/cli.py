@@ -231,7 +231,8 @@ def _as_text(index: int, item: Any, resp: Any) -> str:
     many = len(resp.sequences) > 1
     for k, seq in enumerate(resp.sequences):
         head = f"  ({k + 1}) " if many else "  "
-        body = seq.text.strip().replace("\n", "\n" + " " * len(head))
+        indent = " " * len(head)
+        body = "\n".join(indent + line if line.strip() else "" for line in seq.text.strip().split("\n")).lstrip()
         lines.append(f"{head}{body}  [{seq.stop_reason}, {len(seq.tokens)} tokens]")
     return "\n".join(lines) + "\n\n"
 
