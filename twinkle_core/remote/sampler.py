@@ -11,13 +11,12 @@ replica that dies can be rebuilt in the same state.
 from __future__ import annotations
 
 import inspect
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from twinkle_core.data_format import InputFeature, SampleResponse, SamplingParams, Trajectory
 from twinkle_core.errors import InvalidInputError, InvalidMeshError, WeightUpdateError
+from twinkle_core.locks import ReadWriteLock
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
 from twinkle_core.remote._balance import estimate_prompt_tokens, item_cost, split_by_cost, trajectory_chars
 from twinkle_core.remote._pool import Op, ReplicaInfo, ReplicaPool
@@ -27,44 +26,6 @@ from twinkle_core.sampler import AdapterInfo, OnInvalid, SampleInputs, Sampler, 
 from twinkle_core.template import Template
 
 __all__ = ["RemoteSampler", "build_remote"]
-
-
-class _ReadWriteLock:
-    """Many readers (``sample`` calls) or one writer (an adapter/weight/template change); writers go first."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._waiting_writers = 0
-
-    @contextmanager
-    def read(self) -> Iterator[None]:
-        with self._cond:
-            while self._writer or self._waiting_writers:
-                self._cond.wait()
-            self._readers += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def write(self) -> Iterator[None]:
-        with self._cond:
-            self._waiting_writers += 1
-            while self._writer or self._readers:
-                self._cond.wait()
-            self._waiting_writers -= 1
-            self._writer = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._writer = False
-                self._cond.notify_all()
 
 
 def _coerce_mesh(value: Any) -> DeviceMesh:
@@ -172,7 +133,7 @@ class RemoteSampler(Sampler):
         self.engine_name = engine_class.engine_name
         self.device_mesh = mesh
         self.group: DeviceGroup = placed.group
-        self._rw = _ReadWriteLock()
+        self._rw = ReadWriteLock()
         # version -> (ref of the update's tensors, names still current from it)
         self._weight_ops: dict[int, tuple[Any, set[str]]] = {}
         self._adapter_ops: dict[str, tuple[int, Any, Any, dict[str, Any]]] = {}

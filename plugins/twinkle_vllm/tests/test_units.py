@@ -1,9 +1,7 @@
-"""The engine-independent pieces: bucket planning, buffers, weight validation, locks, the logits processor."""
+"""The engine-independent pieces: bucket planning, buffers, weight validation, the loop thread, the logits processor."""
 
 from __future__ import annotations
 
-import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +12,7 @@ from twinkle_core.data_format import SamplingParams
 from twinkle_core.errors import InvalidSamplingParams, UnsupportedFeatureError, WeightUpdateError
 
 from twinkle_vllm._convert import SEED_MODULUS, make_plan
-from twinkle_vllm._loop import LoopThread, ReadWriteLock
+from twinkle_vllm._loop import LoopThread
 from twinkle_vllm._sync import plan_buckets
 from twinkle_vllm._weights import WeightSpec
 from twinkle_vllm._wire import ALIGN, ShmBuffer
@@ -168,25 +166,6 @@ def test_temperature_processor_tracks_batch_rows() -> None:
     proc.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, SimpleNamespace(extra_args={EXTRA_ARG: [1.0, 0.5]}), None, [])], moved=[]))
     out = proc.apply(torch.tensor([[0.0, -0.1, -5.0]]))
     assert out[0, 2] == float("-inf") and torch.isfinite(out[0, :2]).all()
-
-
-def test_readers_share_writers_wait() -> None:
-    lock = ReadWriteLock()
-    events: list[str] = []
-    with lock.read():
-        with lock.read():  # readers share
-            events.append("two readers")
-
-        def writer() -> None:
-            with lock.write():
-                events.append("writer")
-
-        t = threading.Thread(target=writer)
-        t.start()
-        time.sleep(0.1)
-        assert events == ["two readers"], "the writer must wait for the reader"
-    t.join(5)
-    assert events == ["two readers", "writer"]
 
 
 def test_loop_thread_runs_and_cancels() -> None:

@@ -42,12 +42,13 @@ from twinkle_core.errors import (
     UnsupportedFeatureError,
     WeightUpdateError,
 )
+from twinkle_core.locks import ReadWriteLock
 from twinkle_core.mesh import DeviceMesh
 from twinkle_core.sampler import Sampler
 
 from twinkle_vllm._convert import Plan, flat_entries, make_plan, scoring_params
 from twinkle_vllm._engine_args import LOGITS_PROCESSOR, build_engine_args, read_ipc_timeout
-from twinkle_vllm._loop import LoopThread, ReadWriteLock
+from twinkle_vllm._loop import LoopThread
 from twinkle_vllm._sync import DEFAULT_BUCKET_BYTES, SyncChannel
 from twinkle_vllm._weights import WeightSpec
 
