@@ -416,37 +416,64 @@ class Sampler(ABC, metaclass=SamplerMeta):
             One ``SampleResponse`` per input, in input order, each with exactly
             ``num_samples`` sequences (unless skipped).
         """
+        params, items = self._start_call(inputs, sampling_params, adapter_name, num_samples, on_invalid)
+        return self._sample_items(items, params, adapter_name, on_invalid)
+
+    def _start_call(
+        self,
+        inputs: SampleInputs,
+        sampling_params: SamplingParams | dict[str, Any] | None,
+        adapter_name: str,
+        num_samples: int | None,
+        on_invalid: OnInvalid,
+    ) -> tuple[SamplingParams, list[InputFeature | Trajectory]]:
+        """The checks of every ``sample()`` before any work: open, ``on_invalid``, parameters, inputs, adapter.
+
+        The adapter is checked only when there are inputs (an empty call returns ``[]``).
+        """
         self._check_open()
         if on_invalid not in ("raise", "skip"):
             raise InvalidInputError(f"on_invalid={on_invalid!r} is invalid: expected 'raise' or 'skip'.")
         params = resolve_params(sampling_params, num_samples)
         items = normalize_inputs(inputs)
-        if not items:
-            return []
-        if adapter_name:
+        if items and (adapter_name or not isinstance(adapter_name, str)):
             self._require_adapter(adapter_name)
-        elif not isinstance(adapter_name, str):
-            self._require_adapter(adapter_name)
+        return params, items
+
+    def _sample_items(
+        self,
+        items: list[InputFeature | Trajectory],
+        params: SamplingParams,
+        adapter_name: str,
+        on_invalid: OnInvalid,
+        indices: list[int] | None = None,
+    ) -> list[SampleResponse]:
+        """Encode and check each input, generate the valid ones, and answer in input order.
+
+        An invalid input raises, or with ``on_invalid="skip"`` gets a response
+        with ``error`` set. Errors name input ``k`` as ``inputs[indices[k]]``
+        (default ``k``): a Ray replica serving a share of a call names each by
+        its place in the whole call.
+        """
         features: list[InputFeature | None] = []
         errors: dict[int, TwinkleError] = {}
-        for i, item in enumerate(items):
+        for k, item in enumerate(items):
             feature: InputFeature | None = item if isinstance(item, InputFeature) else None
             try:
                 feature = self.encode(item)
-                self._validate_prompt(feature, i, params)
-                features.append(feature)
+                self._validate_prompt(feature, k if indices is None else indices[k], params)
             except TwinkleError as exc:
                 if on_invalid == "raise" or not isinstance(exc, ValueError):
                     raise
-                errors[i] = exc
-                features.append(feature)
-        valid = [f for i, f in enumerate(features) if i not in errors and f is not None]
+                errors[k] = exc
+            features.append(feature)
+        valid = [f for k, f in enumerate(features) if k not in errors and f is not None]
         generated = iter(self._generate(valid, params, adapter_name) if valid else [])
         out: list[SampleResponse] = []
-        for i, feature in enumerate(features):
-            if i in errors:
+        for k, feature in enumerate(features):
+            if k in errors:
                 ids = feature.input_ids if feature is not None else []
-                out.append(SampleResponse(prompt_token_ids=list(ids), error=str(errors[i])))
+                out.append(SampleResponse(prompt_token_ids=list(ids), error=str(errors[k])))
             else:
                 out.append(next(generated))
         return out

@@ -18,7 +18,6 @@ from typing import Any, TypeVar
 import attrs
 
 from twinkle_core.data_format import InputFeature, SampleResponse, SamplingParams, Trajectory
-from twinkle_core.errors import TwinkleError
 
 __all__ = ["ReplicaContext", "ReplicaHost", "current_replica"]
 
@@ -184,28 +183,11 @@ class ReplicaHost:
     ) -> list[SampleResponse]:
         """``sample()`` on this replica's share of a call; errors name each input's index in the whole call."""
         engine = self._target
-        features: list[InputFeature | None] = []
-        errors: dict[int, TwinkleError] = {}
-        for k, (index, item) in enumerate(zip(indices, items)):
-            feature = item if isinstance(item, InputFeature) else None
-            try:
-                feature = engine.encode(item)
-                engine._validate_prompt(feature, index, params)
-            except TwinkleError as exc:
-                if on_invalid == "raise" or not isinstance(exc, ValueError):
-                    raise
-                errors[k] = exc
-            features.append(feature)
-        valid = [f for k, f in enumerate(features) if k not in errors and f is not None]
-        generated = iter(engine.sample(valid, params, adapter_name) if valid else [])
-        out: list[SampleResponse] = []
-        for k, feature in enumerate(features):
-            if k in errors:
-                ids = feature.input_ids if feature is not None else []
-                out.append(SampleResponse(prompt_token_ids=list(ids), error=str(errors[k])))
-            else:
-                out.append(next(generated))
-        return out
+        # what engine.sample() checks, then its per-input work with each input named by its place in the whole call
+        engine._check_open()
+        if adapter_name:
+            engine._require_adapter(adapter_name)
+        return engine._sample_items(items, params, adapter_name, on_invalid, indices)
 
     def close(self) -> None:
         """Close the target if it has ``close()`` and drop it; errors are printed, never raised (the actor is killed next)."""

@@ -22,7 +22,7 @@ from twinkle_core.remote._balance import estimate_prompt_tokens, item_cost, spli
 from twinkle_core.remote._pool import Op, ReplicaInfo, ReplicaPool
 from twinkle_core.remote._runtime import PlacedGroup, current_session, get_group, import_ray, register_owner
 from twinkle_core.remote.errors import ReplicaLostError
-from twinkle_core.sampler import AdapterInfo, OnInvalid, SampleInputs, Sampler, normalize_inputs, resolve_params
+from twinkle_core.sampler import AdapterInfo, OnInvalid, SampleInputs, Sampler
 from twinkle_core.template import Template
 
 __all__ = ["RemoteSampler", "build_remote"]
@@ -358,15 +358,9 @@ class RemoteSampler(Sampler):
         tokens are estimated from its text, calibrated on what earlier calls
         measured.
         """
-        self._check_open()
-        if on_invalid not in ("raise", "skip"):
-            raise InvalidInputError(f"on_invalid={on_invalid!r} is invalid: expected 'raise' or 'skip'.")
-        params = resolve_params(sampling_params, num_samples)
-        items = normalize_inputs(inputs)
+        params, items = self._start_call(inputs, sampling_params, adapter_name, num_samples, on_invalid)
         if not items:
             return []
-        if adapter_name or not isinstance(adapter_name, str):
-            self._require_adapter(adapter_name)
         with self._rw.read():
             self._pool._check()
             alive = self._pool.alive()
