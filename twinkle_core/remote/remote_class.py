@@ -99,7 +99,31 @@ def remote_class(cls: C) -> C:
     return cls
 
 
-class RemoteObject:
+class ReplicaViews:
+    """What a remote front end (a ``RemoteObject``, a ``RemoteSampler``) tells about its replicas.
+
+    Mixed into a class that keeps its replicas in a ``ReplicaPool`` as ``self._pool``.
+    """
+
+    _pool: Any
+
+    @property
+    def replicas(self) -> list[ReplicaInfo]:
+        """Each replica: actor id, bundles, process, node, restarts, whether in service."""
+        return self._pool.infos()
+
+    @property
+    def actors(self) -> list[Any]:
+        """The Ray actor handles by replica index (``None`` for a lost replica)."""
+        return self._pool.actors()
+
+    @property
+    def num_replicas(self) -> int:
+        """Replicas in service."""
+        return len(self._pool.alive())
+
+
+class RemoteObject(ReplicaViews):
     """The driver's handle on the replicas of a ``@remote_class`` object.
 
     Public methods of the class are called on the replicas, as
@@ -140,21 +164,6 @@ class RemoteObject:
             f"RemoteObject({self.target_class.__name__}, group={self.group.name!r},"
             f" dp_size={self.device_mesh.dp_size}, tp_size={self.device_mesh.tp_size})"
         )
-
-    @property
-    def replicas(self) -> list[ReplicaInfo]:
-        """Each replica: actor id, bundles, process, node, restarts, whether in service."""
-        return self._pool.infos()
-
-    @property
-    def actors(self) -> list[Any]:
-        """The Ray actor handles by replica index."""
-        return self._pool.actors()
-
-    @property
-    def num_replicas(self) -> int:
-        """Replicas in service."""
-        return len(self._pool.alive())
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):

@@ -19,9 +19,10 @@ from twinkle_core.errors import InvalidInputError, InvalidMeshError, WeightUpdat
 from twinkle_core.locks import ReadWriteLock
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
 from twinkle_core.remote._balance import estimate_prompt_tokens, item_cost, split_by_cost, trajectory_chars
-from twinkle_core.remote._pool import Op, ReplicaInfo, ReplicaPool
+from twinkle_core.remote._pool import Op, ReplicaPool
 from twinkle_core.remote._runtime import PlacedGroup, current_session, get_group, import_ray, register_owner
 from twinkle_core.remote.errors import ReplicaLostError
+from twinkle_core.remote.remote_class import ReplicaViews
 from twinkle_core.sampler import AdapterInfo, OnInvalid, SampleInputs, Sampler
 from twinkle_core.template import Template
 
@@ -90,7 +91,7 @@ def build_remote(cls: type, remote_group: str, args: tuple[Any, ...], kwargs: di
     return RemoteObject(cls, actor_args, actor_kwargs, placed=placed, mesh=mesh)
 
 
-class RemoteSampler(Sampler):
+class RemoteSampler(ReplicaViews, Sampler):
     """A sampler whose engine runs as ``mesh.dp_size`` Ray actors of ``tp_size`` devices each.
 
     Built by passing ``remote_group=`` to any engine in ``"ray"`` mode; not
@@ -166,21 +167,6 @@ class RemoteSampler(Sampler):
         )
 
     # -- introspection ---------------------------------------------------------------------
-    @property
-    def replicas(self) -> list[ReplicaInfo]:
-        """Each replica: actor id, bundles, process, node, restarts, whether in service."""
-        return self._pool.infos()
-
-    @property
-    def actors(self) -> list[Any]:
-        """The Ray actor handles by replica index (``None`` for a lost replica)."""
-        return self._pool.actors()
-
-    @property
-    def num_replicas(self) -> int:
-        """Replicas in service."""
-        return len(self._pool.alive())
-
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
