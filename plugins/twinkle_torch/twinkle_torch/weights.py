@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from twinkle_core.data_format._base import did_you_mean
+from twinkle_core.errors import did_you_mean
 from twinkle_core.errors import WeightUpdateError
 
 __all__ = ["WeightTable"]

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from twinkle_core.errors import ConfigError
+from twinkle_core.errors import ConfigError, did_you_mean
 
 from twinkle_vllm import IPC_TIMEOUT_ENV
 
@@ -78,13 +78,6 @@ def engine_option_names() -> list[str]:
     return sorted(f.name for f in dataclasses.fields(AsyncEngineArgs))
 
 
-def _did_you_mean(name: str, choices: list[str]) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(name, choices, n=3, cutoff=0.6)
-    return f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-
-
 def platform_defaults() -> dict[str, Any]:
     """Engine options twinkle defaults differently from vLLM on this platform (the user's own win).
 
@@ -120,7 +113,7 @@ def build_engine_args(model_dir: Path, tp_size: int, options: dict[str, Any]) ->
     for name in options:
         if not isinstance(name, str) or name not in valid:
             raise ConfigError(
-                f"Unknown vLLM engine option {name!r}.{_did_you_mean(str(name), valid)}"
+                f"Unknown vLLM engine option {name!r}.{did_you_mean(str(name), valid, n=3)}"
                 f" Valid options (vllm.AsyncEngineArgs): {', '.join(valid)}."
             )
         if name in RESERVED:

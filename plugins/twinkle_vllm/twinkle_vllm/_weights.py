@@ -134,7 +134,7 @@ class WeightSpec:
             seen.setdefault("model.embed_tokens.weight", lm_head)
         unknown = [n for n in seen if n not in self.shapes]
         if unknown:
-            from twinkle_core.data_format._base import did_you_mean
+            from twinkle_core.errors import did_you_mean
 
             raise WeightUpdateError(
                 f"update_weights: {unknown[0]!r} is not a weight of this model.{did_you_mean(unknown[0], list(self.shapes))}"
