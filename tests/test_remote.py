@@ -112,7 +112,7 @@ class EchoEngine(Sampler):
             out.append(SampleResponse(prompt_token_ids=p.input_ids, sequences=seqs))
         return out
 
-    def _update_weights(self, named_tensors):  # type: ignore[no-untyped-def]
+    def _update_weights(self, named_tensors, *, version):  # type: ignore[no-untyped-def]
         """``offset``; ``fail_on_replica``: this update fails on that replica only (a broken device, say)."""
         tensors = dict(named_tensors)
         if set(tensors) - {"offset", "fail_on_replica"}:

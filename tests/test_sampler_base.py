@@ -47,7 +47,7 @@ class CountingEngine(Sampler):
             out.append(SampleResponse(prompt_token_ids=p.input_ids, sequences=seqs))
         return out
 
-    def _update_weights(self, named_tensors):  # type: ignore[no-untyped-def]
+    def _update_weights(self, named_tensors, *, version):  # type: ignore[no-untyped-def]
         if any(name.startswith("bad") for name, _ in named_tensors):
             raise WeightUpdateError("bad name")
         self.applied.append([n for n, _ in named_tensors])

@@ -1,11 +1,10 @@
 """The ``Sampler`` spec every engine implements, and the input handling they share.
 
-Engines subclass :class:`Sampler` and implement a handful of hooks
-(``_generate``, ``max_model_len`` and, when supported, ``_load_adapter``,
-``_remove_adapter``, ``_update_weights``, ``_close``). Everything a user calls
+Engines subclass :class:`Sampler`, implement the hooks of its "Engine API"
+block and call only the helpers listed there. Everything a user calls
 (``sample``, ``add_adapter_to_model``, ``update_weights``...) lives here, so
-input normalisation, validation, error messages and versioning are the same
-for every engine.
+input normalisation, validation, error messages, versioning and locking are
+the same for every engine.
 
 ``from twinkle_core.sampler import vLLMSampler, TorchSampler`` resolves the
 engine classes lazily through the registry: importing one never imports the
@@ -17,9 +16,10 @@ from __future__ import annotations
 import os
 import threading
 from abc import ABC, ABCMeta, abstractmethod
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from types import MappingProxyType
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import attrs
 
@@ -31,20 +31,33 @@ from twinkle_core.data_format import (
     Trajectory,
     training_feature,
 )
-from twinkle_core.errors import did_you_mean
 from twinkle_core.errors import (
+    AdapterError,
     InvalidInputError,
     InvalidSamplingParams,
     PromptTooLongError,
     SamplerClosedError,
+    TemplateError,
     TwinkleError,
     UnknownAdapterError,
     UnsupportedFeatureError,
     WeightUpdateError,
+    did_you_mean,
 )
+from twinkle_core.locks import ReadWriteLock
 from twinkle_core.template import Template, get_template, load_tokenizer
+from twinkle_core.weights import find_non_finite
 
-__all__ = ["AdapterInfo", "Sampler", "SampleInputs", "normalize_inputs", "resolve_params"]
+__all__ = [
+    "AdapterInfo",
+    "AppliedWithError",
+    "OnInvalid",
+    "SampleInputs",
+    "Sampler",
+    "normalize_inputs",
+    "resolve_params",
+    "set_remote_builder",
+]
 
 S = TypeVar("S", bound="Sampler")
 SampleInputs = InputFeature | Trajectory | dict[str, Any] | list[InputFeature | Trajectory | dict[str, Any]]
@@ -112,15 +125,39 @@ def _one_input(item: Any, index: int) -> InputFeature | Trajectory:
     )
 
 
-def normalize_inputs(inputs: SampleInputs) -> list[InputFeature | Trajectory]:
-    """Turn what ``sample()`` accepts into a flat list (a single input becomes a list of one)."""
+def normalize_inputs(inputs: SampleInputs, *, on_invalid: OnInvalid = "raise") -> list[Any]:
+    """Turn what ``sample()`` accepts into a flat list (a single input becomes a list of one).
+
+    With ``on_invalid="skip"``, an input that is not well-formed is kept in
+    the list as its ``InvalidInputError`` (``sample()`` answers it with an error
+    response) instead of raising.
+    """
     if isinstance(inputs, (InputFeature, Trajectory, dict)):
-        return [_one_input(inputs, 0)]
+        inputs = [inputs]
     if isinstance(inputs, (list, tuple)):
-        return [_one_input(x, i) for i, x in enumerate(inputs)]
+        out: list[Any] = []
+        for i, x in enumerate(inputs):
+            try:
+                out.append(_one_input(x, i))
+            except InvalidInputError as exc:
+                if on_invalid == "raise":
+                    raise
+                out.append(exc)
+        return out
     raise InvalidInputError(
         f"inputs={inputs!r:.80} is invalid: expected an InputFeature, a Trajectory, or a list of either."
     )
+
+
+#: Set by ``twinkle_core.remote`` when it is imported (``initialize`` does): builds a
+#: ``remote_group=`` sampler. The spec never imports ``remote`` itself.
+_remote_builder: Callable[[type, str, tuple[Any, ...], dict[str, Any]], Any] | None = None
+
+
+def set_remote_builder(builder: Callable[[type, str, tuple[Any, ...], dict[str, Any]], Any]) -> None:
+    """Install what ``Engine(..., remote_group=...)`` calls (``twinkle_core.remote`` does this)."""
+    global _remote_builder
+    _remote_builder = builder
 
 
 class SamplerMeta(ABCMeta):
@@ -129,9 +166,24 @@ class SamplerMeta(ABCMeta):
     def __call__(cls, *args: Any, remote_group: str | None = None, **kwargs: Any) -> Any:
         if remote_group is None:
             return super().__call__(*args, **kwargs)
-        from twinkle_core.remote.sampler import build_remote
+        if _remote_builder is None:
+            import twinkle_core.remote  # noqa: F401 - installs the builder
 
-        return build_remote(cls, remote_group, args, kwargs)
+        assert _remote_builder is not None
+        return _remote_builder(cls, remote_group, args, kwargs)
+
+
+class AppliedWithError(Exception):
+    """Raised by a front end's state-change hook that applied the change, but not cleanly.
+
+    The base records the change (adapter table, version) as applied, then
+    raises ``error``. ``RemoteSampler`` uses it when some replicas took an
+    update and the others had to be rebuilt with it.
+    """
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class Sampler(ABC, metaclass=SamplerMeta):
@@ -155,10 +207,83 @@ class Sampler(ABC, metaclass=SamplerMeta):
       tokens, and on their log-probs to a stated tolerance.
 
     Every sequence carries the ``weights_version`` it was produced with.
+
+    Engine API
+    ----------
+    An engine subclasses ``Sampler``, implements the hooks below and calls
+    only the helpers below; every other attribute of this class is private
+    to the core. ``tests/test_engine_api.py`` keeps this list and the code in step.
+
+    Hooks (the engine implements or sets them):
+
+    * ``engine_name``: the registry name, for messages.
+    * ``supported_params``: the ``SamplingParams`` fields the engine honours.
+      A call that sets any other field to a non-default value raises
+      ``UnsupportedFeatureError`` before any work, so a field added to
+      ``SamplingParams`` later is refused, never silently dropped.
+    * ``concurrent_samples``: ``True`` if ``_generate`` may run in several
+      threads at once; otherwise the base runs one ``_generate`` at a time.
+    * ``max_model_len`` (property, required): prompt + completion, in tokens.
+    * ``vocab_size`` (property): token ids must be below it (``None``: unchecked).
+      The base also refuses ``logprobs`` / ``prompt_logprobs`` above it and
+      ``stop_token_ids`` outside it.
+    * ``_max_prompt_len(params)``: the longest prompt accepted for ``params``
+      (default: ``max_model_len``, minus one when ``max_tokens > 0``).
+    * ``_generate(prompts, params, adapter_name)`` (required): called with the
+      lock held shared; the adapter exists and cannot be removed until it
+      returns; ``weights_version`` cannot change. Prompts are validated
+      ``InputFeature`` s; ``max_tokens=0`` means score the prompt only (with
+      ``prompt_logprobs``) and return one empty sequence per sample. Returns one
+      ``SampleResponse`` per prompt, in order, each with ``num_samples``
+      sequences built with ``_make_sequence``.
+    * ``_load_adapter(name, config_or_dir, *, weights, version, **kwargs)``:
+      load or replace a LoRA adapter; returns its source for listings.
+      ``weights`` is the caller's mapping / pairs of PEFT names to tensors (or
+      ``None``: a folder); their values are already checked to be finite.
+    * ``_remove_adapter(name)``: the adapter is known to be loaded.
+    * ``_update_weights(named_tensors, *, version)``: ``named_tensors`` is a
+      non-empty list of ``(str, value)`` pairs; validate them (see
+      ``twinkle_core.weights.check_update``) and apply all or nothing.
+    * ``_close()``: release the engine's resources (called once).
+    * ``_on_template_changed()``: after ``set_template`` (engines caching
+      tokenizer data refresh it).
+
+    The three state-change hooks run with the lock held exclusively: no
+    ``_generate`` runs meanwhile. ``version`` is the ``weights_version`` the
+    change will carry once it returns.
+
+    Helpers (the engine may call them):
+
+    * ``_init_template(template, model_dir, *, tokenizer=None)``: load
+      ``model_dir`` 's tokenizer (or take ``tokenizer``) and set the template
+      (default: the tokenizer's own chat template).
+    * ``_make_sequence(prompt_ids, tokens, *, stop_reason, adapter_name, ...)``:
+      a ``SampledSequence`` with its text, version and training feature.
+    * ``_exclusive()``: a context manager holding the lock exclusively, for
+      engine-specific state changes (vLLM's ``sleep`` / ``wake_up``).
+    * ``_restore_version(version)``: state the version of a rebuilt engine
+      that replayed its state (never lowers it).
+    * ``template``, ``tokenizer``, ``weights_version``, ``adapters``, ``closed``
+      and the public methods.
+    * From other modules: ``twinkle_core.hub.resolve_model_id`` (model ids to
+      folders), ``twinkle_core.weights`` (update checks), the errors of
+      ``twinkle_core.errors``.
+
+    Front-end hooks (``RemoteSampler``, which runs no engine in this process):
+    ``_sample(items, params, adapter_name, on_invalid, indices)`` runs a call
+    whose arguments ``sample()`` checked (lock held shared, adapter checked,
+    then ``_process``; a Ray replica serving a share of a call enters here);
+    ``_process(...)``, the per-input pipeline under the lock, which a front end
+    overrides to hand the inputs to its replicas; ``set_template`` and
+    ``template``; and ``AppliedWithError`` raised from a state-change hook.
     """
 
     #: The registry name of the engine (``"torch"``, ``"vllm"``), for messages.
     engine_name: str = ""
+    #: The ``SamplingParams`` fields this engine honours (see the class docstring).
+    supported_params: ClassVar[frozenset[str]] = frozenset({"max_tokens", "num_samples"})
+    #: Whether ``_generate`` may run in several threads at once.
+    concurrent_samples: ClassVar[bool] = False
 
     def __init__(self) -> None:
         self._template: Template | None = None
@@ -167,7 +292,10 @@ class Sampler(ABC, metaclass=SamplerMeta):
         self._next_adapter_id = 1
         self._weights_version = 0
         self._closed = False
-        self._admin_lock = threading.RLock()
+        # Samples hold it shared; weight, adapter and template changes exclusively.
+        self._lock = ReadWriteLock()
+        # Serialises _generate for engines that cannot run it concurrently.
+        self._serial = threading.Lock()
 
     # -- engine hooks ------------------------------------------------------------------
     @property
@@ -180,47 +308,79 @@ class Sampler(ABC, metaclass=SamplerMeta):
         """Number of token ids the model accepts (``None``: unchecked)."""
         return None
 
+    def _max_prompt_len(self, params: SamplingParams) -> int:
+        """The longest prompt accepted for ``params`` (room for one generated token when generating)."""
+        return self.max_model_len - (1 if params.max_tokens > 0 else 0)
+
     @abstractmethod
     def _generate(
         self, prompts: list[InputFeature], params: SamplingParams, adapter_name: str
     ) -> list[SampleResponse]:
         """Generate for already-validated prompts: one response per prompt, in order.
 
-        Each response holds ``params.num_samples`` sequences built with
+        Runs with the lock held shared (see the class docstring). Each
+        response holds ``params.num_samples`` sequences built with
         :meth:`_make_sequence`.
         """
 
-    def _load_adapter(self, name: str, config_or_dir: Any, *, weights: Any = None, **kwargs: Any) -> str:
-        """Load (or replace) a LoRA adapter; return its source for listings."""
-        raise UnsupportedFeatureError(f"The {self.engine_name or type(self).__name__} engine has no LoRA support.")
+    def _load_adapter(
+        self, name: str, config_or_dir: Any, *, weights: Any = None, version: int, **kwargs: Any
+    ) -> str:
+        """Load (or replace) a LoRA adapter; return its source for listings. Lock held exclusively."""
+        raise UnsupportedFeatureError(f"The {self._label()} engine has no LoRA support.")
 
     def _remove_adapter(self, name: str) -> None:
-        """Unload a LoRA adapter."""
-        raise UnsupportedFeatureError(f"The {self.engine_name or type(self).__name__} engine has no LoRA support.")
+        """Unload a LoRA adapter. Lock held exclusively."""
+        raise UnsupportedFeatureError(f"The {self._label()} engine has no LoRA support.")
 
-    def _update_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
-        """Validate then apply new base weights (all or nothing)."""
-        raise UnsupportedFeatureError(
-            f"The {self.engine_name or type(self).__name__} engine cannot update weights."
-        )
+    def _update_weights(self, named_tensors: list[tuple[str, Any]], *, version: int) -> None:
+        """Validate then apply new base weights (all or nothing). Lock held exclusively."""
+        raise UnsupportedFeatureError(f"The {self._label()} engine cannot update weights.")
 
     def _close(self) -> None:
-        """Release the engine's resources."""
+        """Release the engine's resources. Called once, by ``close()``."""
 
     def _on_template_changed(self) -> None:
-        """Called after ``set_template`` (engines caching template data override it)."""
+        """Called after ``set_template``, lock held exclusively (engines caching template data override it)."""
 
-    # -- template ------------------------------------------------------------------------
-    def _init_template(self, template: Any, model_dir: str | os.PathLike[str] | None) -> None:
-        """Load the tokenizer of ``model_dir`` and set ``template`` (default: its own chat template)."""
+    def _label(self) -> str:
+        return self.engine_name or type(self).__name__
+
+    # -- helpers for engines --------------------------------------------------------------
+    def _init_template(
+        self, template: Any, model_dir: str | os.PathLike[str] | None = None, *, tokenizer: Any = None
+    ) -> None:
+        """Set up the tokenizer and the chat template.
+
+        Args:
+            template: what the user passed (a registered name, a ``Template``
+                class or instance), or ``None`` for the tokenizer's own chat template.
+            model_dir: a model folder whose Hugging Face tokenizer is loaded.
+            tokenizer: a tokenizer object instead (an engine with its own).
+        """
         if isinstance(template, Template):
-            self._tokenizer = template.tokenizer
-            self._template = template
+            self.set_template(template)
             return
-        if model_dir is not None:
+        if tokenizer is not None:
+            self._tokenizer = tokenizer
+        elif model_dir is not None:
             self._tokenizer = load_tokenizer(model_dir)
         self.set_template(template if template is not None else Template)
 
+    @contextmanager
+    def _exclusive(self) -> Iterator[None]:
+        """Hold the sampler's lock exclusively: no sample runs, no other state change."""
+        with self._lock.write():
+            yield
+
+    def _restore_version(self, version: int) -> None:
+        """Raise ``weights_version`` to ``version`` (a rebuilt engine that replayed its state)."""
+        if isinstance(version, bool) or not isinstance(version, int):
+            raise WeightUpdateError(f"version={version!r} is invalid: expected an integer.")
+        with self._lock.write():
+            self._weights_version = max(self._weights_version, version)
+
+    # -- template ------------------------------------------------------------------------
     @property
     def template(self) -> Template:
         """The template that encodes trajectories and decodes tokens."""
@@ -235,6 +395,8 @@ class Sampler(ABC, metaclass=SamplerMeta):
 
     def set_template(self, template: type[Template] | Template | str, **kwargs: Any) -> None:
         """Set the chat template: a registered name, a ``Template`` class or an instance.
+
+        Waits for the samples in flight; later samples use the new template.
 
         Raises:
             UnknownTemplateError: an unknown name (with did-you-mean).
@@ -252,9 +414,10 @@ class Sampler(ABC, metaclass=SamplerMeta):
             raise TypeError(
                 f"set_template expects a registered name, a Template subclass or instance; got {template!r}."
             )
-        self._template = template
-        self._tokenizer = template.tokenizer
-        self._on_template_changed()
+        with self._lock.write():
+            self._template = template
+            self._tokenizer = template.tokenizer
+            self._on_template_changed()
 
     # -- adapters ------------------------------------------------------------------------
     @property
@@ -279,9 +442,18 @@ class Sampler(ABC, metaclass=SamplerMeta):
         return info
 
     def add_adapter_to_model(
-        self, adapter_name: str, config_or_dir: Any, *, weights: Any = None, version: int | None = None, **kwargs: Any
+        self,
+        adapter_name: str,
+        config_or_dir: Any,
+        *,
+        weights: Any = None,
+        version: int | None = None,
+        check_finite: bool = True,
+        **kwargs: Any,
     ) -> int:
         """Load a PEFT LoRA adapter under ``adapter_name``, or replace it in place.
+
+        Waits for the samples in flight; samples started later use the new adapter.
 
         Args:
             adapter_name: the name ``sample(adapter_name=...)`` selects it by (not ``""``).
@@ -289,38 +461,59 @@ class Sampler(ABC, metaclass=SamplerMeta):
                 its dict) with ``weights``.
             weights: the adapter's tensors by PEFT name, with a config.
             version: the new ``weights_version`` (default: current + 1).
+            check_finite: refuse tensors holding NaN or infinity (default). The
+                check reads every tensor once; see ``docs/concepts.md`` for its cost.
+            **kwargs: engine-specific options (an engine refuses those it does not know).
 
         Returns:
             The sampler's new ``weights_version``: samples drawn after this call carry it.
 
         Raises:
-            AdapterError: the folder is missing or malformed, or the weights do not fit.
+            AdapterError: the folder is missing or malformed, the weights do not
+                fit or are not finite. A refused adapter changes nothing.
         """
         self._check_open()
         if not isinstance(adapter_name, str) or not adapter_name:
             raise InvalidInputError(f"adapter_name={adapter_name!r} is invalid: expected a non-empty string.")
-        with self._admin_lock:
+        if weights is not None and check_finite:
+            pairs = list(weights.items()) if isinstance(weights, Mapping) else weights
+            bad = find_non_finite(pairs) if isinstance(pairs, list) else None
+            if bad is not None:
+                raise AdapterError(f"Adapter {adapter_name!r}: {bad}; nothing was loaded.")
+        with self._lock.write():
             new_version = self._next_version(version)
-            source = self._load_adapter(adapter_name, config_or_dir, weights=weights, **kwargs)
+            try:
+                source = self._load_adapter(adapter_name, config_or_dir, weights=weights, version=new_version, **kwargs)
+                error = None
+            except AppliedWithError as applied:
+                source, error = _applied_source(config_or_dir, weights), applied.error
             old = self._adapters.get(adapter_name)
             adapter_id = old.adapter_id if old is not None else self._next_adapter_id
             if old is None:
                 self._next_adapter_id += 1
             self._adapters[adapter_name] = AdapterInfo(adapter_name, adapter_id, new_version, str(source))
             self._weights_version = new_version
-            return new_version
+        if error is not None:
+            raise error
+        return new_version
 
     def remove_adapter(self, adapter_name: str) -> None:
-        """Unload an adapter.
+        """Unload an adapter (after the samples in flight finish).
 
         Raises:
             UnknownAdapterError: it is not loaded.
         """
         self._check_open()
-        with self._admin_lock:
+        with self._lock.write():
             self._require_adapter(adapter_name)
-            self._remove_adapter(adapter_name)
+            try:
+                self._remove_adapter(adapter_name)
+                error = None
+            except AppliedWithError as applied:
+                error = applied.error
             del self._adapters[adapter_name]
+        if error is not None:
+            raise error
 
     # -- weights -------------------------------------------------------------------------
     @property
@@ -339,15 +532,29 @@ class Sampler(ABC, metaclass=SamplerMeta):
         return version
 
     def update_weights(
-        self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], *, version: int | None = None
+        self,
+        named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        *,
+        version: int | None = None,
+        check_finite: bool = True,
     ) -> int:
         """Replace base-model weights (names as in the model's Hugging Face ``state_dict``).
 
-        Everything is validated (names, shapes, dtypes) before anything is
-        applied: a rejected update changes nothing.
+        Everything is validated (names, shapes, dtypes, finite values) before
+        anything is applied: a rejected update changes nothing. Waits for the
+        samples in flight and holds new ones back until the update is done.
+
+        Args:
+            named_tensors: a mapping or ``(name, tensor)`` pairs.
+            version: the new ``weights_version`` (default: current + 1).
+            check_finite: refuse tensors holding NaN or infinity (default). The
+                check reads every tensor once; see ``docs/concepts.md`` for its cost.
 
         Returns:
             The new ``weights_version``, carried by every later sample.
+
+        Raises:
+            WeightUpdateError: a bad name, shape, dtype or value; nothing changed.
         """
         self._check_open()
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
@@ -356,11 +563,21 @@ class Sampler(ABC, metaclass=SamplerMeta):
                 raise WeightUpdateError(f"named_tensors[{i}] is invalid: expected a (name, tensor) pair.")
         if not items:
             raise WeightUpdateError("update_weights got no tensors.")
-        with self._admin_lock:
+        if check_finite:
+            bad = find_non_finite(items)
+            if bad is not None:
+                raise WeightUpdateError(f"update_weights: {bad}; nothing was updated.")
+        with self._lock.write():
             new_version = self._next_version(version)
-            self._update_weights(items)
+            try:
+                self._update_weights(items, version=new_version)
+                error = None
+            except AppliedWithError as applied:
+                error = applied.error
             self._weights_version = new_version
-            return new_version
+        if error is not None:
+            raise error
+        return new_version
 
     # -- sampling ------------------------------------------------------------------------
     def encode(self, item: InputFeature | Trajectory) -> InputFeature:
@@ -379,7 +596,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
                 raise InvalidInputError(
                     f"inputs[{index}] has token id {bad[0]} outside the vocabulary [0, {vocab})."
                 )
-        limit = self.max_model_len - (1 if params.max_tokens > 0 else 0)
+        limit = self._max_prompt_len(params)
         if len(feature.input_ids) > limit:
             raise PromptTooLongError(
                 f"inputs[{index}] has {len(feature.input_ids)} prompt tokens but the model accepts at most"
@@ -409,66 +626,116 @@ class Sampler(ABC, metaclass=SamplerMeta):
             num_samples: completions per input; overrides ``sampling_params.num_samples``
                 (giving both with different values is an error).
             on_invalid: ``"raise"`` (default): any invalid input raises before
-                anything is generated. ``"skip"``: invalid inputs get a
-                ``SampleResponse`` with ``error`` set and no sequences; the rest are sampled.
+                anything is generated. ``"skip"``: each invalid input (its
+                structure, its encoding, its length) gets a ``SampleResponse``
+                with ``error`` set and no sequences; the rest are sampled.
 
         Returns:
             One ``SampleResponse`` per input, in input order, each with exactly
             ``num_samples`` sequences (unless skipped).
-        """
-        params, items = self._start_call(inputs, sampling_params, adapter_name, num_samples, on_invalid)
-        return self._sample_items(items, params, adapter_name, on_invalid)
 
-    def _start_call(
-        self,
-        inputs: SampleInputs,
-        sampling_params: SamplingParams | dict[str, Any] | None,
-        adapter_name: str,
-        num_samples: int | None,
-        on_invalid: OnInvalid,
-    ) -> tuple[SamplingParams, list[InputFeature | Trajectory]]:
-        """The checks of every ``sample()`` before any work: open, ``on_invalid``, parameters, inputs, adapter.
-
-        The adapter is checked only when there are inputs (an empty call returns ``[]``).
+        Raises:
+            InvalidSamplingParams: a bad parameter value, or one outside the engine's limits.
+            UnsupportedFeatureError: a parameter the engine does not honour.
+            InvalidInputError: a malformed input (with ``on_invalid="raise"``).
+            UnknownAdapterError: ``adapter_name`` is not loaded.
         """
         self._check_open()
         if on_invalid not in ("raise", "skip"):
             raise InvalidInputError(f"on_invalid={on_invalid!r} is invalid: expected 'raise' or 'skip'.")
         params = resolve_params(sampling_params, num_samples)
-        items = normalize_inputs(inputs)
-        if items and (adapter_name or not isinstance(adapter_name, str)):
-            self._require_adapter(adapter_name)
-        return params, items
+        self._check_params(params)
+        items = normalize_inputs(inputs, on_invalid=on_invalid)
+        if not isinstance(adapter_name, str):
+            raise UnknownAdapterError(f"adapter_name={adapter_name!r} is invalid: expected a string ('' = base model).")
+        if not items:
+            return []
+        return self._sample(items, params, adapter_name, on_invalid, None)
 
-    def _sample_items(
+    def _check_params(self, params: SamplingParams) -> None:
+        """Refuse fields the engine does not honour, and values beyond its vocabulary."""
+        for field in attrs.fields(SamplingParams):
+            value = getattr(params, field.name)
+            if field.name not in self.supported_params and value != field.default:
+                raise UnsupportedFeatureError(
+                    f"SamplingParams.{field.name}={value!r} is not supported by the {self._label()} engine"
+                    f" (it honours: {', '.join(sorted(self.supported_params))}); leave it at its default"
+                    f" {field.default!r}."
+                )
+        vocab = self.vocab_size
+        if vocab is None:
+            return
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > vocab:
+                raise InvalidSamplingParams(
+                    f"SamplingParams.{name}={k} is invalid: expected at most the vocabulary size {vocab}."
+                )
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise InvalidSamplingParams(
+                f"SamplingParams.stop_token_ids contains {bad_stop[0]}, outside the vocabulary [0, {vocab})."
+            )
+
+    def _sample(
         self,
-        items: list[InputFeature | Trajectory],
+        items: list[Any],
         params: SamplingParams,
         adapter_name: str,
         on_invalid: OnInvalid,
-        indices: list[int] | None = None,
+        indices: list[int] | None,
+    ) -> list[SampleResponse]:
+        """Run checked arguments: hold the lock shared, check the adapter, then :meth:`_process`.
+
+        The adapter check and the generation are one step under the lock, so
+        no sequence is labelled with an adapter that was removed or replaced
+        meanwhile. A Ray replica serving a share of a call enters here.
+        """
+        with self._lock.read():
+            self._check_open()
+            if adapter_name:
+                self._require_adapter(adapter_name)
+            return self._process(items, params, adapter_name, on_invalid, indices)
+
+    def _process(
+        self,
+        items: list[Any],
+        params: SamplingParams,
+        adapter_name: str,
+        on_invalid: OnInvalid,
+        indices: list[int] | None,
     ) -> list[SampleResponse]:
         """Encode and check each input, generate the valid ones, and answer in input order.
 
-        An invalid input raises, or with ``on_invalid="skip"`` gets a response
-        with ``error`` set. Errors name input ``k`` as ``inputs[indices[k]]``
-        (default ``k``): a Ray replica serving a share of a call names each by
-        its place in the whole call.
+        ``items`` may hold errors (inputs ``normalize_inputs`` refused in skip
+        mode). An invalid input raises, or with ``on_invalid="skip"`` gets a
+        response with ``error`` set. Errors name input ``k`` as
+        ``inputs[indices[k]]`` (default ``k``): a Ray replica serving a share of
+        a call names each by its place in the whole call.
         """
         features: list[InputFeature | None] = []
         errors: dict[int, TwinkleError] = {}
         for k, item in enumerate(items):
+            index = k if indices is None else indices[k]
             feature: InputFeature | None = item if isinstance(item, InputFeature) else None
             try:
-                feature = self.encode(item)
-                self._validate_prompt(feature, k if indices is None else indices[k], params)
+                if isinstance(item, TwinkleError):
+                    raise item
+                feature = self._encode_checked(item, index)
+                self._validate_prompt(feature, index, params)
             except TwinkleError as exc:
                 if on_invalid == "raise" or not isinstance(exc, ValueError):
                     raise
                 errors[k] = exc
             features.append(feature)
         valid = [f for k, f in enumerate(features) if k not in errors and f is not None]
-        generated = iter(self._generate(valid, params, adapter_name) if valid else [])
+        generated: Iterator[SampleResponse] = iter([])
+        if valid:
+            if self.concurrent_samples:
+                generated = iter(self._generate(valid, params, adapter_name))
+            else:
+                with self._serial:
+                    generated = iter(self._generate(valid, params, adapter_name))
         out: list[SampleResponse] = []
         for k, feature in enumerate(features):
             if k in errors:
@@ -477,6 +744,17 @@ class Sampler(ABC, metaclass=SamplerMeta):
             else:
                 out.append(next(generated))
         return out
+
+    def _encode_checked(self, item: InputFeature | Trajectory, index: int) -> InputFeature:
+        """``encode``, with any failure of the template or tokenizer as a typed error naming the input."""
+        try:
+            return self.encode(item)
+        except TwinkleError:
+            raise
+        except (TypeError, ValueError, KeyError, IndexError, UnicodeError) as exc:
+            raise TemplateError(
+                f"inputs[{index}] could not be encoded by the chat template: {type(exc).__name__}: {exc}"
+            ) from exc
 
     def _make_sequence(
         self,
@@ -491,7 +769,10 @@ class Sampler(ABC, metaclass=SamplerMeta):
         top_logprobs: Any = None,
         weights_version: int | None = None,
     ) -> SampledSequence:
-        """Build a ``SampledSequence`` with its text, version and training feature."""
+        """Build a ``SampledSequence`` with its text, version and training feature.
+
+        ``weights_version`` defaults to the current one (stable while ``_generate`` runs).
+        """
         tokens = [int(t) for t in tokens]
         if text is None:
             text = self.template.decode(tokens)
@@ -541,6 +822,10 @@ class Sampler(ABC, metaclass=SamplerMeta):
                 self.close()
         except Exception:
             pass
+
+
+def _applied_source(config_or_dir: Any, weights: Any) -> str:
+    return "<memory>" if weights is not None else str(config_or_dir)
 
 
 def __getattr__(name: str) -> Any:

@@ -56,7 +56,11 @@ class Record:
         Raises:
             TwinkleError: a ``ValueError`` subclass naming any unknown key.
         """
-        return cls(**cls._check_keys(data))
+        fields = cls._check_keys(data)
+        try:
+            return cls(**fields)
+        except TypeError as exc:  # a required key is missing (attrs says so in a TypeError)
+            raise cls._error(f"{cls.__name__}.from_dict({data!r:.80}) is invalid: {exc}.") from None
 
 
 def _serialise(_inst: Any, _field: Any, value: Any) -> Any:

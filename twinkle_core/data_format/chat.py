@@ -19,9 +19,22 @@ def _check_role(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise InvalidInputError(f"Message.role={value!r} is invalid: expected one of {', '.join(ROLES)}.")
 
 
+def _check_text(owner: str, value: str) -> None:
+    # A lone surrogate ("\ud800") is a valid Python str but no tokenizer can encode it.
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidInputError(
+            f"{owner}={value!r:.80} is invalid: it holds {value[exc.start]!r} at position {exc.start}, which is not"
+            " encodable text (a lone surrogate); expected valid Unicode text."
+        ) from None
+
+
 def _check_opt_str(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and not isinstance(value, str):
         raise InvalidInputError(f"Message.{attribute.name}={value!r} is invalid: expected a string or None.")
+    if value is not None:
+        _check_text(f"Message.{attribute.name}", value)
 
 
 def _check_content(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -30,6 +43,8 @@ def _check_content(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise InvalidInputError(
             f"Message.content={value!r} is invalid: expected a string or a list of content parts."
         )
+    if isinstance(value, str):
+        _check_text("Message.content", value)
 
 
 def _check_list_of_dicts(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -62,6 +77,13 @@ class Message(Record):
         return {k: v for k, v in self.to_dict().items() if v is not None}
 
 
+def _check_tool_field(name: str, value: Any, kind: type) -> None:
+    if not isinstance(value, kind):
+        raise InvalidInputError(f"Tool.{name}={value!r:.80} is invalid: expected a {kind.__name__}.")
+    if isinstance(value, str):
+        _check_text(f"Tool.{name}", value)
+
+
 @attrs.define(kw_only=True)
 class Tool(Record):
     """A tool the model may call, as a JSON-schema function description.
@@ -72,9 +94,9 @@ class Tool(Record):
         parameters: the JSON schema of its arguments.
     """
 
-    name: str = attrs.field(validator=attrs.validators.instance_of(str))
-    description: str = attrs.field(default="", validator=attrs.validators.instance_of(str))
-    parameters: dict[str, Any] = attrs.field(factory=dict, validator=attrs.validators.instance_of(dict))
+    name: str = attrs.field(validator=lambda i, a, v: _check_tool_field(a.name, v, str))
+    description: str = attrs.field(default="", validator=lambda i, a, v: _check_tool_field(a.name, v, str))
+    parameters: dict[str, Any] = attrs.field(factory=dict, validator=lambda i, a, v: _check_tool_field(a.name, v, dict))
 
     def to_hf(self) -> dict[str, Any]:
         """The tool in the ``{"type": "function", "function": ...}`` shape templates expect."""

@@ -169,8 +169,7 @@ class ReplicaHost:
         from twinkle_core.sampler import Sampler
 
         if weights_version is not None and isinstance(self._target, Sampler):
-            with self._target._admin_lock:
-                self._target._weights_version = max(self._target._weights_version, weights_version)
+            self._target._restore_version(weights_version)
 
     @_portable_errors
     def sample_shard(
@@ -182,12 +181,8 @@ class ReplicaHost:
         on_invalid: str,
     ) -> list[SampleResponse]:
         """``sample()`` on this replica's share of a call; errors name each input's index in the whole call."""
-        engine = self._target
-        # what engine.sample() checks, then its per-input work with each input named by its place in the whole call
-        engine._check_open()
-        if adapter_name:
-            engine._require_adapter(adapter_name)
-        return engine._sample_items(items, params, adapter_name, on_invalid, indices)
+        # the driver checked the arguments as sample() does; each input is named by its place in the whole call
+        return self._target._sample(items, params, adapter_name, on_invalid, indices)
 
     def close(self) -> None:
         """Close the target if it has ``close()`` and drop it; errors are printed, never raised (the actor is killed next)."""

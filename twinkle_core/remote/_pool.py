@@ -255,7 +255,7 @@ class ReplicaPool:
         return f"replica {index} (actor {r.actor_id}) of {self.label}"
 
     # -- calls -----------------------------------------------------------------------------
-    def _check(self) -> None:
+    def check_open(self) -> None:
         if self._closed:
             from twinkle_core.errors import SamplerClosedError
 
@@ -269,7 +269,7 @@ class ReplicaPool:
 
     def submit(self, index: int, method: str, *args: Any, **kwargs: Any) -> tuple[int, Any]:
         """Start ``host.method(*args, **kwargs)`` on a replica; returns (incarnation, ref) for :meth:`result`."""
-        self._check()
+        self.check_open()
         r = self._replicas[index]
         if r.lost:
             raise ReplicaLostError(f"{self.where(index)} is out of service.", replica=index, survivors=len(self.alive()))
@@ -333,7 +333,7 @@ class ReplicaPool:
         Returns:
             The values and the errors, by replica index.
         """
-        self._check()
+        self.check_open()
         pending = {i: self.submit(i, method, *args, **kwargs) for i in self.alive()}
         values: dict[int, Any] = {}
         errors: dict[int, BaseException] = {}
@@ -362,7 +362,7 @@ class ReplicaPool:
 
     def pick(self) -> int:
         """A replica in service, round-robin."""
-        self._check()
+        self.check_open()
         alive = self.alive()
         with self._lock:
             self._rr += 1

@@ -196,7 +196,7 @@ class RemoteObject(ReplicaViews):
         from twinkle_core.remote._pool import split_evenly
 
         data, rest = args[0], args[1:]
-        pool._check()
+        pool.check_open()
         alive = pool.alive()
         parts = split_evenly(data, len(alive))
         jobs = []

@@ -11,19 +11,19 @@ replica that dies can be rebuilt in the same state.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable, Mapping
+import threading
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from twinkle_core.data_format import InputFeature, SampleResponse, SamplingParams, Trajectory
-from twinkle_core.errors import InvalidInputError, InvalidMeshError, WeightUpdateError
-from twinkle_core.locks import ReadWriteLock
+from twinkle_core.errors import InvalidMeshError
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
 from twinkle_core.remote._balance import estimate_prompt_tokens, item_cost, split_by_cost, trajectory_chars
 from twinkle_core.remote._pool import Op, ReplicaPool
 from twinkle_core.remote._runtime import PlacedGroup, current_session, get_group, import_ray, register_owner
 from twinkle_core.remote.errors import ReplicaLostError
 from twinkle_core.remote.remote_class import ReplicaViews
-from twinkle_core.sampler import AdapterInfo, OnInvalid, SampleInputs, Sampler
+from twinkle_core.sampler import AppliedWithError, OnInvalid, Sampler
 from twinkle_core.template import Template
 
 __all__ = ["RemoteSampler", "build_remote"]
@@ -120,6 +120,9 @@ class RemoteSampler(ReplicaViews, Sampler):
         group: the device group the replicas run on.
     """
 
+    #: The replicas run the engine's calls concurrently; this object only splits and gathers.
+    concurrent_samples = True
+
     def __init__(
         self,
         engine_class: type[Sampler],
@@ -132,13 +135,15 @@ class RemoteSampler(ReplicaViews, Sampler):
         super().__init__()
         self.engine_class = engine_class
         self.engine_name = engine_class.engine_name
+        self.supported_params = engine_class.supported_params  # type: ignore[misc]
         self.device_mesh = mesh
         self.group: DeviceGroup = placed.group
-        self._rw = ReadWriteLock()
         # version -> (ref of the update's tensors, names still current from it)
         self._weight_ops: dict[int, tuple[Any, set[str]]] = {}
         self._adapter_ops: dict[str, tuple[int, Any, Any, dict[str, Any]]] = {}
         self._template_op: tuple[Any, dict[str, Any]] | None = None
+        self._remote_template: Template | None = None
+        self._template_fetch = threading.Lock()
         self._chars = 0
         self._tokens = 0
         label = f"{engine_class.__name__} on group {placed.name!r}"
@@ -156,7 +161,7 @@ class RemoteSampler(ReplicaViews, Sampler):
         info = self._pool.first_info()
         self._max_model_len: int = info["max_model_len"]
         self._vocab_size: int | None = info.get("vocab_size")
-        self._weights_version = info.get("weights_version", 0)
+        self._restore_version(info.get("weights_version", 0))
         register_owner(self)
 
     def __repr__(self) -> str:
@@ -178,138 +183,102 @@ class RemoteSampler(ReplicaViews, Sampler):
     @property
     def template(self) -> Template:
         """The replicas' template (fetched from one replica on first use; needs the tokenizer's library here)."""
-        with self._rw.read():
-            if self._template is None:
-                self._template = self._pool.run(self._pool.pick(), "get", "template")
-            return self._template
+        with self._template_fetch:
+            if self._remote_template is None:
+                self._remote_template = self._pool.run(self._pool.pick(), "get", "template")
+            return self._remote_template
 
     # -- state changes ---------------------------------------------------------------------
     def _replay_ops(self) -> tuple[list[Op], int]:
         """What a rebuilt replica needs: template, adapters and weight updates in version order; the version."""
         ops: list[tuple[int, Op]] = []
         for version, (ref, _names) in self._weight_ops.items():
-            ops.append((version, ("update_weights", (ref,), {"version": version})))
+            ops.append((version, ("update_weights", (ref,), {"version": version, "check_finite": False})))
         for name, (version, source, weights, kwargs) in self._adapter_ops.items():
-            ops.append((version, ("add_adapter_to_model", (name, source), {"weights": weights, "version": version, **kwargs})))
+            call_kwargs = {"weights": weights, "version": version, "check_finite": False, **kwargs}
+            ops.append((version, ("add_adapter_to_model", (name, source), call_kwargs)))
         ordered = [op for _, op in sorted(ops, key=lambda x: x[0])]
         if self._template_op is not None:
             template, kwargs = self._template_op
             ordered.insert(0, ("set_template", (template,), kwargs))
-        return ordered, self._weights_version
+        return ordered, self.weights_version
 
     def set_template(self, template: type[Template] | Template | str, **kwargs: Any) -> None:
         """Set the chat template on every replica (a registered name, a class or an instance)."""
-        self._check_open()
-        with self._rw.write():
+        self._pool.check_open()
+        with self._exclusive():
 
             def record() -> None:
                 self._template_op = (template, kwargs)
-                self._template = None
+                with self._template_fetch:
+                    self._remote_template = None
                 self._chars = self._tokens = 0
 
-            self._apply("set_template", (template,), kwargs, record=record)
+            try:
+                self._apply("set_template", (template,), kwargs, record=record)
+            except AppliedWithError as applied:
+                raise applied.error from None
 
-    def add_adapter_to_model(
-        self, adapter_name: str, config_or_dir: Any, *, weights: Any = None, version: int | None = None, **kwargs: Any
-    ) -> int:
-        """Load or replace a LoRA adapter on every replica (see ``Sampler.add_adapter_to_model``).
+    def _load_adapter(
+        self, name: str, config_or_dir: Any, *, weights: Any = None, version: int, **kwargs: Any
+    ) -> str:
+        """Load or replace a LoRA adapter on every replica.
 
         A folder must be readable at the same path on every node (a shared
         file system); otherwise pass a config and ``weights``, which go into
         Ray's object store once.
         """
-        self._check_open()
-        if not isinstance(adapter_name, str) or not adapter_name:
-            raise InvalidInputError(f"adapter_name={adapter_name!r} is invalid: expected a non-empty string.")
-        with self._rw.write():
-            new_version = self._next_version(version)
-            ray = import_ray()
-            ref = ray.put(weights) if weights is not None else None
-            self._apply(
-                "add_adapter_to_model",
-                (adapter_name, config_or_dir),
-                {"weights": ref, "version": new_version, **kwargs},
-                record=lambda: self._adapter_ops.__setitem__(adapter_name, (new_version, config_or_dir, ref, kwargs)),
-                version=new_version,
-            )
-            source = "<memory>" if weights is not None else str(config_or_dir)
-            old = self._adapters.get(adapter_name)
-            adapter_id = old.adapter_id if old is not None else self._next_adapter_id
-            if old is None:
-                self._next_adapter_id += 1
-            self._adapters[adapter_name] = AdapterInfo(adapter_name, adapter_id, new_version, source)
-            return new_version
+        ref = import_ray().put(weights) if weights is not None else None
+        self._apply(
+            "add_adapter_to_model",
+            (name, config_or_dir),
+            # the driver already checked the values are finite
+            {"weights": ref, "version": version, "check_finite": False, **kwargs},
+            record=lambda: self._adapter_ops.__setitem__(name, (version, config_or_dir, ref, kwargs)),
+        )
+        return "<memory>" if weights is not None else str(config_or_dir)
 
-    def remove_adapter(self, adapter_name: str) -> None:
-        """Unload an adapter from every replica."""
-        self._check_open()
-        with self._rw.write():
-            self._require_adapter(adapter_name)
+    def _remove_adapter(self, name: str) -> None:
+        self._apply("remove_adapter", (name,), {}, record=lambda: self._adapter_ops.pop(name, None))
 
-            def record() -> None:
-                self._adapter_ops.pop(adapter_name, None)
-                del self._adapters[adapter_name]
-
-            self._apply("remove_adapter", (adapter_name,), {}, record=record)
-
-    def update_weights(
-        self, named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]], *, version: int | None = None
-    ) -> int:
-        """Replace base weights on every replica; returns the one new version they all carry.
+    def _update_weights(self, named_tensors: list[tuple[str, Any]], *, version: int) -> None:
+        """Replace base weights on every replica, with the one new version they all carry.
 
         The tensors are put into Ray's object store once; every replica reads
         that copy. The driver keeps the object ref (for each tensor name, the
         latest update holding it) so a rebuilt replica gets the same weights:
         superseded updates are released.
         """
-        self._check_open()
-        items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
-        for i, item in enumerate(items):
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-                raise WeightUpdateError(f"named_tensors[{i}] is invalid: expected a (name, tensor) pair.")
-        if not items:
-            raise WeightUpdateError("update_weights got no tensors.")
-        with self._rw.write():
-            new_version = self._next_version(version)
-            ref = import_ray().put(items)
-            names = {name for name, _ in items}
+        ref = import_ray().put(named_tensors)
+        names = {name for name, _ in named_tensors}
 
-            def record() -> None:
-                for old_version in list(self._weight_ops):
-                    old_ref, old_names = self._weight_ops[old_version]
-                    old_names -= names
-                    if not old_names:
-                        del self._weight_ops[old_version]
-                self._weight_ops[new_version] = (ref, set(names))
+        def record() -> None:
+            for old_version in list(self._weight_ops):
+                _old_ref, old_names = self._weight_ops[old_version]
+                old_names -= names
+                if not old_names:
+                    del self._weight_ops[old_version]
+            self._weight_ops[version] = (ref, set(names))
 
-            self._apply("update_weights", (ref,), {"version": new_version}, record=record, version=new_version)
-            return new_version
+        self._apply("update_weights", (ref,), {"version": version, "check_finite": False}, record=record)
 
-    def _apply(
-        self,
-        method: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        *,
-        record: Callable[[], None],
-        version: int | None = None,
-    ) -> None:
+    def _apply(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, record: Callable[[], None]) -> None:
         """Make a state change on every replica and record it (for rebuilds), once at least one applied it.
 
         If every replica rejects it (bad input: they all agree), nothing
-        changes. If only some applied it, it is kept, the others are rebuilt
-        with it (so all replicas stay alike), and the first error is raised
-        with a note saying so.
+        changes and the first error is raised. If only some applied it, it is
+        kept, the others are rebuilt with it (so all replicas stay alike), and
+        the first error is raised as :class:`AppliedWithError` (the base then
+        records the change) with a note saying so.
         """
         values, errors = self._pool.broadcast_collect("call", method, *args, **kwargs)
         if errors and not values:
             raise errors[min(errors)]
         record()
-        if version is not None:
-            self._weights_version = version
         if not errors:
             return
         first = errors[min(errors)]
+        version = kwargs.get("version")
         out_of_step = [i for i in sorted(errors) if not isinstance(errors[i], ReplicaLostError)]
         for i in out_of_step:
             try:
@@ -318,7 +287,7 @@ class RemoteSampler(ReplicaViews, Sampler):
                 first.add_note(str(exc))
         done = f"Replicas {sorted(values)} applied {method}" + (f" (version {version})" if version is not None else "")
         first.add_note(f"{done}; replicas {out_of_step} failed and were rebuilt with it." if out_of_step else f"{done}.")
-        raise first
+        raise AppliedWithError(first)
 
     # -- sampling --------------------------------------------------------------------------
     def _chars_per_token(self) -> float:
@@ -326,55 +295,53 @@ class RemoteSampler(ReplicaViews, Sampler):
             return 4.0
         return min(max(self._chars / self._tokens, 1.0), 16.0)
 
-    def sample(
-        self,
-        inputs: SampleInputs,
-        sampling_params: SamplingParams | dict[str, Any] | None = None,
-        adapter_name: str = "",
-        *,
-        num_samples: int | None = None,
-        on_invalid: OnInvalid = "raise",
-    ) -> list[SampleResponse]:
-        """Sample on the replicas (same arguments and results as ``Sampler.sample``).
+    def _generate(self, prompts: list[InputFeature], params: SamplingParams, adapter_name: str) -> list[SampleResponse]:
+        return self._process(list(prompts), params, adapter_name, "raise", None)
 
-        Parameters and input structure are checked here before anything is
-        sent; prompt encoding and length checks run in the replicas (each input
+    def _process(
+        self,
+        items: list[Any],
+        params: SamplingParams,
+        adapter_name: str,
+        on_invalid: OnInvalid,
+        indices: list[int] | None,
+    ) -> list[SampleResponse]:
+        """Split a call across the replicas and gather it in input order (lock held shared by the base).
+
+        Prompt encoding and length checks run in the replicas (each input
         named by its index in this call). Work is balanced by
         ``num_samples x (prompt tokens + max_tokens)``; a conversation's prompt
         tokens are estimated from its text, calibrated on what earlier calls
         measured.
         """
-        params, items = self._start_call(inputs, sampling_params, adapter_name, num_samples, on_invalid)
-        if not items:
-            return []
-        with self._rw.read():
-            self._pool._check()
-            alive = self._pool.alive()
-            cpt = self._chars_per_token()
-            costs = [item_cost(estimate_prompt_tokens(item, cpt), params) for item in items]
-            shards = split_by_cost(costs, len(alive))
-            jobs = []
-            for replica, indices in zip(alive, shards):
-                if not indices:
-                    continue
-                args = ([items[i] for i in indices], indices, params, adapter_name, on_invalid)
-                jobs.append((replica, indices, args, self._pool.submit(replica, "sample_shard", *args)))
-            out: list[SampleResponse | None] = [None] * len(items)
-            for replica, indices, args, submitted in jobs:
-                responses = self._pool.finish(replica, submitted, "sample_shard", *args)
-                for i, response in zip(indices, responses):
-                    out[i] = response
+        self._pool.check_open()
+        alive = self._pool.alive()
+        cpt = self._chars_per_token()
+        costs = [
+            0.0 if isinstance(item, Exception) else item_cost(estimate_prompt_tokens(item, cpt), params)
+            for item in items
+        ]
+        shards = split_by_cost(costs, len(alive))
+        jobs = []
+        for replica, shard in zip(alive, shards):
+            if not shard:
+                continue
+            named = [k if indices is None else indices[k] for k in shard]
+            args = ([items[k] for k in shard], named, params, adapter_name, on_invalid)
+            jobs.append((replica, shard, args, self._pool.submit(replica, "sample_shard", *args)))
+        out: list[SampleResponse | None] = [None] * len(items)
+        for replica, shard, args, submitted in jobs:
+            responses = self._pool.finish(replica, submitted, "sample_shard", *args)
+            for k, response in zip(shard, responses):
+                out[k] = response
         self._calibrate(items, out)
         return out  # type: ignore[return-value]
 
-    def _calibrate(self, items: list[InputFeature | Trajectory], out: list[SampleResponse | None]) -> None:
+    def _calibrate(self, items: list[Any], out: list[SampleResponse | None]) -> None:
         for item, response in zip(items, out):
             if isinstance(item, Trajectory) and response is not None and response.prompt_token_ids:
                 self._chars += trajectory_chars(item)
                 self._tokens += len(response.prompt_token_ids)
-
-    def _generate(self, prompts: list[InputFeature], params: SamplingParams, adapter_name: str) -> list[SampleResponse]:
-        return self.sample(prompts, params, adapter_name)  # pragma: no cover - sample() is overridden
 
     # -- lifecycle -------------------------------------------------------------------------
     def _close(self) -> None:

@@ -58,6 +58,15 @@ class EchoSampler(Sampler):
     """
 
     engine_name = "echo"
+    # Listed by name, never derived from SamplingParams: a field added later is refused until honoured here.
+    supported_params = frozenset(
+        {
+            "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
+            "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logprobs_mode", "num_samples",
+        }
+    )  # fmt: skip
+    #: Pure Python with no shared mutable state: calls may run in parallel threads.
+    concurrent_samples = True
 
     def __init__(
         self,
@@ -78,10 +87,8 @@ class EchoSampler(Sampler):
         self.model_id = model_id
         self._vocab_size = vocab_size
         self._model = EchoModel(vocab_size, seed=seed, name=model_id or "")
-        # The base class builds the Template from self._tokenizer (or takes a
-        # Template instance as is): a real engine loads its tokenizer here.
-        self._tokenizer = EchoTokenizer(vocab_size)
-        self._init_template(template, None)
+        # A real engine passes its model folder and the base loads the tokenizer.
+        self._init_template(template, tokenizer=EchoTokenizer(vocab_size))
 
     def __repr__(self) -> str:
         return (

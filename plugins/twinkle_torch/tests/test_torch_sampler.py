@@ -283,11 +283,15 @@ def test_bad_weight_updates_change_nothing(tiny_llama: Path, chat_prompts: list[
         before = tokens_of(s.sample(chat_prompts[:4], greedy(16)))
         good = ("model.norm.weight", torch.zeros(128))
         bad_cases = [
-            ([good, ("model.layers.9.mlp.down_proj.weight", torch.zeros(1))], "Unknown weight name"),
+            ([good, ("model.layers.9.mlp.down_proj.weight", torch.zeros(1))], "not a weight of this model"),
             ([good, ("model.layers.0.mlp.down_proj.weight", torch.zeros(3, 3))], "shape"),
             ([good, ("model.layers.0.input_layernorm.weight", torch.zeros(128, dtype=torch.int64))], "dtype"),
             ([good, good], "twice"),
             ([good, ("model.layers.0.input_layernorm.weight", [0.0] * 128)], "torch.Tensor"),
+            ([good, ("model.layers.0.input_layernorm.weight", torch.full((128,), math.nan))], "non-finite"),
+            ([good, ("model.layers.0.input_layernorm.weight", torch.full((128,), -math.inf))], "non-finite"),
+            # fails only when the data is read: refused before the first copy, so nothing is half-applied
+            ([good, ("model.layers.0.input_layernorm.weight", torch.zeros(128, device="meta"))], "meta"),
         ]
         for update, message in bad_cases:
             with pytest.raises(WeightUpdateError, match=message):

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from twinkle_core.errors import AdapterError
+from twinkle_core.weights import find_non_finite
 
 __all__ = ["AdapterSet"]
 
@@ -74,9 +75,13 @@ def _load_weights(folder: Path, device: torch.device) -> dict[str, torch.Tensor]
             f"Adapter folder {str(folder)!r} has no adapter_model.safetensors (or adapter_model.bin)."
         )
     try:
-        return dict(load_peft_weights(str(folder), device=str(device)))
+        weights = dict(load_peft_weights(str(folder), device=str(device)))
     except Exception as exc:
         raise AdapterError(f"Adapter folder {str(folder)!r} has unreadable weights: {exc}") from exc
+    bad = find_non_finite(list(weights.items()))
+    if bad is not None:
+        raise AdapterError(f"Adapter folder {str(folder)!r}: {bad.split('; pass')[0]}; nothing was loaded.")
+    return weights
 
 
 class AdapterSet:

@@ -7,10 +7,10 @@ vectorised sampling, finished rows dropped from the batch, batches bounded by
 a token budget. LoRA adapters go in through PEFT (:mod:`twinkle_torch.adapters`),
 weight updates by ``state_dict`` name (:mod:`twinkle_torch.weights`).
 
-One ``sample()`` runs at a time per sampler: generation, adapter changes and
-weight updates share one lock, so concurrent calls with different adapters
-never mix and every sequence's ``weights_version`` is the version its tokens
-came from.
+The engine declares ``concurrent_samples = False``: the base class runs one
+``_generate`` at a time and keeps adapter and weight changes apart from it
+(its readers-writer lock), so concurrent calls with different adapters never
+mix and every sequence's ``weights_version`` is the version its tokens came from.
 """
 
 from __future__ import annotations
@@ -166,6 +166,13 @@ class TorchSampler(Sampler):
     """
 
     engine_name = "torch"
+    supported_params = frozenset(
+        {
+            "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
+            "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logprobs_mode", "num_samples",
+        }
+    )  # fmt: skip
+    concurrent_samples = False
 
     def __init__(
         self,
@@ -245,61 +252,56 @@ class TorchSampler(Sampler):
             decoder.tokenizer = self.tokenizer
 
     def _generate(self, prompts: list[InputFeature], params: SamplingParams, adapter_name: str) -> list[SampleResponse]:
-        with self._admin_lock, torch.inference_mode():
-            if adapter_name and adapter_name not in self._adapter_set:
-                self._require_adapter(adapter_name)  # removed since sample() checked it
+        # The base holds its lock shared (no adapter or weight change meanwhile) and runs one _generate at a time.
+        with torch.inference_mode():
             self._adapter_set.activate(adapter_name)
-            version = self._weights_version
             sequences, scores = self._decoder.run(
                 [list(p.input_ids) for p in prompts], params, max_batch_tokens=self.max_batch_tokens
             )
-            out = []
-            for prompt, seqs, score in zip(prompts, sequences, scores):
-                ids = list(prompt.input_ids)
-                built = [
-                    self._make_sequence(
-                        ids,
-                        s.tokens,
-                        stop_reason=s.stop_reason,
-                        adapter_name=adapter_name,
-                        text=s.text,
-                        stop=s.stop,
-                        logprobs=s.logprobs,
-                        top_logprobs=s.top_logprobs,
-                        weights_version=version,
-                    )
-                    for s in seqs
-                ]
-                out.append(
-                    SampleResponse(
-                        prompt_token_ids=ids,
-                        sequences=built,
-                        prompt_logprobs=score.logprobs if score is not None else None,
-                        prompt_top_logprobs=score.top_logprobs if score is not None else None,
-                    )
+        out = []
+        for prompt, seqs, score in zip(prompts, sequences, scores):
+            ids = list(prompt.input_ids)
+            built = [
+                self._make_sequence(
+                    ids,
+                    s.tokens,
+                    stop_reason=s.stop_reason,
+                    adapter_name=adapter_name,
+                    text=s.text,
+                    stop=s.stop,
+                    logprobs=s.logprobs,
+                    top_logprobs=s.top_logprobs,
                 )
-            return out
+                for s in seqs
+            ]
+            out.append(
+                SampleResponse(
+                    prompt_token_ids=ids,
+                    sequences=built,
+                    prompt_logprobs=score.logprobs if score is not None else None,
+                    prompt_top_logprobs=score.top_logprobs if score is not None else None,
+                )
+            )
+        return out
 
-    def _load_adapter(self, name: str, config_or_dir: Any, *, weights: Any = None, **kwargs: Any) -> str:
+    def _load_adapter(
+        self, name: str, config_or_dir: Any, *, weights: Any = None, version: int, **kwargs: Any
+    ) -> str:
         if kwargs:
             raise AdapterError(f"add_adapter_to_model got unexpected arguments {sorted(kwargs)} for the torch engine.")
-        with self._admin_lock:
-            return self._adapter_set.load(name, config_or_dir, weights)
+        return self._adapter_set.load(name, config_or_dir, weights)
 
     def _remove_adapter(self, name: str) -> None:
-        with self._admin_lock:
-            self._adapter_set.remove(name)
+        self._adapter_set.remove(name)
 
-    def _update_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
-        with self._admin_lock:
-            pairs = self._weights.check(named_tensors)
-            self._weights.apply(pairs)
+    def _update_weights(self, named_tensors: list[tuple[str, Any]], *, version: int) -> None:
+        self._weights.apply(self._weights.check(named_tensors))
 
     def _close(self) -> None:
-        with self._admin_lock:
+        with self._exclusive():
             self._decoder.model = None
             self._adapter_set.model = None  # type: ignore[assignment]
             self._weights.model = None  # type: ignore[assignment]
             self._model = None  # type: ignore[assignment]
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

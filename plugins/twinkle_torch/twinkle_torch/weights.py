@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from twinkle_core.errors import did_you_mean
 from twinkle_core.errors import WeightUpdateError
+from twinkle_core.weights import TensorSpec, check_update
 
 __all__ = ["WeightTable"]
 
@@ -30,7 +30,8 @@ class WeightTable:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.names = list(model.state_dict().keys())
-        self._known = set(self.names)
+        self._spec_cache: dict[str, TensorSpec] | None = None
+        self._spec()  # read now, before any adapter changes the module tree
 
     def _resolve(self, name: str) -> torch.Tensor:
         from peft.tuners.tuners_utils import BaseTunerLayer
@@ -47,48 +48,42 @@ class WeightTable:
     def check(self, named_tensors: Sequence[tuple[str, Any]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Validate an update; return ``(target, new value)`` pairs ready to copy.
 
-        Floating-point values may come in another floating-point dtype (a
-        trainer in bfloat16 updating a float32 sampler): they are cast on copy.
-        Other dtypes must match exactly.
+        The shared checks of :func:`twinkle_core.weights.check_update`
+        (floating-point values may come in another floating-point dtype: a
+        trainer in bfloat16 updating a float32 sampler; they are cast). Each
+        value is then staged on the model's device in its dtype, so every
+        conversion that can fail has happened before the first copy.
 
         Raises:
             WeightUpdateError: an unknown or repeated name, a value that is not a
-                tensor, a shape or dtype that does not fit.
+                tensor, a shape or dtype that does not fit, or a value that cannot
+                be moved to the model's device.
         """
-        seen: set[str] = set()
+        checked = check_update(named_tensors, self._spec())
         pairs = []
-        for name, value in named_tensors:
-            if name not in self._known:
-                raise WeightUpdateError(
-                    f"Unknown weight name {name!r}.{did_you_mean(name, self.names)} Names are the model's Hugging"
-                    f" Face state_dict keys, e.g. {self.names[0]!r}; nothing was updated."
-                )
-            if name in seen:
-                raise WeightUpdateError(f"Weight {name!r} is given twice in one update; nothing was updated.")
-            seen.add(name)
-            if not isinstance(value, torch.Tensor):
-                raise WeightUpdateError(
-                    f"Weight {name!r} is a {type(value).__name__}, expected a torch.Tensor; nothing was updated."
-                )
+        for name, value in checked.items():
             target = self._resolve(name)
-            if tuple(value.shape) != tuple(target.shape):
+            try:
+                staged = value.detach().to(device=target.device, dtype=target.dtype)
+            except (RuntimeError, TypeError) as exc:
                 raise WeightUpdateError(
-                    f"Weight {name!r} has shape {tuple(value.shape)}, expected {tuple(target.shape)};"
+                    f"update_weights: {name!r} cannot be moved to {target.device} as {target.dtype}: {exc};"
                     " nothing was updated."
-                )
-            same_kind = value.dtype.is_floating_point and target.dtype.is_floating_point
-            if value.dtype != target.dtype and not same_kind:
-                raise WeightUpdateError(
-                    f"Weight {name!r} has dtype {value.dtype}, expected {target.dtype}"
-                    f"{' (or another floating-point dtype)' if target.dtype.is_floating_point else ''};"
-                    " nothing was updated."
-                )
-            pairs.append((target, value))
+                ) from exc
+            pairs.append((target, staged))
         return pairs
+
+    def _spec(self) -> dict[str, TensorSpec]:
+        if self._spec_cache is None:
+            self._spec_cache = {
+                name: TensorSpec(tuple(t.shape), str(t.dtype).removeprefix("torch."))
+                for name, t in self.model.state_dict().items()
+            }
+        return self._spec_cache
 
     @staticmethod
     def apply(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Copy checked values into the model (casting dtype and device)."""
+        """Copy staged values into the model (same device, dtype and shape: a copy that cannot fail halfway)."""
         with torch.no_grad():
             for target, value in pairs:
                 target.copy_(value)

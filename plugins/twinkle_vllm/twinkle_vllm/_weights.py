@@ -14,7 +14,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
-from twinkle_core.errors import UnsupportedFeatureError, WeightUpdateError
+from twinkle_core.errors import AdapterError, UnsupportedFeatureError, WeightUpdateError
+from twinkle_core.weights import TensorSpec, check_update
 
 __all__ = ["WeightSpec"]
 
@@ -62,6 +63,7 @@ class WeightSpec:
     ) -> None:
         self.shapes = shapes
         self.dtypes = dtypes
+        self.spec = {name: TensorSpec(shape, dtypes[name]) for name, shape in shapes.items()}
         self.engine_dtype = engine_dtype
         self.tied = tied_embeddings and "lm_head.weight" not in shapes
         self._fused = {part: fused for fused, parts in packed_modules_mapping.items() for part in parts}
@@ -113,54 +115,70 @@ class WeightSpec:
     def validate(self, items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         """Check every tensor; return what to send (tied ``lm_head`` folded into the embedding).
 
+        The shared checks of :func:`twinkle_core.weights.check_update`
+        (floating-point tensors must be in the engine's dtype), then vLLM's own
+        rule: tensors loaded into one fused layer arrive together.
+
         Raises:
             WeightUpdateError: an unknown or repeated name, a non-tensor, a wrong
                 shape or dtype, or a fused layer sent in part. Nothing is sent then.
         """
-        import torch
-
-        seen: dict[str, Any] = {}
-        for name, tensor in items:
-            if name in seen:
-                raise WeightUpdateError(f"update_weights got {name!r} twice.")
-            if not isinstance(tensor, torch.Tensor):
-                raise WeightUpdateError(
-                    f"update_weights: {name!r} is a {type(tensor).__name__}, expected a torch.Tensor."
-                )
-            seen[name] = tensor
-        if self.tied and "lm_head.weight" in seen:
+        names = [name for name, _ in items]
+        if self.tied and "lm_head.weight" in names:
             # One tensor in the trainer; vLLM keeps only the embedding.
-            lm_head = seen.pop("lm_head.weight")
-            seen.setdefault("model.embed_tokens.weight", lm_head)
-        unknown = [n for n in seen if n not in self.shapes]
-        if unknown:
-            from twinkle_core.errors import did_you_mean
-
-            raise WeightUpdateError(
-                f"update_weights: {unknown[0]!r} is not a weight of this model.{did_you_mean(unknown[0], list(self.shapes))}"
-                f" ({len(unknown)} unknown name(s); names are the model's Hugging Face state_dict names.)"
-            )
-        for name, tensor in seen.items():
-            expected = self.shapes[name]
-            if tuple(tensor.shape) != expected:
-                raise WeightUpdateError(
-                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, expected {expected}."
-                )
-            want = self.dtypes[name]
-            if tensor.is_floating_point() or want.startswith(("float", "bfloat")):
-                want = self.engine_dtype
-            got = str(tensor.dtype).removeprefix("torch.")
-            if got != want:
-                raise WeightUpdateError(
-                    f"update_weights: {name!r} has dtype {got}, but the engine runs in {want};"
-                    f" send tensor.to(torch.{want})."
-                )
-        for name in seen:
+            if "model.embed_tokens.weight" in names:
+                items = [(n, t) for n, t in items if n != "lm_head.weight"]
+            else:
+                items = [("model.embed_tokens.weight" if n == "lm_head.weight" else n, t) for n, t in items]
+        checked = check_update(items, self.spec, float_dtype=self.engine_dtype)
+        for name in checked:
             members = self.groups[self._layer_key(name)]
-            missing = [m for m in members if m not in seen]
+            missing = [m for m in members if m not in checked]
             if missing:
                 raise WeightUpdateError(
                     f"update_weights: {name!r} is loaded into one engine layer together with {missing};"
-                    " send all of them in the same update."
+                    " send all of them in the same update. Nothing was updated."
                 )
-        return list(seen.items())
+        return list(checked.items())
+
+    def check_lora(self, adapter: str, config: dict[str, Any], tensors: list[tuple[str, Any]]) -> None:
+        """Check LoRA tensors against the model: each ``lora_A`` is ``(r, in)``, each ``lora_B`` ``(out, r)``.
+
+        Names are PEFT's (``base_model.model.<module>.lora_A.weight``). vLLM
+        itself loads a mis-shaped or half adapter without a word.
+
+        Raises:
+            AdapterError: an unknown module, a wrong shape, or an ``A`` without its ``B``.
+        """
+        rank = config.get("r")
+        seen: dict[str, set[str]] = {}
+        for name, tensor in tensors:
+            parts = name.split(".")
+            if len(parts) < 3 or parts[-2] not in ("lora_A", "lora_B"):
+                continue  # e.g. modules_to_save: vLLM decides
+            module = ".".join(parts[:-2])
+            for prefix in ("base_model.model.", "base_model."):
+                if module.startswith(prefix):
+                    module = module[len(prefix) :]
+                    break
+            base = self.spec.get(f"{module}.weight")
+            if base is None or len(base.shape) != 2:
+                raise AdapterError(
+                    f"Adapter {adapter!r}: {name!r} targets {module!r}, which is not a linear layer of this model."
+                )
+            out_features, in_features = base.shape
+            want = (rank, in_features) if parts[-2] == "lora_A" else (out_features, rank)
+            if tuple(tensor.shape) != tuple(want):
+                raise AdapterError(
+                    f"Adapter {adapter!r}: {name!r} has shape {tuple(tensor.shape)}, expected {want}"
+                    f" (r={rank}, layer {module!r} is {out_features}x{in_features})."
+                )
+            seen.setdefault(module, set()).add(parts[-2])
+        half = sorted(m for m, kinds in seen.items() if len(kinds) != 2)
+        if half:
+            raise AdapterError(
+                f"Adapter {adapter!r}: layer {half[0]!r} has only {sorted(seen[half[0]])[0]}; each adapted layer"
+                " needs both lora_A and lora_B."
+            )
+        if not seen:
+            raise AdapterError(f"Adapter {adapter!r} has no lora_A / lora_B tensors.")

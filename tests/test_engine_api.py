@@ -1,0 +1,282 @@
+"""The engine API of ``Sampler`` is closed: the documented block and the code stay in step.
+
+Engines (the first-party plugins, the echo example) and the Ray front end may
+implement the hooks and call the helpers listed in ``Sampler``'s "Engine API"
+docstring block, and nothing else of the base class's private surface. These
+tests read the source of every engine in the repository, so a new engine (or a
+new private attribute of the base) cannot slip past them.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+import twinkle_core
+from twinkle_core import InputFeature, Sampler, SampleResponse, SamplingParams
+from twinkle_core.errors import (
+    InvalidSamplingParams,
+    UnknownAdapterError,
+    UnsupportedFeatureError,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+#: What an engine implements or sets.
+HOOKS = {
+    "engine_name",
+    "supported_params",
+    "concurrent_samples",
+    "max_model_len",
+    "vocab_size",
+    "_max_prompt_len",
+    "_generate",
+    "_load_adapter",
+    "_remove_adapter",
+    "_update_weights",
+    "_close",
+    "_on_template_changed",
+}
+#: What an engine may call besides the public API.
+HELPERS = {"_init_template", "_make_sequence", "_exclusive", "_restore_version"}
+#: What a front end without a local engine (RemoteSampler, the Ray host) may override or call.
+FRONT_END = {"_sample", "_process", "set_template", "template"}
+ENGINE_API = HOOKS | HELPERS | FRONT_END
+
+ENGINE_SOURCES = [
+    *sorted((ROOT / "plugins").glob("twinkle_*/twinkle_*/**/*.py")),
+    *sorted((ROOT / "examples" / "twinkle_echo" / "twinkle_echo").glob("*.py")),
+    *sorted((ROOT / "twinkle_core" / "remote").glob("*.py")),
+]
+
+
+def _api_block() -> str:
+    doc = inspect.getdoc(Sampler) or ""
+    match = re.search(r"Engine API\n-+\n(.*)", doc, re.S)
+    assert match, "Sampler's docstring has no 'Engine API' block"
+    return match.group(1)
+
+
+def _base_private_names() -> set[str]:
+    """Every single-underscore name the base class defines: its methods and the attributes its code sets."""
+    names = {n for n in vars(Sampler) if n.startswith("_") and not n.startswith("__")}
+    tree = ast.parse(inspect.getsource(inspect.getmodule(Sampler)))  # type: ignore[arg-type]
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id == "self"
+            and isinstance(node.ctx, ast.Store)
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            names.add(node.attr)
+    return names
+
+
+def test_every_documented_name_exists_and_is_in_the_block() -> None:
+    block = _api_block()
+    for name in sorted(ENGINE_API):
+        assert hasattr(Sampler, name), f"the engine API names {name!r}, which Sampler does not have"
+        assert f"``{name}" in block, f"{name!r} is part of the engine API but not documented in its block"
+
+
+def test_the_block_documents_nothing_else() -> None:
+    documented = {m for m in re.findall(r"``(_?[a-z][a-z_]*)", _api_block()) if hasattr(Sampler, m)}
+    public = {n for n in documented if not n.startswith("_")}
+    assert documented - public <= ENGINE_API, f"documented but not in the API: {sorted(documented - public - ENGINE_API)}"
+
+
+def _sampler_classes(trees: dict[Path, ast.Module]) -> set[str]:
+    """Names of the classes in ``trees`` that derive from ``Sampler``, directly or through each other."""
+    bases = {
+        node.name: {b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases}
+        for tree in trees.values()
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ClassDef)
+    }
+    found = {"Sampler"}
+    while True:
+        more = {name for name, parents in bases.items() if parents & found} - found
+        if not more:
+            return found - {"Sampler"}
+        found |= more
+
+
+def test_engines_use_only_the_engine_api() -> None:
+    private = _base_private_names() - ENGINE_API
+    assert {"_lock", "_adapters", "_weights_version", "_check_open"} <= private  # the scan knows the internals
+    trees = {path: ast.parse(path.read_text(), str(path)) for path in ENGINE_SOURCES}
+    engines = _sampler_classes(trees)
+    assert {"TorchSampler", "vLLMSampler", "EchoSampler", "RemoteSampler"} <= engines
+    offences = []
+    for path, tree in trees.items():
+        where = str(path.relative_to(ROOT))
+        for cls in [n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name in engines]:
+            for node in ast.walk(cls):
+                if isinstance(node, ast.FunctionDef) and node.name in private:
+                    offences.append(f"{where}:{node.lineno}: {cls.name} overrides {node.name}")
+                if (isinstance(node, ast.Attribute) and node.attr in private and isinstance(node.value, ast.Name)
+                        and node.value.id in ("self", "cls", "super")):
+                    offences.append(f"{where}:{node.lineno}: {cls.name} uses self.{node.attr}")
+        # code that holds an engine (the Ray host's ``self._target``, a local ``engine``) uses the API too
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in private:
+                holder = node.value
+                name = holder.attr if isinstance(holder, ast.Attribute) else getattr(holder, "id", "")
+                if name in ("_target", "engine", "sampler"):
+                    offences.append(f"{where}:{node.lineno}: {name}.{node.attr}")
+    assert not offences, "engines reach into Sampler's private state:\n" + "\n".join(offences)
+
+
+def test_public_errors_and_model_ids_are_importable_from_documented_places() -> None:
+    from twinkle_core import EngineDeadError, UnsupportedFeatureError, WeightUpdateError, resolve_model_id
+    from twinkle_core.errors import __all__ as error_names
+
+    for name in error_names:
+        if name[0].isupper():
+            assert getattr(twinkle_core, name) is getattr(twinkle_core.errors, name), name
+    assert callable(resolve_model_id)
+    assert issubclass(UnsupportedFeatureError, NotImplementedError)
+    assert issubclass(WeightUpdateError, ValueError) and issubclass(EngineDeadError, RuntimeError)
+
+
+# -- the base owns the checks and the locking: a minimal engine shows it ---------------------------
+class Recorder(Sampler):
+    """Generates ``prompt[-1] + 1``; records what reached it and how many ran at once."""
+
+    engine_name = "recorder"
+    supported_params = frozenset({"max_tokens", "num_samples", "temperature"})
+
+    def __init__(self, *, concurrent: bool = False) -> None:
+        super().__init__()
+        self.concurrent_samples = concurrent  # type: ignore[misc]
+        self.seen: list[SamplingParams] = []
+        self.running = 0
+        self.peak = 0
+        self.gate = threading.Event()
+        self.entered = threading.Semaphore(0)
+        self.guard = threading.Lock()
+        self.shifts: dict[str, int] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        return 32
+
+    @property
+    def vocab_size(self) -> int:
+        return 50
+
+    def _generate(self, prompts, params, adapter_name):  # type: ignore[no-untyped-def]
+        with self.guard:
+            self.running += 1
+            self.peak = max(self.peak, self.running)
+        self.entered.release()
+        self.gate.wait(10)
+        self.seen.append(params)
+        shift = self.shifts.get(adapter_name, 0)
+        out = [
+            SampleResponse(
+                prompt_token_ids=p.input_ids,
+                sequences=[
+                    self._make_sequence(p.input_ids, [p.input_ids[-1] + 1 + shift], stop_reason="length",
+                                        adapter_name=adapter_name, text="x")
+                ],
+            )
+            for p in prompts
+        ]
+        with self.guard:
+            self.running -= 1
+        return out
+
+    def _load_adapter(self, name, config_or_dir, *, weights=None, version, **kwargs):  # type: ignore[no-untyped-def]
+        self.shifts[name] = int(config_or_dir)
+        return "<memory>"
+
+    def _remove_adapter(self, name: str) -> None:
+        del self.shifts[name]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("top_p", 0.5), ("top_k", 3), ("min_p", 0.1), ("repetition_penalty", 1.2), ("seed", 1), ("stop", ["x"]),
+     ("logprobs", 0), ("logprobs_mode", "raw"), ("ignore_eos", True)],
+)
+def test_a_field_the_engine_does_not_declare_is_refused_before_any_work(field: str, value: object) -> None:
+    eng = Recorder()
+    eng.gate.set()
+    with pytest.raises(UnsupportedFeatureError, match=rf"SamplingParams\.{field}=.*recorder engine"):
+        eng.sample(InputFeature(input_ids=[1]), {field: value})
+    assert eng.seen == []
+    # its default value is fine, and declared fields pass
+    eng.sample(InputFeature(input_ids=[1]), {"temperature": 0.5, "max_tokens": 1})
+    assert len(eng.seen) == 1
+
+
+def test_values_beyond_the_vocabulary_are_refused() -> None:
+    eng = Recorder()
+    eng.supported_params = frozenset({"max_tokens", "logprobs", "prompt_logprobs", "stop_token_ids"})  # type: ignore[misc]
+    for bad, pattern in [({"logprobs": 51}, "logprobs=51.*vocabulary size 50"),
+                         ({"prompt_logprobs": 10**9}, "prompt_logprobs"),
+                         ({"stop_token_ids": [3, 50]}, r"stop_token_ids contains 50.*\[0, 50\)"),
+                         ({"stop_token_ids": [2**70]}, "stop_token_ids")]:
+        with pytest.raises(InvalidSamplingParams, match=pattern):
+            eng.sample(InputFeature(input_ids=[1]), bad)
+    assert eng.seen == []
+
+
+def _run_in_threads(eng: Recorder, n: int) -> list[threading.Thread]:
+    threads = [threading.Thread(target=eng.sample, args=(InputFeature(input_ids=[i + 1]),)) for i in range(n)]
+    for t in threads:
+        t.start()
+    return threads
+
+
+def test_the_base_serialises_an_engine_that_is_not_concurrent() -> None:
+    eng = Recorder(concurrent=False)
+    threads = _run_in_threads(eng, 3)
+    assert eng.entered.acquire(timeout=10)
+    assert not eng.entered.acquire(timeout=0.2), "a second _generate started while the first was running"
+    eng.gate.set()
+    for t in threads:
+        t.join(10)
+    assert eng.peak == 1 and len(eng.seen) == 3
+
+
+def test_a_concurrent_engine_runs_samples_together() -> None:
+    eng = Recorder(concurrent=True)
+    threads = _run_in_threads(eng, 3)
+    for _ in range(3):
+        assert eng.entered.acquire(timeout=10)
+    assert eng.peak == 3
+    eng.gate.set()
+    for t in threads:
+        t.join(10)
+
+
+def test_an_adapter_removal_waits_for_the_samples_using_it() -> None:
+    """The adapter check and the generation are one step: a removal cannot slip between them."""
+    eng = Recorder(concurrent=True)
+    eng.add_adapter_to_model("a", 10)
+    results: list[list[SampleResponse]] = []
+    sampler_thread = threading.Thread(
+        target=lambda: results.append(eng.sample(InputFeature(input_ids=[1]), adapter_name="a"))
+    )
+    sampler_thread.start()
+    assert eng.entered.acquire(timeout=10)  # inside _generate, with adapter "a"
+    removed = threading.Event()
+    remover = threading.Thread(target=lambda: (eng.remove_adapter("a"), removed.set()))
+    remover.start()
+    assert not removed.wait(0.2), "remove_adapter must wait for the sample using the adapter"
+    eng.gate.set()
+    sampler_thread.join(10)
+    remover.join(10)
+    seq = results[0][0].sequences[0]
+    assert seq.adapter_name == "a" and seq.tokens == [12]
+    with pytest.raises(UnknownAdapterError):
+        eng.sample(InputFeature(input_ids=[1]), adapter_name="a")

@@ -1,0 +1,131 @@
+"""Checks of a weight update that every engine shares: one wording, engine rules on top.
+
+An engine describes what it accepts as a mapping of name -> :class:`TensorSpec`
+and calls :func:`check_update`; it adds only its own rules (vLLM: layers that
+must arrive together). :func:`find_non_finite` is what ``update_weights`` and
+``add_adapter_to_model`` run before anything reaches an engine.
+
+Torch is imported only when a check runs (tensors cannot exist without it).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from twinkle_core.errors import WeightUpdateError, did_you_mean
+
+__all__ = ["TensorSpec", "check_update", "find_non_finite"]
+
+
+@attrs.frozen
+class TensorSpec:
+    """What one named tensor of an update must look like.
+
+    Attributes:
+        shape: the exact shape.
+        dtype: the dtype name without ``torch.`` (``"float32"``, ``"int64"``).
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def _dtype_name(tensor: Any) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _is_float(dtype: str) -> bool:
+    return dtype.startswith(("float", "bfloat"))
+
+
+def check_update(
+    named_tensors: Sequence[tuple[str, Any]],
+    spec: Mapping[str, TensorSpec],
+    *,
+    float_dtype: str | None = None,
+) -> dict[str, Any]:
+    """Check an update against ``spec``; return it as a dict in the given order.
+
+    Args:
+        named_tensors: ``(name, tensor)`` pairs.
+        spec: every name the engine accepts.
+        float_dtype: the dtype floating-point tensors must have (an engine that
+            runs in one dtype). ``None``: any floating-point dtype is accepted
+            for a floating-point weight (the engine casts on copy).
+
+    Raises:
+        WeightUpdateError: an unknown or repeated name, a value that is not a
+            tensor or holds no data (``meta`` device), a wrong shape or dtype.
+            The message names the tensor and what was expected; nothing is applied.
+    """
+    import torch
+
+    out: dict[str, Any] = {}
+    for name, value in named_tensors:
+        if name in out:
+            raise WeightUpdateError(f"update_weights: {name!r} is given twice; nothing was updated.")
+        if name not in spec:
+            example = next(iter(spec), "")
+            raise WeightUpdateError(
+                f"update_weights: {name!r} is not a weight of this model.{did_you_mean(name, spec)}"
+                f" Names are the model's Hugging Face state_dict keys, e.g. {example!r}; nothing was updated."
+            )
+        if not isinstance(value, torch.Tensor):
+            raise WeightUpdateError(
+                f"update_weights: {name!r} is a {type(value).__name__}, expected a torch.Tensor; nothing was updated."
+            )
+        if value.device.type == "meta":
+            raise WeightUpdateError(
+                f"update_weights: {name!r} is on the 'meta' device and holds no data; nothing was updated."
+            )
+        want = spec[name]
+        if tuple(value.shape) != tuple(want.shape):
+            raise WeightUpdateError(
+                f"update_weights: {name!r} has shape {tuple(value.shape)}, expected {tuple(want.shape)};"
+                " nothing was updated."
+            )
+        got = _dtype_name(value)
+        if _is_float(want.dtype) and float_dtype is not None:
+            expected, ok = float_dtype, got == float_dtype
+        elif _is_float(want.dtype):
+            expected, ok = f"{want.dtype} (or another floating-point dtype)", _is_float(got)
+        else:
+            expected, ok = want.dtype, got == want.dtype
+        if not ok:
+            raise WeightUpdateError(
+                f"update_weights: {name!r} has dtype {got}, expected {expected}; send tensor.to(torch.{expected.split()[0]})."
+                " Nothing was updated."
+            )
+        out[name] = value
+    return out
+
+
+def find_non_finite(named_tensors: Iterable[Any]) -> str | None:
+    """Describe the first floating-point tensor holding NaN or infinity, or return ``None``.
+
+    ``named_tensors`` holds ``(name, value)`` pairs; values that are not
+    torch tensors are left to the engine's own checks.
+    """
+    if "torch" not in sys.modules:  # no tensor can exist
+        return None
+    import torch
+
+    for entry in named_tensors:
+        if not (isinstance(entry, tuple) and len(entry) == 2):
+            continue
+        name, value = entry
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.device.type == "meta":
+            continue
+        finite = torch.isfinite(value)
+        if not bool(finite.all()):
+            bad = int((~finite).sum())
+            first = value.reshape(-1)[int((~finite).reshape(-1).nonzero()[0])].item()
+            return (
+                f"{name!r} holds {bad} non-finite value(s) (first: {first}); pass check_finite=False to skip this"
+                " check"
+            )
+    return None
