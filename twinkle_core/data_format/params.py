@@ -14,6 +14,17 @@ __all__ = ["SamplingParams", "LogprobsMode"]
 
 LogprobsMode = Literal["processed", "raw"]
 
+#: Bounds a value must stay within to pass validation (documented in docs/concepts.md). They keep a value
+#: that passes from crashing an engine or exhausting memory: past them the arithmetic overflows (a
+#: temperature of 1e-300 turns every logit into inf) or one call asks for more than any machine holds.
+MIN_TEMPERATURE = 1e-3
+MAX_TEMPERATURE = 1e4
+MIN_REPETITION_PENALTY = 1e-2
+MAX_REPETITION_PENALTY = 1e2
+MAX_TOKENS_LIMIT = 2**31 - 1
+MAX_NUM_SAMPLES = 4096
+SEED_LIMIT = 2**62
+
 
 def _bad(field: str, value: Any, accepted: str) -> InvalidSamplingParams:
     return InvalidSamplingParams(f"SamplingParams.{field}={value!r} is invalid: expected {accepted}.")
@@ -40,16 +51,28 @@ def _check_float(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool =
     return check
 
 
-def _check_int(lo: int, *, optional: bool = False) -> Any:
-    accepted = f"an integer >= {lo}" + (" or None" if optional else "")
+def _check_int(lo: int, hi: int | None = None, *, optional: bool = False) -> Any:
+    accepted = (f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]") + (
+        " or None" if optional else ""
+    )
 
     def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         if value is None and optional:
             return
-        if not _is_int(value) or value < lo:
+        if not _is_int(value) or value < lo or (hi is not None and value > hi):
             raise _bad(attribute.name, value, accepted)
 
     return check
+
+
+def _check_temperature(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not _is_number(value) or not (value == 0 or MIN_TEMPERATURE <= value <= MAX_TEMPERATURE):
+        raise _bad(
+            attribute.name,
+            value,
+            f"0 (greedy) or a number in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}] (below {MIN_TEMPERATURE:g}"
+            " sampling is greedy in all but name and the logits overflow; use 0)",
+        )
 
 
 def _check_top_k(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -58,8 +81,8 @@ def _check_top_k(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 
 def _check_seed(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
-    if value is not None and not _is_int(value):
-        raise _bad(attribute.name, value, "an integer or None")
+    if value is not None and (not _is_int(value) or not -SEED_LIMIT < value < SEED_LIMIT):
+        raise _bad(attribute.name, value, "an integer with absolute value below 2**62, or None")
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:
@@ -91,17 +114,20 @@ class SamplingParams(Record):
     """How to sample. Every field is checked when the object is built.
 
     Attributes:
-        max_tokens: most tokens to generate per sequence; 0 scores the prompt
-            only (with ``prompt_logprobs``) and generates nothing. Alias in
-            ``from_dict``: ``max_new_tokens``.
-        temperature: 0 means greedy decoding; otherwise logits are divided by it.
+        max_tokens: most tokens to generate per sequence (at most ``2**31 - 1``;
+            a sequence also ends at the model's context window); 0 scores the
+            prompt only (with ``prompt_logprobs``) and generates nothing. Alias
+            in ``from_dict``: ``max_new_tokens``.
+        temperature: 0 means greedy decoding; otherwise logits are divided by
+            it, within ``[0.001, 10000]``.
         top_p: nucleus sampling mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; -1 disables it.
         min_p: drop tokens whose probability is below ``min_p`` times the top
             token's; 0 disables it.
         repetition_penalty: > 1 discourages tokens already in the prompt or the
-            completion (the CTRL / Hugging Face rule); 1 disables it.
-        seed: makes the request reproducible whatever else is batched with it.
+            completion (the CTRL / Hugging Face rule); 1 disables it. Within ``[0.01, 100]``.
+        seed: makes the request reproducible whatever else is batched with it
+            (absolute value below ``2**62``).
             With ``num_samples > 1`` the samples still differ from each other.
         stop: strings that end a sequence. The text is cut before the stop
             string; the tokens keep everything generated up to and including
@@ -119,18 +145,20 @@ class SamplingParams(Record):
             temperature, top-k, top-p and min-p (masked tokens are ``-inf``).
             Greedy decoding (temperature 0) applies the repetition penalty
             only. ``"raw"``: log-softmax of the model's raw logits.
-        num_samples: completions per input.
+        num_samples: completions per input, at most 4096.
     """
 
     _error = InvalidSamplingParams
     _aliases: ClassVar[dict[str, str]] = {"max_new_tokens": "max_tokens", "n": "num_samples"}
 
-    max_tokens: int = attrs.field(default=256, validator=_check_int(0))
-    temperature: float = attrs.field(default=1.0, validator=_check_float(0.0, math.inf))
+    max_tokens: int = attrs.field(default=256, validator=_check_int(0, MAX_TOKENS_LIMIT))
+    temperature: float = attrs.field(default=1.0, validator=_check_temperature)
     top_p: float = attrs.field(default=1.0, validator=_check_float(0.0, 1.0, lo_open=True))
     top_k: int = attrs.field(default=-1, validator=_check_top_k)
     min_p: float = attrs.field(default=0.0, validator=_check_float(0.0, 1.0))
-    repetition_penalty: float = attrs.field(default=1.0, validator=_check_float(0.0, math.inf, lo_open=True))
+    repetition_penalty: float = attrs.field(
+        default=1.0, validator=_check_float(MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
+    )
     seed: int | None = attrs.field(default=None, validator=_check_seed)
     stop: tuple[str, ...] = attrs.field(default=(), converter=_stop_strings)
     stop_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_stop_ids)
@@ -138,7 +166,7 @@ class SamplingParams(Record):
     logprobs: int | None = attrs.field(default=None, validator=_check_int(0, optional=True))
     prompt_logprobs: int | None = attrs.field(default=None, validator=_check_int(0, optional=True))
     logprobs_mode: LogprobsMode = attrs.field(default="processed", validator=_check_mode)
-    num_samples: int = attrs.field(default=1, validator=_check_int(1))
+    num_samples: int = attrs.field(default=1, validator=_check_int(1, MAX_NUM_SAMPLES))
 
     @property
     def greedy(self) -> bool:
