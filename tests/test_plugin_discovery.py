@@ -44,7 +44,8 @@ def _env(*sites: Path, **switches: str) -> dict[str, str]:
 
 def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter of this environment."""
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, cwd=ROOT)
+    cmd = [sys.executable, "-c", textwrap.dedent(code)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     return proc
 
@@ -178,7 +179,8 @@ def test_allow_list_blocks_plugins_through_pluggy_before_importing_them(echo_sit
         import json, sys
         from twinkle_core.plugins.registry import plugin_manager
         pm = plugin_manager()
-        print(json.dumps({"blocked": pm.is_blocked("twinkle-echo:echo"), "registered": pm.has_plugin("twinkle-echo:echo"),
+        name = "twinkle-echo:echo"
+        print(json.dumps({"blocked": pm.is_blocked(name), "registered": pm.has_plugin(name),
                           "imported": "twinkle_echo.plugin" in sys.modules}))
         """
     assert _last_json(_python(code, _env(echo_site, TWINKLE_PLUGINS="torch"))) == {

@@ -215,6 +215,7 @@ def sampling_options(params_cls: type = SamplingParams) -> list[click.Option]:
 
 
 def _with_sampling_options(command: click.Command) -> click.Command:
+    """Add the generated ``SamplingParams`` options to ``command`` (after its own)."""
     command.params.extend(sampling_options())
     return command
 
@@ -239,7 +240,8 @@ def _params_from(
             continue
         key = dest[len(_FIELD_DEST):]
         if key in from_pairs:
-            raise click.UsageError(f"{key} is set twice: by --{key.replace('_', '-')} and by --param {from_pairs[key]}.")
+            flag = "--" + key.replace("_", "-")
+            raise click.UsageError(f"{key} is set twice: by {flag} and by --param {from_pairs[key]}.")
         merged[key] = list(value) if isinstance(value, tuple) else value
     # unknown keys get SamplingParams' own error: the did-you-mean and the accepted keys
     return SamplingParams.from_dict(merged)

@@ -178,7 +178,7 @@ class PluginInfo:
 
     @property
     def available(self) -> bool:
-        """Whether selecting this name can work as far as is known without importing (no load error, no duplicate)."""
+        """Whether selecting this name can work, as far as is known without importing (no load error, no clash)."""
         return self.error is None
 
     @property
@@ -485,7 +485,8 @@ class Registry(Generic[T]):
         if missing:
             short = info.name.rpartition(":")[2]
             hint = self.install_hint.get(short)
-            return f"needs {', '.join(repr(m) for m in missing)}, not installed" + (f"; to install: {hint}" if hint else "")
+            needs = f"needs {', '.join(repr(m) for m in missing)}, not installed"
+            return needs + (f"; to install: {hint}" if hint else "")
         return None
 
     def get(self, name: str) -> T:
