@@ -9,8 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import textwrap
+from typing import Literal
+
+import attrs
+import click
 import pytest
 
+from twinkle_core import SamplingParams
+from twinkle_core.cli import sampling_options
 from twinkle_core.testing import build_tiny_model
 
 TWINKLE = shutil.which("twinkle", path=str(Path(sys.executable).parent)) or "twinkle"
@@ -32,11 +39,73 @@ def test_engines_table_lists_first_party_engines():
     out = run("engines")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert lines[0].split() == ["name", "distribution", "version", "available", "error"]
+    # the column says what was checked: installed, not imported
+    assert lines[0].split() == ["name", "distribution", "version", "installed", "error"]
     rows = {line.split()[0]: line.split() for line in lines[1:]}
     assert rows["torch"][1:4] == ["twinkle-torch", "0.1.0", "yes"]
     js = json.loads(run("engines", "--json").stdout)
-    assert {"name": "torch", "distribution": "twinkle-torch", "version": "0.1.0", "available": "yes", "error": ""} in js
+    torch_row = {"name": "torch", "distribution": "twinkle-torch", "version": "0.1.0", "available": "yes"}
+    assert {**torch_row, "checked": "installed", "error": ""} in js
+
+
+def test_engines_imports_no_engine():
+    code = textwrap.dedent(
+        """
+        import json, sys
+        from twinkle_core.cli import cli
+        cli(["engines"], standalone_mode=False)
+        heavy = ("torch", "vllm", "transformers")
+        engines = ("twinkle_torch.sampler", "twinkle_vllm.sampler")
+        print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in heavy or m.startswith(engines))))
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "torch " in proc.stdout and "vllm " in proc.stdout  # both were listed
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == []
+
+
+def test_engines_import_checks_by_importing():
+    out = run("engines", "--import", "--json", env={"TWINKLE_PLUGINS": "torch"})
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)
+    assert row["name"] == "torch" and row["available"] == "yes" and row["checked"] == "imported"
+    assert run("engines", "--import", env={"TWINKLE_PLUGINS": "torch"}).stdout.split()[3] == "imports"
+
+
+def test_every_sampling_params_field_is_an_option():
+    help_text = run("sample", "--help").stdout
+    for field in attrs.fields(SamplingParams):
+        assert f"--{field.name.replace('_', '-')}" in help_text, field.name
+    assert "--param" in help_text
+
+
+def test_a_new_sampling_params_field_becomes_an_option_with_its_type():
+    @attrs.frozen(kw_only=True)
+    class Extended(SamplingParams):
+        """More knobs.
+
+        Attributes:
+            frequency_penalty: penalise tokens by how often they appeared.
+            bad_words: words never to generate.
+            mode: one of two modes.
+            extra: anything else.
+        """
+
+        frequency_penalty: float = 0.0
+        bad_words: tuple[str, ...] = ()
+        mode: Literal["a", "b"] = "a"
+        extra: dict[str, int] = attrs.field(factory=dict)
+
+    options = {o.name: o for o in sampling_options(Extended)}
+    freq = options["sp_frequency_penalty"]
+    assert freq.opts == ["--frequency-penalty"] and freq.type is click.FLOAT and not freq.multiple
+    assert freq.help == "Penalise tokens by how often they appeared."
+    assert options["sp_bad_words"].multiple and options["sp_bad_words"].type is click.STRING
+    assert isinstance(options["sp_mode"].type, click.Choice) and list(options["sp_mode"].type.choices) == ["a", "b"]
+    assert options["sp_extra"].type.convert('{"x": 1}', None, None) == {"x": 1}
+    assert options["sp_num_samples"].opts == ["--num-samples", "-n"]
+    assert options["sp_ignore_eos"].secondary_opts == ["--no-ignore-eos"]
 
 
 def test_sample_prompts_flags_to_jsonl(tiny):
@@ -101,6 +170,8 @@ def test_sample_reads_jsonl_from_stdin_and_config_file(tiny, tmp_path):
         (["sample", "-e", "torch", "-p", "hi", "--top-p", "3"], "SamplingParams.top_p=3.0 is invalid"),
         (["sample", "-e", "torch", "-m", "s3://bucket/model", "-p", "hi"], "s3://bucket/model"),
         (["sample", "-e", "torch", "-m", "/no/such/folder", "-p", "hi"], "/no/such/folder"),
+        (["sample", "-e", "torch", "-p", "hi", "--param", "tmperature=0.5"], "Did you mean 'temperature'?"),
+        (["sample", "-e", "torch", "-p", "hi", "-P", "top_k=0"], "SamplingParams.top_k=0 is invalid"),
     ],
 )
 def test_errors_are_one_clear_line_and_non_zero_exit(args, message):
@@ -115,3 +186,57 @@ def test_errors_are_one_clear_line_and_non_zero_exit(args, message):
 def test_no_inputs_is_a_usage_error(tiny):
     out = run("sample", "-e", "torch", "-m", tiny, stdin="")
     assert out.returncode == 2 and "No inputs" in out.stderr
+
+
+def _strict(line: str) -> dict:
+    """``json.loads`` that refuses ``NaN``, ``Infinity`` and ``-Infinity`` (not JSON)."""
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"not JSON: {constant}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+MIXED = [
+    {"prompt": "What is the capital of France?"},
+    {"messages": [{"role": "user", "content": "Count to five."}]},
+    {"input_ids": [1, 2, 3, 4]},
+    "a plain text line",
+    {"prompt": "Hello!"},
+]
+
+
+@pytest.fixture(scope="module")
+def mixed_run(tiny, tmp_path_factory):
+    """One run over a JSONL file mixing every kind of input line, top-k 2 with 3 alternatives."""
+    infile = tmp_path_factory.mktemp("mixed") / "in.jsonl"
+    infile.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in MIXED) + "\n")
+    out = run(
+        "sample", "-e", "torch", "-m", tiny, "-i", str(infile), "--top-k", "2", "--logprobs", "3", "--seed", "0",
+        "-P", "max_tokens=4", "--param", "ignore_eos=true", "--no-progress",
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_output_order_is_input_order(mixed_run):
+    records = [_strict(line) for line in mixed_run.splitlines()]
+    assert [r["index"] for r in records] == list(range(len(MIXED)))
+    texts = ["What is the capital of France?", "Count to five.", None, "a plain text line", "Hello!"]
+    for record, text in zip(records, texts):
+        if text is None:
+            assert "messages" not in record and record["prompt_token_ids"] == [1, 2, 3, 4]
+        else:
+            assert record["messages"][-1] == {"role": "user", "content": text}
+    # the --param values were parsed as JSON: 4 tokens, EOS ignored
+    assert all(len(r["sequences"][0]["tokens"]) == 4 for r in records)
+
+
+def test_masked_alternatives_are_null_and_the_output_is_strict_json(mixed_run):
+    assert "Infinity" not in mixed_run and "NaN" not in mixed_run
+    for record in map(_strict, mixed_run.splitlines()):
+        seq = record["sequences"][0]
+        assert all(isinstance(lp, float) for lp in seq["logprobs"])
+        for top in seq["top_logprobs"]:
+            # top-k 2: two alternatives have a probability, the third is masked out
+            assert [lp is None for _, lp in top] == [False, False, True]

@@ -1,15 +1,15 @@
 """Real entry-point discovery, proven by installing plugin distributions.
 
 ``examples/twinkle_echo`` is pip-installed (not editable: a real distribution
-with real entry-point metadata) into the running environment once per
-session. Throwaway distributions that clash with it or fail to import are
-installed into a temporary ``--target`` folder and only ever seen by
-subprocesses, so they never leak into the test environment.
+with real entry-point metadata) into a temporary ``--target`` folder once per
+session, as are throwaway distributions that clash with it, shadow a
+first-party name or fail to import. Only subprocesses whose ``PYTHONPATH``
+starts with those folders ever see them: nothing is installed into the
+environment running the tests.
 """
 
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import json
 import os
@@ -18,14 +18,10 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-from twinkle_core import SamplingParams, Trajectory, create_sampler, list_samplers
-from twinkle_core.plugins import reset_plugins
 
 ROOT = Path(__file__).resolve().parents[1]
 ECHO_SRC = ROOT / "examples" / "twinkle_echo"
@@ -38,17 +34,18 @@ def _pip_install(*args: str) -> None:
     assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stdout}\n{proc.stderr}"
 
 
-def _env(**switches: str) -> dict[str, str]:
+def _env(*sites: Path, **switches: str) -> dict[str, str]:
+    """This environment with ``sites`` first on the path and only the given plugin switches."""
     env = {k: v for k, v in os.environ.items() if k not in SWITCHES}
+    env["PYTHONPATH"] = os.pathsep.join([*map(str, sites), *filter(None, [os.environ.get("PYTHONPATH")])])
     env.update(switches)
     return env
 
 
-def _python(code: str, *, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def _python(code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     """Run ``code`` in a fresh interpreter of this environment."""
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env or _env(), cwd=ROOT
-    )
+    cmd = [sys.executable, "-c", textwrap.dedent(code)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     return proc
 
@@ -58,65 +55,74 @@ def _last_json(proc: subprocess.CompletedProcess[str]) -> Any:
 
 
 @pytest.fixture(scope="session")
-def echo_dist(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """Install ``twinkle-echo`` into this environment; yield its version.
+def echo_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder holding an installed ``twinkle-echo``, for subprocesses' ``PYTHONPATH``.
 
     It is built from a fresh copy of the sources, so nothing (``build/``,
     ``*.egg-info``) is written into the repository and no stale build output
-    is packaged. ``--force-reinstall`` makes re-runs install the current code.
+    is packaged.
     """
     src = tmp_path_factory.mktemp("echo-src") / "twinkle_echo"
     shutil.copytree(
         ECHO_SRC, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".pytest_cache")
     )
-    _pip_install("--force-reinstall", str(src))
-    # Forget what this process knew before the install: import caches, any
-    # stale copy of the package, and the cached entry-point scan.
-    importlib.invalidate_caches()
-    for name in [m for m in sys.modules if m == "twinkle_echo" or m.startswith("twinkle_echo.")]:
-        del sys.modules[name]
-    reset_plugins()
-    yield importlib.metadata.version("twinkle-echo")
-    reset_plugins()
+    site = tmp_path_factory.mktemp("echo-site")
+    _pip_install("--target", str(site), str(src))
+    return site
 
 
-def test_echo_is_listed_with_its_distribution(echo_dist: str) -> None:
-    infos = {i.name: i for i in list_samplers()}
+def test_echo_is_not_installed_in_the_test_environment() -> None:
+    with pytest.raises(importlib.metadata.PackageNotFoundError):
+        importlib.metadata.distribution("twinkle-echo")
+
+
+def test_echo_is_listed_with_its_distribution(echo_site: Path) -> None:
+    code = """
+        import json, twinkle_core
+        print(json.dumps({s.name: [s.distribution, s.version, s.available, s.error, s.target]
+                          for s in twinkle_core.list_samplers()}))
+        """
+    infos = _last_json(_python(code, _env(echo_site)))
     assert "echo" in infos, f"echo not discovered; found {sorted(infos)}"
-    echo = infos["echo"]
-    assert echo.distribution == "twinkle-echo"
-    assert echo.version == echo_dist == "0.1.0"
-    assert echo.available and echo.error is None
-    assert echo.target == "twinkle_echo.engine:EchoSampler"
+    assert infos["echo"] == ["twinkle-echo", "0.1.0", True, None, "twinkle_echo.engine:EchoSampler"]
 
 
-def test_create_sampler_by_name_samples_with_the_installed_engine(echo_dist: str) -> None:
-    chat = Trajectory(messages=[{"role": "user", "content": "Count to five."}])
-    with create_sampler("echo") as sampler:
-        module = sys.modules[type(sampler).__module__]
-        assert type(sampler).__name__ == "EchoSampler"
-        # the installed copy, not the sources in examples/
-        assert ECHO_SRC not in Path(module.__file__ or "").resolve().parents
-        seq = sampler.sample(chat, SamplingParams(temperature=0.0, max_tokens=32))[0].sequences[0]
-    assert seq.text == "Count to five." and seq.stop_reason == "stop"
-    with create_sampler({"sampler": "echo", "max_model_len": 64}) as sampler:
-        assert sampler.max_model_len == 64
+def test_create_sampler_by_name_samples_with_the_installed_engine(echo_site: Path) -> None:
+    code = """
+        import json, sys
+        from twinkle_core import SamplingParams, Trajectory, create_sampler
+        chat = Trajectory(messages=[{"role": "user", "content": "Count to five."}])
+        with create_sampler("echo") as sampler:
+            seq = sampler.sample(chat, SamplingParams(temperature=0.0, max_tokens=32))[0].sequences[0]
+            out = {"class": type(sampler).__name__, "file": sys.modules[type(sampler).__module__].__file__,
+                   "text": seq.text, "stop_reason": seq.stop_reason}
+        with create_sampler({"sampler": "echo", "max_model_len": 64}) as sampler:
+            out["max_model_len"] = sampler.max_model_len
+        print(json.dumps(out))
+        """
+    out = _last_json(_python(code, _env(echo_site)))
+    assert out["class"] == "EchoSampler"
+    # the installed copy, not the sources in examples/
+    assert echo_site in Path(out["file"]).resolve().parents
+    assert out["text"] == "Count to five." and out["stop_reason"] == "stop" and out["max_model_len"] == 64
 
 
-def test_installed_echo_passes_the_conformance_suite(echo_dist: str) -> None:
+def test_installed_echo_passes_the_conformance_suite(echo_site: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ECHO_SRC / "tests")],
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(ECHO_SRC / "tests")],
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env=_env(),
+        env=_env(echo_site),
     )
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert re.search(r"\d+ passed", summary) and not re.search(r"failed|error|skipped", summary), summary
+    # the suite's conftest says which "echo" it ran: here, the installed entry point
+    assert "echo engine: the entry point of twinkle-echo 0.1.0" in proc.stdout, proc.stdout[:2000]
 
 
-def test_import_loads_no_plugin_and_lookup_loads_only_entry_point_modules(echo_dist: str) -> None:
+def test_import_loads_no_plugin_and_lookup_loads_only_entry_point_modules(echo_site: Path) -> None:
     proc = _python(
         """
         import json, sys
@@ -131,7 +137,8 @@ def test_import_loads_no_plugin_and_lookup_loads_only_entry_point_modules(echo_d
         twinkle_core.get_sampler_class("echo")
         steps["select"] = plugins()
         print(json.dumps(steps))
-        """
+        """,
+        _env(echo_site),
     )
     steps = _last_json(proc)
     assert steps["import"] == []
@@ -157,9 +164,9 @@ LIST = "import json, twinkle_core; print(json.dumps([[s.name, s.distribution] fo
     ids=["allow-torch", "allow-echo", "allow-by-distribution", "autoload-disabled"],
 )
 def test_switches_filter_entry_point_engines(
-    echo_dist: str, switches: dict[str, str], shown: list[str], hidden: list[str]
+    echo_site: Path, switches: dict[str, str], shown: list[str], hidden: list[str]
 ) -> None:
-    listed = _last_json(_python(LIST, env=_env(**switches)))
+    listed = _last_json(_python(LIST, _env(echo_site, **switches)))
     names = [name for name, _ in listed]
     assert all(n in names for n in shown), names
     assert not any(n in names for n in hidden), names
@@ -167,13 +174,28 @@ def test_switches_filter_entry_point_engines(
         assert all(dist is None for _, dist in listed), listed
 
 
-def test_trace_switch_logs_the_scan_to_stderr(echo_dist: str) -> None:
-    quiet = _python(LIST)
+def test_allow_list_blocks_plugins_through_pluggy_before_importing_them(echo_site: Path) -> None:
+    code = """
+        import json, sys
+        from twinkle_core.plugins.registry import plugin_manager
+        pm = plugin_manager()
+        name = "twinkle-echo:echo"
+        print(json.dumps({"blocked": pm.is_blocked(name), "registered": pm.has_plugin(name),
+                          "imported": "twinkle_echo.plugin" in sys.modules}))
+        """
+    assert _last_json(_python(code, _env(echo_site, TWINKLE_PLUGINS="torch"))) == {
+        "blocked": True, "registered": False, "imported": False
+    }
+    assert _last_json(_python(code, _env(echo_site))) == {"blocked": False, "registered": True, "imported": True}
+
+
+def test_trace_switch_logs_the_scan_to_stderr(echo_site: Path) -> None:
+    quiet = _python(LIST, _env(echo_site))
     assert "[twinkle plugins]" not in quiet.stderr
-    traced = _python(LIST, env=_env(TWINKLE_TRACE_PLUGINS="1"))
+    traced = _python(LIST, _env(echo_site, TWINKLE_TRACE_PLUGINS="1"))
     lines = [line for line in traced.stderr.splitlines() if line.startswith("[twinkle plugins]")]
     assert any("twinkle_echo.plugin" in line and "twinkle-echo" in line for line in lines), traced.stderr
-    skipped = _python(LIST, env=_env(TWINKLE_TRACE_PLUGINS="1", TWINKLE_PLUGINS="torch"))
+    skipped = _python(LIST, _env(echo_site, TWINKLE_TRACE_PLUGINS="1", TWINKLE_PLUGINS="torch"))
     assert any("echo" in line and "TWINKLE_PLUGINS" in line for line in skipped.stderr.splitlines()), skipped.stderr
 
 
@@ -206,34 +228,66 @@ def _write_dist(root: Path, name: str, entry_points: dict[str, str], modules: di
 
 
 PLUGIN = """\
+from twinkle_core import Sampler
 from twinkle_core.plugins import hookimpl
+
+class Engine(Sampler):
+    \"\"\"Never built: only resolved by name.\"\"\"
 
 @hookimpl
 def register_samplers(register):
-    register({name!r}, {target!r})
+    register({name!r}, {target!r}{extra})
 """
 
+
+def _plugin(name: str, target: str, extra: str = "") -> str:
+    return PLUGIN.format(name=name, target=target, extra=extra)
+
+
 PROBE = """
-import json, twinkle_core
-out = {"listing": {s.name: [s.distribution, s.available, s.error] for s in twinkle_core.list_samplers()}}
-for name in ("echo", "broken", "broken-engine"):
-    try:
-        twinkle_core.create_sampler(name)
-        out[name] = None
-    except Exception as exc:
-        cause = exc.__cause__
-        out[name] = [type(exc).__name__, str(exc), None if cause is None else type(cause).__name__, str(cause)]
+import json, sys, warnings
+import twinkle_core
+
+def outcome(call):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            cls = call()
+            result = {"class": f"{cls.__module__}:{cls.__qualname__}"}
+        except Exception as exc:
+            cause = exc.__cause__
+            result = {"error": type(exc).__name__, "message": str(exc),
+                      "cause": None if cause is None else f"{type(cause).__name__}: {cause}"}
+    result["warnings"] = [str(w.message) for w in caught]
+    return result
+
+out = {"listing": {s.name: [s.distribution, s.available, s.error, s.target] for s in twinkle_core.list_samplers()}}
+out["imported_by_listing"] = sorted({"twinkle_needy_engine", "twinkle_broken_engine"} & set(sys.modules))
+for name in ("echo", "twinkle-echo:echo", "twinkle-echo-clash:echo", "no-such-dist:echo", "torch",
+             "twinkle-evil:torch", "broken", "broken-engine", "needy"):
+    out[name] = outcome(lambda: twinkle_core.get_sampler_class(name))
 print(json.dumps(out))
 """
 
 
-def test_clashing_and_broken_plugins_are_reported(echo_dist: str, tmp_path: Path) -> None:
+def test_clashing_shadowing_and_broken_plugins_are_reported(echo_site: Path, tmp_path: Path) -> None:
     root = tmp_path
     clash = _write_dist(
         root,
         "twinkle-echo-clash",
         {"echo": "twinkle_echo_clash"},
-        {"twinkle_echo_clash": PLUGIN.format(name="echo", target="twinkle_echo_clash:EchoClash")},
+        {"twinkle_echo_clash": _plugin("echo", "twinkle_echo_clash:Engine")},
+    )
+    # a third party claiming a first-party name, and an engine whose heavy dependency is missing
+    evil = _write_dist(
+        root,
+        "twinkle-evil",
+        {"evil": "twinkle_evil", "needy": "twinkle_needy"},
+        {
+            "twinkle_evil": _plugin("torch", "twinkle_evil:Engine"),
+            "twinkle_needy": _plugin("needy", "twinkle_needy_engine:Engine", ", requires=['no_such_heavy_lib']"),
+            "twinkle_needy_engine": "import no_such_heavy_lib\n",
+        },
     )
     broken = _write_dist(
         root,
@@ -243,36 +297,56 @@ def test_clashing_and_broken_plugins_are_reported(echo_dist: str, tmp_path: Path
             # the entry-point module itself fails to import
             "twinkle_broken_plugin": "raise ImportError('twinkle-broken needs libfoo, which is not installed')\n",
             # the entry point loads, but the engine it registers fails to import
-            "twinkle_broken_engine_plugin": PLUGIN.format(name="broken-engine", target="twinkle_broken_engine:Engine"),
+            "twinkle_broken_engine_plugin": _plugin("broken-engine", "twinkle_broken_engine:Engine"),
             "twinkle_broken_engine": "raise ImportError('the broken engine needs libbar')\n",
         },
     )
     site = root / "site"
-    _pip_install("--target", str(site), str(clash), str(broken))
-    env = _env(PYTHONPATH=os.pathsep.join([str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    result = _last_json(_python(PROBE, env=env))
+    _pip_install("--target", str(site), str(clash), str(evil), str(broken))
+    result = _last_json(_python(PROBE, _env(site, echo_site)))
     listing = result["listing"]
 
-    # two distributions claim "echo": listed as unavailable, selecting it names both
-    dist, available, error = listing["echo"]
-    both = re.compile(r"twinkle-echo(?!-clash).*twinkle-echo-clash|twinkle-echo-clash.*twinkle-echo(?!-clash)")
-    assert not available and both.search(error), error
-    kind, message, _, _ = result["echo"]
-    assert kind == "DuplicateSamplerError" and both.search(message), message
+    # two distributions claim "echo": listed as unavailable; the error names both, with
+    # their class paths, and says how to select one
+    dist, available, error, _ = listing["echo"]
+    assert not available
+    for text in ("twinkle-echo 0.1.0 (twinkle_echo.engine:EchoSampler)",
+                 "twinkle-echo-clash 9.9.9 (twinkle_echo_clash:Engine)", "'twinkle-echo:echo'",
+                 "'twinkle-echo-clash:echo'"):
+        assert text in error, error
+    assert result["echo"]["error"] == "DuplicateSamplerError" and result["echo"]["message"] == error
+    # ... and each can be selected by the distribution-qualified name the message shows
+    assert listing["twinkle-echo:echo"][:2] == ["twinkle-echo", True]
+    assert result["twinkle-echo:echo"]["class"] == "twinkle_echo.engine:EchoSampler"
+    assert result["twinkle-echo-clash:echo"]["class"] == "twinkle_echo_clash:Engine"
+    unknown = result["no-such-dist:echo"]
+    assert unknown["error"] == "UnknownSamplerError" and "twinkle-echo-clash" in unknown["message"]
+
+    # a third party cannot take "torch" away: the first-party engine wins, with a warning
+    # that says how to select the other one
+    assert listing["torch"][:2] == ["twinkle-torch", True]
+    torch = result["torch"]
+    assert torch["class"] == "twinkle_torch.sampler:TorchSampler"
+    assert any("twinkle-evil" in w and "'twinkle-evil:torch'" in w for w in torch["warnings"]), torch
+    assert result["twinkle-evil:torch"]["class"] == "twinkle_evil:Engine"
 
     # an entry-point module that fails to import: listed with the error, raised with the cause
-    dist, available, error = listing["broken"]
+    dist, available, error, _ = listing["broken"]
     assert dist == "twinkle-broken" and not available and "libfoo" in error
-    kind, message, cause, cause_message = result["broken"]
-    assert kind == "PluginLoadError" and cause == "ImportError" and "libfoo" in cause_message
+    assert result["broken"]["error"] == "PluginLoadError" and "ImportError: " in result["broken"]["cause"]
+    assert "libfoo" in result["broken"]["cause"]
 
-    # an engine module that fails to import: the same, through the registered string
-    dist, available, error = listing["broken-engine"]
-    assert dist == "twinkle-broken" and not available and "libbar" in error
-    kind, message, cause, cause_message = result["broken-engine"]
-    assert kind == "PluginLoadError" and cause == "ImportError" and "libbar" in cause_message
+    # an engine that is installed but fails at import: the listing runs no engine code, so it
+    # is listed (as installed); selecting it raises with the cause
+    assert listing["broken-engine"][:3] == ["twinkle-broken", True, None]
+    assert result["broken-engine"]["error"] == "PluginLoadError" and "libbar" in result["broken-engine"]["cause"]
+
+    # a declared dependency that is missing is found without importing anything
+    dist, available, error, _ = listing["needy"]
+    assert dist == "twinkle-evil" and not available and "no_such_heavy_lib" in error
+    assert result["imported_by_listing"] == []
 
     # none of it leaked into this environment
-    with pytest.raises(importlib.metadata.PackageNotFoundError):
-        importlib.metadata.distribution("twinkle-echo-clash")
-    assert "echo" in [i.name for i in list_samplers() if i.available]
+    for name in ("twinkle-echo-clash", "twinkle-evil", "twinkle-broken"):
+        with pytest.raises(importlib.metadata.PackageNotFoundError):
+            importlib.metadata.distribution(name)

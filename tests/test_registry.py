@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+
 import pytest
 
 from twinkle_core import create_sampler, get_sampler_class, list_samplers, register_sampler
@@ -13,7 +16,7 @@ from twinkle_core.errors import (
     UnknownTemplateError,
 )
 from twinkle_core.plugins.engines import sampler_registry
-from twinkle_core.plugins import Registry
+from twinkle_core.plugins import Registry, reset_plugins
 from twinkle_core.sampler import Sampler
 from twinkle_core.template import ChatMLTemplate, get_template, register_template, template_registry
 
@@ -47,6 +50,16 @@ def registered():
     yield reg
     for n in names:
         sampler_registry.unregister(n)
+
+
+@pytest.fixture
+def in_process_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No entry-point plugins, so ``list_samplers(load=True)`` imports only the test's engines."""
+    monkeypatch.setenv("TWINKLE_DISABLE_PLUGIN_AUTOLOAD", "1")
+    reset_plugins()
+    yield
+    monkeypatch.delenv("TWINKLE_DISABLE_PLUGIN_AUTOLOAD")
+    reset_plugins()
 
 
 def test_register_class_and_create(registered):
@@ -107,13 +120,34 @@ def test_unknown_name_of_a_first_party_engine_not_installed_gives_the_install_hi
         Registry.all_registries.remove(reg)
 
 
-def test_broken_string_target_is_listed_and_raises_with_cause(registered):
+def test_broken_string_target_is_listed_and_raises_with_cause(registered, in_process_only):
     registered("unit-broken", "twinkle_core.no_such_module:Engine")
+    # the listing looks the module up without importing it
     info = {i.name: i for i in list_samplers()}["unit-broken"]
-    assert not info.available and "ModuleNotFoundError" in (info.error or "")
+    assert not info.available and not info.imported
+    assert "twinkle_core.no_such_module" in (info.error or "")
+    loaded = {i.name: i for i in list_samplers(load=True)}["unit-broken"]
+    assert not loaded.available and loaded.imported and "ModuleNotFoundError" in (loaded.error or "")
     with pytest.raises(PluginLoadError) as exc:
         create_sampler("unit-broken")
     assert isinstance(exc.value.__cause__, ModuleNotFoundError)
+
+
+def test_engine_that_fails_at_import_is_found_by_the_listing_and_caught_by_loading(
+    registered, in_process_only, tmp_path, monkeypatch
+):
+    (tmp_path / "unit_explodes.py").write_text("raise ImportError('unit_explodes needs libzzz')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    registered("unit-explodes", "unit_explodes:Engine")
+    found = {i.name: i for i in list_samplers()}["unit-explodes"]
+    # installed, and honestly reported as not imported: listing runs no engine code
+    assert found.available and not found.imported and found.error is None
+    assert "unit_explodes" not in sys.modules
+    loaded = {i.name: i for i in list_samplers(load=True)}["unit-explodes"]
+    assert not loaded.available and "libzzz" in (loaded.error or "")
+    with pytest.raises(PluginLoadError, match="libzzz") as exc:
+        create_sampler("unit-explodes")
+    assert isinstance(exc.value.__cause__, ImportError)
 
 
 def test_non_sampler_target_is_rejected(registered):

@@ -23,7 +23,7 @@ def test_import_pulls_in_no_heavy_library_and_scans_no_plugin():
     mods = _modules_after("import twinkle_core, twinkle_core.sampler, twinkle_core.data_format, twinkle_core.hub")
     assert not [m for m in HEAVY if m in mods]
     assert not [m for m in mods if m.startswith(("twinkle_torch", "twinkle_vllm", "twinkle_echo"))]
-    code = "import twinkle_core.plugins.registry as r; import twinkle_core; print(r._scan.done)"
+    code = "import twinkle_core; from twinkle_core.plugins import plugins_scanned; print(plugins_scanned())"
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "False"
 

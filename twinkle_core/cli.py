@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import math
+import re
 import sys
+import types
+import typing
 from typing import Any, TextIO
 
+import attrs
 import click
 
 from twinkle_core.data_format import InputFeature, SamplingParams, Trajectory
 from twinkle_core.errors import TwinkleError
 from twinkle_core.factory import get_sampler_class, list_samplers, load_config
 
-__all__ = ["main", "cli"]
+__all__ = ["cli", "main", "sampling_options"]
 
 DEFAULT_ENGINE = "torch"
 
@@ -36,82 +42,227 @@ def cli() -> None:
 
 @cli.command()
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def engines(as_json: bool) -> None:
-    """List the sampler engines found (installed plugins and in-process ones)."""
-    infos = list_samplers()
+@click.option(
+    "--import",
+    "do_import",
+    is_flag=True,
+    help="Import each engine to check it (slow: vLLM takes seconds). Without it no engine is imported.",
+)
+def engines(as_json: bool, do_import: bool) -> None:
+    """List the sampler engines found (installed plugins and in-process ones).
+
+    The column after the version says what was checked: "installed" (the
+    engine's module and the modules it declares it needs are on the import
+    path; nothing is imported) or, with --import, "imports".
+    """
+    check = "imports" if do_import else "installed"
     rows = [
         {
             "name": i.name,
             "distribution": i.distribution or "-",
             "version": i.version or "-",
             "available": "yes" if i.available else "no",
+            "checked": "imported" if i.imported else "installed",
             "error": i.error or "",
         }
-        for i in infos
+        for i in list_samplers(load=do_import)
     ]
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    headers = ["name", "distribution", "version", "available", "error"]
-    widths = {h: max([len(h)] + [len(r[h]) for r in rows]) for h in headers[:-1]}
-    click.echo("  ".join(h.ljust(widths.get(h, 0)) for h in headers).rstrip())
+    headers = {"name": "name", "distribution": "distribution", "version": "version", "available": check}
+    widths = {k: max([len(h)] + [len(r[k]) for r in rows]) for k, h in headers.items()}
+    click.echo("  ".join([*(h.ljust(widths[k]) for k, h in headers.items()), "error"]).rstrip())
     for r in rows:
-        click.echo("  ".join(r[h].ljust(widths.get(h, 0)) for h in headers).rstrip())
+        click.echo("  ".join([*(r[k].ljust(widths[k]) for k in headers), r["error"]]).rstrip())
 
 
 def _read_inputs(prompts: tuple[str, ...], input_file: TextIO | None, system: str | None) -> list[Any]:
-    """Prompts from flags, else from a JSONL file or stdin (one input per line).
+    """The ``--prompt`` flags, then the lines of a JSONL file or stdin, in that order.
 
-    A line is a JSON object with ``messages`` (a trajectory), ``input_ids`` or
-    ``prompt`` (a user message), or plain text (a user message).
+    A line is a JSON object with ``messages`` (a trajectory), ``input_ids``
+    (an :class:`InputFeature`) or ``prompt`` (a user message), or plain text
+    (a user message). ``--system`` goes before every user message given as
+    text. Each input keeps its place: output record ``i`` answers input ``i``.
     """
-    lines: list[str] = list(prompts)
-    raw: list[Any] = []
-    if input_file is not None:
-        for n, line in enumerate(input_file, 1):
-            line = line.strip()
-            if not line:
-                continue
-            if line.startswith("{"):
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as exc:
-                    raise click.UsageError(f"line {n} of {input_file.name} is not valid JSON: {exc}") from exc
-                raw.append(obj)
-            else:
-                lines.append(line)
-    out: list[Any] = []
-    for obj in raw:
-        if "prompt" in obj and "messages" not in obj:
-            lines.append(str(obj["prompt"]))
+
+    def chat(text: str) -> Trajectory:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
+        return Trajectory(messages=messages)
+
+    out: list[Any] = [chat(text) for text in prompts]
+    if input_file is None:
+        return out
+    name = getattr(input_file, "name", "the input")
+    for n, line in enumerate(input_file, 1):
+        line = line.strip()
+        if not line:
+            continue
+        if not line.startswith("{"):
+            out.append(chat(line))
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise click.UsageError(f"line {n} of {name} is not valid JSON: {exc}") from exc
+        if "messages" in obj:
+            out.append(Trajectory.from_dict(obj))
         elif "input_ids" in obj:
             out.append(InputFeature.from_dict(obj))
+        elif "prompt" in obj:
+            extra = sorted(set(obj) - {"prompt"})
+            if extra:
+                raise click.UsageError(
+                    f"line {n} of {name}: unknown key(s) {extra} beside 'prompt' (a 'prompt' line holds only"
+                    " the user message; use 'messages' for a whole conversation)."
+                )
+            out.append(chat(str(obj["prompt"])))
         else:
-            out.append(Trajectory.from_dict(obj))
-    for text in lines:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-        out.append(Trajectory(messages=messages))
+            raise click.UsageError(
+                f"line {n} of {name}: a JSON line needs 'messages', 'input_ids' or 'prompt'; got keys {sorted(obj)}."
+            )
     return out
 
 
-_PARAM_FLAGS = [
-    "max_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "repetition_penalty",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "logprobs",
-    "prompt_logprobs",
-    "logprobs_mode",
-    "num_samples",
-]
+def _field_docs(cls: type) -> dict[str, str]:
+    """``field -> first sentence`` of its entry in the class docstring's ``Attributes:`` section."""
+    docs: dict[str, str] = {}
+    text = inspect.getdoc(cls) or ""
+    body = text.split("Attributes:", 1)[1] if "Attributes:" in text else ""
+    current: str | None = None
+    for line in body.splitlines():
+        m = re.match(r"^    (\w+): (.*)$", line)
+        if m:
+            current = m.group(1)
+            docs[current] = m.group(2)
+        elif current and line.startswith("        "):
+            docs[current] += " " + line.strip()
+        elif line.strip():
+            current = None
+    first = {k: v.replace("``", "").split(". ")[0].rstrip(".") for k, v in docs.items()}
+    return {k: v[:1].upper() + v[1:] for k, v in first.items()}
 
 
+def _click_type(hint: Any) -> tuple[click.ParamType | None, bool]:
+    """The click type of one ``SamplingParams`` field and whether the option repeats.
+
+    ``None`` means a flag (a ``bool``). Types not handled here take a JSON value.
+    """
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        return _click_type(args[0])  # Optional[X]: an unset option already means "the default"
+    if hint is bool:
+        return None, False
+    if hint in (int, float, str):
+        return {int: click.INT, float: click.FLOAT, str: click.STRING}[hint], False
+    if typing.get_origin(hint) is typing.Literal:
+        return click.Choice([str(a) for a in typing.get_args(hint)]), False
+    if typing.get_origin(hint) in (tuple, list) and args and args[0] in (int, float, str):
+        return _click_type(args[0])[0], True
+    return _JSON, False
+
+
+class _JsonValue(click.ParamType):
+    """A value parsed as JSON, or taken as a plain string when it is not JSON."""
+
+    name = "json"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        return _json_or_text(value) if isinstance(value, str) else value
+
+
+_JSON = _JsonValue()
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+#: Extra spellings of some sampling options (kept from earlier releases).
+_SHORT_FLAGS = {"num_samples": ["-n"]}
+#: Option names taken by ``twinkle sample`` itself: a field so named is set with --param.
+_RESERVED = {"engine", "model", "prompt", "input", "system", "config", "adapter", "template", "output",
+             "batch_size", "full", "format", "no_progress", "param", "help"}
+_FIELD_DEST = "sp_"
+
+
+def sampling_options(params_cls: type = SamplingParams) -> list[click.Option]:
+    """One option per field of ``params_cls`` (an attrs class), typed from the field.
+
+    This is where ``twinkle sample`` gets its sampling flags: a field added to
+    ``SamplingParams`` becomes an option with no change here. Each option's
+    value lands under ``"sp_<field>"``; unset options are ``None``.
+    """
+    hints = typing.get_type_hints(params_cls)
+    docs = _field_docs(params_cls)
+    options = []
+    for field in attrs.fields(params_cls):
+        if field.name in _RESERVED or field.name.startswith("_"):
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        ptype, multiple = _click_type(hints.get(field.name, Any))
+        help_text = docs.get(field.name, f"SamplingParams.{field.name}") + (" (repeatable)." if multiple else ".")
+        decls = [flag, *_SHORT_FLAGS.get(field.name, []), _FIELD_DEST + field.name]
+        if ptype is None:
+            decls[0] = f"{flag}/--no-{flag[2:]}"
+            options.append(click.Option(decls, default=None, help=help_text))
+        else:
+            options.append(click.Option(decls, type=ptype, multiple=multiple, default=None, help=help_text))
+    return options
+
+
+def _with_sampling_options(command: click.Command) -> click.Command:
+    """Add the generated ``SamplingParams`` options to ``command`` (after its own)."""
+    command.params.extend(sampling_options())
+    return command
+
+
+def _params_from(
+    config_params: dict[str, Any], pairs: tuple[str, ...], flags: dict[str, Any]
+) -> SamplingParams:
+    """Merge the config file's ``sampling_params``, ``--param`` pairs and the flags (later wins)."""
+    merged = dict(config_params)
+    from_pairs: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise click.BadParameter(f"{pair!r} (expected KEY=VALUE, e.g. top_p=0.9)", param_hint="--param")
+        if key in from_pairs:
+            raise click.BadParameter(f"{key!r} given twice ({from_pairs[key]!r} and {pair!r})", param_hint="--param")
+        from_pairs[key] = pair
+        merged[key] = _json_or_text(text)
+    for dest, value in flags.items():
+        if value is None or value == ():
+            continue
+        key = dest[len(_FIELD_DEST):]
+        if key in from_pairs:
+            flag = "--" + key.replace("_", "-")
+            raise click.UsageError(f"{key} is set twice: by {flag} and by --param {from_pairs[key]}.")
+        merged[key] = list(value) if isinstance(value, tuple) else value
+    # unknown keys get SamplingParams' own error: the did-you-mean and the accepted keys
+    return SamplingParams.from_dict(merged)
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every infinite or NaN float replaced by ``None``: JSON has neither.
+
+    A log-prob of ``-inf`` is an alternative masked out by top-k, top-p or
+    min-p (probability zero); it is written as ``null``.
+    """
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+@_with_sampling_options
 @cli.command()
 @click.option("--engine", "-e", default=None, help=f"Engine name (default: the config's, else {DEFAULT_ENGINE}).")
 @click.option("--model", "-m", "model_id", default=None, help="Model id: a folder, hf://, ms://, builtin:// (default: the built-in SmolLM2-135M-Instruct).")
@@ -119,20 +270,8 @@ _PARAM_FLAGS = [
 @click.option("--input", "-i", "input_file", type=click.File("r"), default=None, help="JSONL inputs ('-' for stdin): {messages}, {prompt}, {input_ids} or plain text lines.")
 @click.option("--system", default=None, help="A system message put before each --prompt.")
 @click.option("--config", "-c", "config_path", default=None, help="YAML/JSON config: sampler, model_id, sampling_params, and engine options.")
-@click.option("--max-tokens", type=int, default=None)
-@click.option("--temperature", type=float, default=None)
-@click.option("--top-p", type=float, default=None)
-@click.option("--top-k", type=int, default=None)
-@click.option("--min-p", type=float, default=None)
-@click.option("--repetition-penalty", type=float, default=None)
-@click.option("--seed", type=int, default=None)
-@click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--stop-token-ids", "stop_token_ids", type=int, multiple=True, help="Stop token id (repeatable).")
-@click.option("--ignore-eos/--no-ignore-eos", default=None)
-@click.option("--logprobs", type=int, default=None, help="0: sampled token's log-prob; k: also the top k.")
-@click.option("--prompt-logprobs", type=int, default=None)
-@click.option("--logprobs-mode", type=click.Choice(["processed", "raw"]), default=None)
-@click.option("--num-samples", "-n", type=int, default=None, help="Completions per prompt.")
+@click.option("--param", "-P", "param_pairs", multiple=True, metavar="KEY=VALUE",
+              help="Any SamplingParams field, VALUE as JSON (else a string), e.g. -P stop='[\"\\n\"]' (repeatable).")
 @click.option("--adapter", default=None, help="A PEFT LoRA adapter folder to sample with.")
 @click.option("--template", default=None, help="A registered chat template name (e.g. chatml).")
 @click.option("--output", "-o", type=click.File("w"), default="-", help="Where to write JSONL (default stdout).")
@@ -155,6 +294,7 @@ def sample(
     full: bool,
     fmt: str,
     no_progress: bool,
+    param_pairs: tuple[str, ...],
     **param_flags: Any,
 ) -> None:
     """Sample completions and write one JSON line per input (or readable text with --format text)."""
@@ -167,11 +307,7 @@ def sample(
     engine_name = engine or config.pop("sampler", None) or config.pop("engine", None) or DEFAULT_ENGINE
     config.pop("sampler", None)
     config.pop("engine", None)
-    for key, value in param_flags.items():
-        if value is None or value == ():
-            continue
-        params_cfg[key] = list(value) if isinstance(value, tuple) else value
-    params = SamplingParams.from_dict(params_cfg)
+    params = _params_from(params_cfg, param_pairs, param_flags)
     engine_cls = get_sampler_class(engine_name)  # fail fast, before any model is fetched
     if input_file is None and not prompts and not sys.stdin.isatty():
         input_file = sys.stdin
@@ -213,7 +349,8 @@ def sample(
                 if not full:
                     for seq in record["sequences"]:
                         seq.pop("training_feature", None)
-                output.write(json.dumps(record) + "\n")
+                # allow_nan=False: a non-finite number that slipped past _finite fails loudly
+                output.write(json.dumps(_finite(record), allow_nan=False) + "\n")
                 output.flush()
                 index += 1
             bar.update(len(chunk) * params.num_samples)

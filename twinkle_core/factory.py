@@ -11,7 +11,6 @@ import attrs
 
 from twinkle_core.errors import ConfigError, PluginLoadError
 from twinkle_core.plugins.engines import INSTALL_HINTS, sampler_registry
-from twinkle_core.plugins.registry import PluginInfo
 from twinkle_core.sampler import Sampler
 
 __all__ = [
@@ -24,6 +23,7 @@ __all__ = [
     "register_sampler",
     "sampler_registry",
 ]
+
 
 def register_sampler(name: str, target: Any = None, *, replace: bool = False) -> Any:
     """Register an engine class (or ``"pkg.module:Class"``) under ``name``, in process.
@@ -52,7 +52,21 @@ def get_sampler_class(name: str) -> Any:
 
 @attrs.frozen
 class SamplerInfo:
-    """One engine as ``list_samplers()`` reports it."""
+    """One engine as ``list_samplers()`` reports it.
+
+    Attributes:
+        name: what to select it by; a name several distributions register
+            also appears once per distribution as ``"<distribution>:<name>"``.
+        distribution: the distribution that registered it (``None`` in process).
+        version: that distribution's version.
+        available: ``list_samplers()``: the plugin loaded, the name is not
+            contested, and the engine's module and the modules it declares it
+            needs are installed (looked up, not imported).
+            ``list_samplers(load=True)``: the engine class imports.
+        error: why it is not available.
+        target: the engine as ``"pkg.module:Class"``.
+        imported: whether ``available`` was established by importing the engine.
+    """
 
     name: str
     distribution: str | None
@@ -60,32 +74,33 @@ class SamplerInfo:
     available: bool
     error: str | None
     target: str
+    imported: bool = False
 
 
-def list_samplers() -> list[SamplerInfo]:
-    """Every known engine: name, distribution, version, availability and load error.
+def list_samplers(*, load: bool = False) -> list[SamplerInfo]:
+    """Every known engine: name, distribution, version, availability and the reason it is unavailable.
 
-    Availability means the plugin loaded and its engine class imports; an
-    engine whose heavy dependency is missing is listed with the error.
+    Args:
+        load: import each engine to check it (seconds for vLLM). Without it no
+            engine module is imported: entry-point modules are loaded (they
+            register strings only) and the engines' modules are looked up on
+            the import path. An engine that is installed but fails at import
+            then shows as available; selecting it raises ``PluginLoadError``.
     """
     out = []
     for info in sampler_registry.infos():
-        error = info.error
-        if error is None:
+        # loading replaces the look-up: the import's own error is the better answer
+        error = info.error if load else sampler_registry.problem(info)
+        if error is None and load:
             try:
                 get_sampler_class(info.name)
             except Exception as exc:
                 cause = exc.__cause__ or exc
                 error = f"{type(cause).__name__}: {cause}"
-        out.append(SamplerInfo(info.name, info.distribution, info.version, error is None, error, _target(info)))
+        out.append(
+            SamplerInfo(info.name, info.distribution, info.version, error is None, error, info.target_path, load)
+        )
     return out
-
-
-def _target(info: PluginInfo) -> str:
-    t = info.target
-    if isinstance(t, str) or t is None:
-        return t or ""
-    return f"{t.__module__}:{t.__qualname__}"
 
 
 def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 from twinkle_core.errors import UnknownSamplerError
 from twinkle_core.plugins.registry import Registry
 
-__all__ = ["INSTALL_HINTS", "engine_class_named", "sampler_registry"]
+__all__ = ["FIRST_PARTY", "INSTALL_HINTS", "engine_class_named", "sampler_registry"]
 
 #: How to install the first-party engines, quoted in unknown-engine errors.
 INSTALL_HINTS = {
@@ -22,7 +22,13 @@ INSTALL_HINTS = {
     "torch": 'pip install "twinkle-core[torch]"',
 }
 
-sampler_registry: Registry[Any] = Registry("sampler", "register_samplers", UnknownSamplerError, INSTALL_HINTS)
+#: The distribution that owns each first-party name: if it registers the name, its
+#: registration wins over any other distribution's (with a warning naming the other).
+FIRST_PARTY = {"vllm": "twinkle-vllm", "torch": "twinkle-torch"}
+
+sampler_registry: Registry[Any] = Registry(
+    "sampler", "register_samplers", UnknownSamplerError, INSTALL_HINTS, first_party=FIRST_PARTY
+)
 
 
 def engine_class_named(class_name: str) -> Any | None:
@@ -32,6 +38,8 @@ def engine_class_named(class_name: str) -> Any | None:
     targets registered as objects match by ``__name__``.
     """
     for info in sampler_registry.infos():
+        if ":" in info.name:  # a distribution-qualified row repeats a contested name
+            continue
         target = info.target
         if isinstance(target, str):
             if target.rpartition(":")[2].rpartition(".")[2] == class_name:

@@ -8,28 +8,49 @@ choosing one engine never imports another::
 
     @hookimpl
     def register_samplers(register):
-        register("myengine", "my_pkg.engine:MySampler")
+        register("myengine", "my_pkg.engine:MySampler", requires=["my_heavy_lib"])
+
+``requires`` (optional) names the top-level modules the engine needs;
+``twinkle engines`` looks them up on the import path, without importing
+them, to say whether the engine is installed.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Iterable
+from typing import Any, Protocol
 
 import pluggy
 
-__all__ = ["PROJECT", "hookimpl", "hookspec", "register_samplers", "register_templates"]
+__all__ = ["PROJECT", "Register", "hookimpl", "hookspec", "register_samplers", "register_templates"]
 
 PROJECT = "twinkle"
 hookspec = pluggy.HookspecMarker(PROJECT)
 hookimpl = pluggy.HookimplMarker(PROJECT)
 
-#: ``register(name, target)``: target is a class or a ``"pkg.module:attr"`` string.
-Register = Callable[[str, Any], None]
+
+class Register(Protocol):
+    """The ``register`` callback a ``register_*`` hook receives."""
+
+    def __call__(self, name: str, target: Any, *, requires: Iterable[str] = ()) -> None:
+        """Register ``target`` (a class or a ``"pkg.module:attr"`` string) as ``name``.
+
+        Args:
+            name: the name users select it by; no ``":"`` (that separates a
+                distribution-qualified name, ``"my-dist:myengine"``).
+            target: the object, or better its import path as a string.
+            requires: top-level modules the target needs, checked for presence
+                (never imported) when engines are listed.
+        """
 
 
 @hookspec
 def register_samplers(register: Register) -> None:
-    """Register sampler engines: call ``register(name, "pkg.module:Class")`` once per engine."""
+    """Register sampler engines: call ``register(name, "pkg.module:Class")`` once per engine.
+
+    The entry-point name need not equal the engine name: users select the
+    name given to ``register``. A plugin module may register several engines.
+    """
 
 
 @hookspec

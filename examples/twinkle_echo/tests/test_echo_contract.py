@@ -1,8 +1,8 @@
 """twinkle's conformance suite, run against the echo engine found by name.
 
-``create_sampler("echo")`` goes through the installed entry point, so passing
-here also proves the distribution is discovered: install it first
-(``pip install examples/twinkle_echo``).
+``create_sampler("echo")`` goes through the installed entry point when the
+distribution is installed (then passing here also proves it is discovered);
+otherwise ``conftest.py`` registers the engine in process from the sources.
 """
 
 from __future__ import annotations
