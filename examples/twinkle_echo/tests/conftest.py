@@ -9,12 +9,19 @@ header says which one ran.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from twinkle_core import list_samplers, register_sampler
 from twinkle_core.plugins.engines import sampler_registry
+
+if importlib.util.find_spec("twinkle_echo") is None:
+    # Not installed: import it from its sources (the folder holding the twinkle_echo package).
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def pytest_report_header(config: pytest.Config) -> str:
