@@ -36,7 +36,9 @@ from twinkle._alias import forwarder
 #: ``getattr(twinkle, "__twinkle_core__", None)``.
 __twinkle_core__: str = _core.__version__
 
-__all__: list[str] = ["__twinkle_core__", "data_format", "sampler", "template"]
+# The core's public names, plus the marker; the submodules stay out of ``__all__`` as in the core,
+# so ``from twinkle import *`` binds no ``sampler`` name over a user's own variable.
+__all__: list[str] = ["__twinkle_core__"]
 __all__ += _core.__all__
 
 __getattr__, __dir__ = forwarder(__name__, _core, __all__)
