@@ -110,10 +110,14 @@ def _one_input(item: Any, index: int) -> InputFeature | Trajectory:
     if isinstance(item, (InputFeature, Trajectory)):
         return item
     if isinstance(item, dict):
-        if "messages" in item:
-            return Trajectory.from_dict(item)
-        if "input_ids" in item:
-            return InputFeature.from_dict(item)
+        record: type[Trajectory] | type[InputFeature] | None = (
+            Trajectory if "messages" in item else InputFeature if "input_ids" in item else None
+        )
+        if record is not None:
+            try:
+                return record.from_dict(item)
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"inputs[{index}] is invalid: {exc}") from None
         if "role" in item:
             raise InvalidInputError(
                 f"inputs[{index}] is a single chat message ({item!r:.80}); wrap the conversation in"

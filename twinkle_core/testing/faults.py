@@ -1,0 +1,261 @@
+"""Fault and soak drivers shared by the engines' reliability tests.
+
+They drive a real sampler the way a long RL job does (many rounds of
+sampling, weight updates and adapter swaps from several threads) and check
+every sequence against a reference computed on the same engine for its
+``(weights, adapter)``, so a sequence labelled with an adapter or version that
+did not produce it shows up as a token mismatch. Threads are paced with
+events, never with sleeps. Torch is imported at call time only.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from twinkle_core.data_format import InputFeature, SamplingParams, Trajectory
+from twinkle_core.errors import AdapterError, UnknownAdapterError, WeightUpdateError
+from twinkle_core.sampler import Sampler
+
+__all__ = ["SoakReport", "check_refused_changes", "read_adapter_folder", "run_soak", "soak_seconds"]
+
+Prompts = Sequence[InputFeature | Trajectory]
+
+
+def soak_seconds(default: float = 15.0) -> float:
+    """How long a soak runs: ``TWINKLE_SOAK_S`` (CI keeps the default short; set minutes by hand)."""
+    raw = os.environ.get("TWINKLE_SOAK_S", "")
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        value = default
+    return value if math.isfinite(value) and value > 0 else default
+
+
+def read_adapter_folder(folder: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A PEFT adapter folder as ``(config dict, {name: tensor})``, for in-memory loads."""
+    from safetensors.torch import load_file
+
+    config = json.loads((Path(folder) / "adapter_config.json").read_text())
+    return config, dict(load_file(str(Path(folder) / "adapter_model.safetensors")))
+
+
+def _greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def _tokens(sampler: Sampler, prompts: Prompts, adapter: str, max_tokens: int) -> list[list[int]]:
+    return [r.sequences[0].tokens for r in sampler.sample(list(prompts), _greedy(max_tokens), adapter_name=adapter)]
+
+
+def check_refused_changes(
+    sampler: Sampler,
+    prompts: Prompts,
+    weights: Mapping[str, Any],
+    adapter_folder: str | os.PathLike[str],
+    *,
+    max_tokens: int = 8,
+) -> None:
+    """Refused weight and adapter changes leave every output exactly as it was.
+
+    Tries NaN and infinite weights, NaN adapter tensors, a mis-shaped adapter
+    and an adapter with only half of its matrices; each must raise its typed
+    error, leave the version and the adapter table unchanged, and leave greedy
+    outputs (base model and a loaded adapter) identical. Then a good update of
+    ``weights`` must still apply.
+
+    Raises:
+        AssertionError: any of that does not hold.
+    """
+    import torch
+
+    config, tensors = read_adapter_folder(adapter_folder)
+    sampler.add_adapter_to_model("kept", adapter_folder)
+    version = sampler.weights_version
+    before = {name: _tokens(sampler, prompts, name, max_tokens) for name in ("", "kept")}
+    name, tensor = next((k, v) for k, v in weights.items() if v.is_floating_point() and v.dim() == 2)
+    for bad in (math.nan, math.inf, -math.inf):
+        poisoned = tensor.clone()
+        poisoned.view(-1)[len(poisoned.view(-1)) // 2] = bad
+        try:
+            sampler.update_weights({name: poisoned})
+        except WeightUpdateError as exc:
+            assert name in str(exc) and "non-finite" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"an update holding {bad} in {name!r} was accepted")
+    lora_a = next(k for k in tensors if "lora_A" in k)
+    lora_b = next(k for k in tensors if "lora_B" in k)
+    broken: dict[str, dict[str, Any]] = {
+        "nan": {**tensors, lora_b: torch.full_like(tensors[lora_b], math.nan)},
+        "shape": {**tensors, lora_a: torch.zeros(tensors[lora_a].shape[0] + 1, tensors[lora_a].shape[1])},
+        "half": {k: v for k, v in tensors.items() if k != lora_b},
+    }
+    for label, bad_weights in broken.items():
+        for target in ("kept", f"new-{label}"):  # replacing a loaded adapter, and adding a new one
+            try:
+                sampler.add_adapter_to_model(target, config, weights=bad_weights)
+            except AdapterError:
+                pass
+            else:
+                raise AssertionError(f"a {label} adapter was accepted as {target!r}")
+    assert sampler.weights_version == version, "a refused change moved the version"
+    assert set(sampler.adapters) >= {"kept"} and not any(n.startswith("new-") for n in sampler.adapters)
+    after = {name: _tokens(sampler, prompts, name, max_tokens) for name in ("", "kept")}
+    assert after == before, "outputs changed after refused updates"
+    new_version = sampler.update_weights(dict(weights))
+    assert new_version == version + 1
+    sampler.remove_adapter("kept")
+
+
+@attrs.define
+class SoakReport:
+    """What a soak did: sequences checked, updates, adapter swaps, refusals of a removed adapter."""
+
+    sequences: int = 0
+    updates: int = 0
+    swaps: int = 0
+    unknown_adapter: int = 0
+    seconds: float = 0.0
+
+
+def run_soak(
+    sampler: Sampler,
+    prompts: Prompts,
+    weight_states: Sequence[Mapping[str, Any]],
+    adapters: Mapping[str, str | os.PathLike[str]],
+    *,
+    seconds: float,
+    sample_threads: int = 3,
+    max_tokens: int = 6,
+    swapped: str | None = None,
+) -> SoakReport:
+    """Sample, update weights and swap an adapter from several threads; check every sequence.
+
+    Args:
+        sampler: a real engine with LoRA enabled.
+        prompts: the inputs every sampling call sends.
+        weight_states: at least two weight updates whose greedy outputs differ;
+            the updater applies them in turn.
+        adapters: adapter name -> PEFT folder; all are loaded, and ``swapped``
+            (default: the last) is removed and re-added over and over.
+        seconds: how long the threads run.
+        sample_threads: threads calling ``sample()``, cycling through the
+            base model and the adapters.
+
+    Returns:
+        The report; ``AssertionError`` is raised on the first sequence whose
+        tokens are not those of the weights and adapter it is labelled with.
+    """
+    if len(weight_states) < 2:
+        raise ValueError("run_soak needs at least two weight states")
+    names = ["", *adapters]
+    swapped = swapped if swapped is not None else list(adapters)[-1]
+    for name, folder in adapters.items():
+        sampler.add_adapter_to_model(name, folder)
+    # references: the greedy tokens of every (weights, adapter)
+    reference: dict[tuple[int, str], list[list[int]]] = {}
+    for i, state in enumerate(weight_states):
+        sampler.update_weights(dict(state))
+        for name in names:
+            reference[(i, name)] = _tokens(sampler, prompts, name, max_tokens)
+    for i in range(len(weight_states)):
+        assert any(reference[(i, n)] != reference[((i + 1) % len(weight_states), n)] for n in names), (
+            "the weight states must change the greedy outputs"
+        )
+    applied: list[tuple[int, int]] = [(sampler.weights_version, len(weight_states) - 1)]  # (version, state)
+    applied_lock = threading.Lock()
+    seen: list[tuple[str, int, list[list[int]]]] = []
+    report = SoakReport()
+    stop = threading.Event()
+    # set by samplers after each call: each writer waits for one, so writers never starve the samplers
+    sampled, sampled_for_swap = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def guarded(fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # reported by the main thread
+                errors.append(exc)
+                stop.set()
+
+        return run
+
+    def sample_loop(offset: int) -> None:
+        k = offset
+        while not stop.is_set():
+            name = names[k % len(names)]
+            k += 1
+            try:
+                out = sampler.sample(list(prompts), _greedy(max_tokens), adapter_name=name)
+            except UnknownAdapterError:
+                if name != swapped:
+                    raise
+                with applied_lock:
+                    report.unknown_adapter += 1
+                continue
+            versions = {r.sequences[0].weights_version for r in out}
+            labels = {r.sequences[0].adapter_name for r in out}
+            assert len(versions) == 1 and labels == {name}, (versions, labels, name)
+            with applied_lock:
+                seen.append((name, versions.pop(), [r.sequences[0].tokens for r in out]))
+            sampled.set()
+            sampled_for_swap.set()
+
+    def update_loop() -> None:
+        i = 0
+        while not stop.is_set():
+            sampled.wait()
+            sampled.clear()
+            if stop.is_set():
+                return
+            version = sampler.update_weights(dict(weight_states[i % len(weight_states)]))
+            with applied_lock:
+                applied.append((version, i % len(weight_states)))
+                report.updates += 1
+            i += 1
+
+    def swap_loop() -> None:
+        while not stop.is_set():
+            sampled_for_swap.wait()
+            sampled_for_swap.clear()
+            if stop.is_set():
+                return
+            sampler.remove_adapter(swapped)
+            sampler.add_adapter_to_model(swapped, adapters[swapped])
+            with applied_lock:
+                report.swaps += 1
+
+    threads = [threading.Thread(target=guarded(lambda o=o: sample_loop(o)), daemon=True) for o in range(sample_threads)]
+    threads += [threading.Thread(target=guarded(update_loop), daemon=True),
+                threading.Thread(target=guarded(swap_loop), daemon=True)]
+    started = time.monotonic()
+    for t in threads:
+        t.start()
+    stop.wait(seconds)
+    stop.set()
+    sampled.set()
+    sampled_for_swap.set()
+    for t in threads:
+        t.join(300)
+    report.seconds = time.monotonic() - started
+    if errors:
+        raise errors[0]
+    assert not any(t.is_alive() for t in threads), "a soak thread did not finish"
+    applied.sort()
+    for name, version, tokens in seen:
+        state = max((a for a in applied if a[0] <= version), key=lambda a: a[0])[1]
+        assert tokens == reference[(state, name)], (
+            f"a sequence labelled adapter={name!r}, weights_version={version} does not match the outputs of"
+            f" weight state {state} with that adapter"
+        )
+    report.sequences = sum(len(t) for _, _, t in seen)
+    return report
