@@ -36,6 +36,7 @@ HOOKS = {
     "vocab_size",
     "_max_prompt_len",
     "_generate",
+    "_run",
     "_load_adapter",
     "_remove_adapter",
     "_update_weights",

@@ -45,6 +45,7 @@ from twinkle_core.errors import (
     did_you_mean,
 )
 from twinkle_core.locks import ReadWriteLock
+from twinkle_core.requests import IN_FLIGHT_POLICIES, EngineRun, Finished, SampleHandle
 from twinkle_core.template import Template, get_template, load_tokenizer
 from twinkle_core.weights import find_non_finite
 
@@ -153,6 +154,28 @@ def normalize_inputs(inputs: SampleInputs, *, on_invalid: OnInvalid = "raise") -
     )
 
 
+@attrs.frozen
+class _Call:
+    """The checked arguments of one call."""
+
+    items: list[Any]
+    params: SamplingParams
+    adapter_name: str
+    on_invalid: OnInvalid
+
+
+@attrs.frozen
+class _RunSpec:
+    """A continuation run: per prompt, where its sequence sits in ``responses`` and how far it got."""
+
+    handle: SampleHandle
+    sample_base: list[int]
+    generated: list[int]
+    budgets: list[int]
+    slots: list[tuple[int, int]]
+    responses: list[SampleResponse]
+
+
 #: Set by ``twinkle_core.remote`` when it is imported (``initialize`` does): builds a
 #: ``remote_group=`` sampler. The spec never imports ``remote`` itself.
 _remote_builder: Callable[[type, str, tuple[Any, ...], dict[str, Any]], Any] | None = None
@@ -240,6 +263,16 @@ class Sampler(ABC, metaclass=SamplerMeta):
       ``prompt_logprobs``) and return one empty sequence per sample. Returns one
       ``SampleResponse`` per prompt, in order, each with ``num_samples``
       sequences built with ``_make_sequence``.
+    * ``_run(run)`` (optional, instead of relying on ``_generate``): the same
+      work described by an ``EngineRun``, for engines that stop early and
+      stream. Between steps it checks ``run.stopped()`` and then ends its
+      unfinished sequences with ``stop_reason="abort"`` and their partial
+      tokens; it reports each final sequence with ``run.finish(prompt, sample,
+      sequence)``; it honours ``run.max_tokens`` per prompt and, for seeded
+      sampling, keys randomness on ``run.sample_base`` and ``run.generated``
+      so a continued sequence draws what the uninterrupted one would. The
+      default calls ``_generate`` (then aborts act before a run starts, and
+      sequences stream when the run ends).
     * ``_load_adapter(name, config_or_dir, *, weights, version, **kwargs)``:
       load or replace a LoRA adapter; returns its source for listings.
       ``weights`` is the caller's mapping / pairs of PEFT names to tensors (or
@@ -253,7 +286,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
       tokenizer data refresh it).
 
     The three state-change hooks run with the lock held exclusively: no
-    ``_generate`` runs meanwhile. ``version`` is the ``weights_version`` the
+    ``_generate`` or ``_run`` runs meanwhile. ``version`` is the ``weights_version`` the
     change will carry once it returns.
 
     Helpers (the engine may call them):
@@ -300,6 +333,9 @@ class Sampler(ABC, metaclass=SamplerMeta):
         self._lock = ReadWriteLock()
         # Serialises _generate for engines that cannot run it concurrently.
         self._serial = threading.Lock()
+        # Calls in flight, for abort_all() and the in_flight policies of state changes.
+        self._live: set[SampleHandle] = set()
+        self._live_lock = threading.Lock()
 
     # -- engine hooks ------------------------------------------------------------------
     @property
@@ -453,6 +489,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         weights: Any = None,
         version: int | None = None,
         check_finite: bool = True,
+        in_flight: str = "wait",
         **kwargs: Any,
     ) -> int:
         """Load a PEFT LoRA adapter under ``adapter_name``, or replace it in place.
@@ -467,6 +504,8 @@ class Sampler(ABC, metaclass=SamplerMeta):
             version: the new ``weights_version`` (default: current + 1).
             check_finite: refuse tensors holding NaN or infinity (default). The
                 check reads every tensor once; see ``docs/concepts.md`` for its cost.
+            in_flight: what happens to calls in flight: ``"wait"`` for them
+                (default), ``"abort"`` them, or ``"keep"`` them (see ``update_weights``).
             **kwargs: engine-specific options (an engine refuses those it does not know).
 
         Returns:
@@ -484,6 +523,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
             bad = find_non_finite(pairs) if isinstance(pairs, list) else None
             if bad is not None:
                 raise AdapterError(f"Adapter {adapter_name!r}: {bad}; nothing was loaded.")
+        self._make_room(in_flight)
         with self._lock.write():
             new_version = self._next_version(version)
             try:
@@ -501,13 +541,14 @@ class Sampler(ABC, metaclass=SamplerMeta):
             raise error
         return new_version
 
-    def remove_adapter(self, adapter_name: str) -> None:
-        """Unload an adapter (after the samples in flight finish).
+    def remove_adapter(self, adapter_name: str, *, in_flight: str = "wait") -> None:
+        """Unload an adapter (after the samples in flight finish, or as ``in_flight`` says).
 
         Raises:
             UnknownAdapterError: it is not loaded.
         """
         self._check_open()
+        self._make_room(in_flight)
         with self._lock.write():
             self._require_adapter(adapter_name)
             try:
@@ -518,6 +559,22 @@ class Sampler(ABC, metaclass=SamplerMeta):
             del self._adapters[adapter_name]
         if error is not None:
             raise error
+
+    def _make_room(self, in_flight: str) -> None:
+        """Apply an ``in_flight`` policy before a state change takes the lock exclusively."""
+        if in_flight not in IN_FLIGHT_POLICIES:
+            raise InvalidInputError(
+                f"in_flight={in_flight!r} is invalid: expected one of {', '.join(map(repr, IN_FLIGHT_POLICIES))}."
+            )
+        if in_flight == "wait":
+            return
+        with self._live_lock:
+            live = list(self._live)
+        for handle in live:
+            if in_flight == "abort":
+                handle.abort()
+            else:
+                handle._suspend()
 
     # -- weights -------------------------------------------------------------------------
     @property
@@ -541,6 +598,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         *,
         version: int | None = None,
         check_finite: bool = True,
+        in_flight: str = "wait",
     ) -> int:
         """Replace base-model weights (names as in the model's Hugging Face ``state_dict``).
 
@@ -553,6 +611,15 @@ class Sampler(ABC, metaclass=SamplerMeta):
             version: the new ``weights_version`` (default: current + 1).
             check_finite: refuse tensors holding NaN or infinity (default). The
                 check reads every tensor once; see ``docs/concepts.md`` for its cost.
+            in_flight: what happens to calls in flight. ``"wait"`` (default):
+                the update waits for them; they finish under the old weights.
+                ``"abort"``: they are aborted (their unfinished sequences come
+                back with ``stop_reason="abort"`` and their partial tokens).
+                ``"keep"``: they are stopped at the next step, the weights are
+                swapped, and their unfinished sequences continue under the new
+                weights from where they were (``version_spans`` records which
+                version produced which tokens). In every mode each token is
+                produced by exactly one version, the one recorded for it.
 
         Returns:
             The new ``weights_version``, carried by every later sample.
@@ -571,6 +638,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
             bad = find_non_finite(items)
             if bad is not None:
                 raise WeightUpdateError(f"update_weights: {bad}; nothing was updated.")
+        self._make_room(in_flight)
         with self._lock.write():
             new_version = self._next_version(version)
             try:
@@ -644,6 +712,69 @@ class Sampler(ABC, metaclass=SamplerMeta):
             InvalidInputError: a malformed input (with ``on_invalid="raise"``).
             UnknownAdapterError: ``adapter_name`` is not loaded.
         """
+        handle, call = self._new_call(inputs, sampling_params, adapter_name, num_samples, on_invalid)
+        if call is not None:
+            self._execute(handle, call)  # in this thread: the same work submit() does in its own
+        return handle.result()
+
+    def submit(
+        self,
+        inputs: SampleInputs,
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        adapter_name: str = "",
+        *,
+        num_samples: int | None = None,
+        on_invalid: OnInvalid = "raise",
+    ) -> SampleHandle:
+        """Start a ``sample()`` call in the background and return its handle at once.
+
+        The arguments are those of :meth:`sample`, checked now (a bad parameter
+        or an unknown adapter raises here). ``handle.result()`` then returns
+        exactly what ``sample()`` would, or raises what it would raise;
+        ``handle.as_completed()`` (or ``async for``) streams sequences as they
+        finish; ``handle.abort()`` stops them. Calls submitted together are
+        batched together on engines that sample concurrently.
+        """
+        handle, call = self._new_call(inputs, sampling_params, adapter_name, num_samples, on_invalid)
+        if call is not None:
+            threading.Thread(target=self._execute, args=(handle, call), name="twinkle-request", daemon=True).start()
+        return handle
+
+    async def asample(
+        self,
+        inputs: SampleInputs,
+        sampling_params: SamplingParams | dict[str, Any] | None = None,
+        adapter_name: str = "",
+        *,
+        num_samples: int | None = None,
+        on_invalid: OnInvalid = "raise",
+    ) -> list[SampleResponse]:
+        """``sample()`` for asyncio code: awaits the call without blocking the running event loop."""
+        return await self.submit(
+            inputs, sampling_params, adapter_name, num_samples=num_samples, on_invalid=on_invalid
+        )
+
+    def abort_all(self) -> int:
+        """Abort every call in flight (see ``SampleHandle.abort``); returns how many were."""
+        with self._live_lock:
+            live = list(self._live)
+        for handle in live:
+            handle.abort()
+        return len(live)
+
+    def resume(self, handle: SampleHandle) -> SampleHandle:
+        """Continue the aborted sequences of a finished call under the current weights (``handle.resume()``)."""
+        return handle.resume()
+
+    def _new_call(
+        self,
+        inputs: SampleInputs,
+        sampling_params: SamplingParams | dict[str, Any] | None,
+        adapter_name: str,
+        num_samples: int | None,
+        on_invalid: OnInvalid,
+    ) -> tuple[SampleHandle, _Call | None]:
+        """Check the arguments of a call; its handle, and the work (``None``: nothing to do)."""
         self._check_open()
         if on_invalid not in ("raise", "skip"):
             raise InvalidInputError(f"on_invalid={on_invalid!r} is invalid: expected 'raise' or 'skip'.")
@@ -652,9 +783,139 @@ class Sampler(ABC, metaclass=SamplerMeta):
         items = normalize_inputs(inputs, on_invalid=on_invalid)
         if not isinstance(adapter_name, str):
             raise UnknownAdapterError(f"adapter_name={adapter_name!r} is invalid: expected a string ('' = base model).")
+        if items and adapter_name:
+            self._require_adapter(adapter_name)
+        handle = SampleHandle(len(items), params.num_samples)
+        handle._resumer = self._resume_handle
+        handle._call_params = params
         if not items:
-            return []
-        return self._sample(items, params, adapter_name, on_invalid, None)
+            handle._settle([], None)
+            return handle, None
+        return handle, _Call(items, params, adapter_name, on_invalid)
+
+    def _execute(self, handle: SampleHandle, call: _Call) -> None:
+        """Run a call to the end: one run, then a continuation after each ``keep`` weight change."""
+        with self._live_lock:
+            self._live.add(handle)
+        try:
+            responses = self._sample(call.items, call.params, call.adapter_name, call.on_invalid, None, handle)
+            while handle._take_suspended():
+                responses = self._continue(handle, responses, call.params, call.adapter_name)
+        except BaseException as exc:
+            handle._settle(None, exc)
+        else:
+            handle._settle(responses, None)
+        finally:
+            with self._live_lock:
+                self._live.discard(handle)
+
+    def _resume_handle(self, previous: SampleHandle) -> SampleHandle:
+        self._check_open()
+        responses = previous.result()
+        params: SamplingParams = previous._call_params
+        adapters = {seq.adapter_name for r in responses for seq in r.sequences}
+        adapter = adapters.pop() if len(adapters) == 1 else ""
+        if adapter:
+            self._require_adapter(adapter)
+        handle = SampleHandle(previous.num_inputs, previous.num_samples)
+        handle._resumer = self._resume_handle
+        handle._call_params = params
+
+        def work() -> None:
+            with self._live_lock:
+                self._live.add(handle)
+            try:
+                out = self._continue(handle, responses, params, adapter, emit_all=True)
+                while handle._take_suspended():
+                    out = self._continue(handle, out, params, adapter)
+            except BaseException as exc:
+                handle._settle(None, exc)
+            else:
+                handle._settle(out, None)
+            finally:
+                with self._live_lock:
+                    self._live.discard(handle)
+
+        threading.Thread(target=work, name="twinkle-resume", daemon=True).start()
+        return handle
+
+    def _continue(
+        self,
+        handle: SampleHandle,
+        responses: list[SampleResponse],
+        params: SamplingParams,
+        adapter_name: str,
+        *,
+        emit_all: bool = False,
+    ) -> list[SampleResponse]:
+        """Continue every aborted sequence of ``responses`` from its partial tokens; merge each with its continuation.
+
+        Each continuation is one prompt (the original prompt and the partial
+        tokens) with one sample, what is left of ``max_tokens``, and its
+        sample index and position, so seeded engines draw what the
+        uninterrupted sequence would have.
+        """
+        todo: list[tuple[int, int]] = []
+        prompts: list[InputFeature] = []
+        base: list[int] = []
+        generated: list[int] = []
+        out = [attrs.evolve(r, sequences=list(r.sequences)) for r in responses]
+        limit = self._max_prompt_len(params.replace(max_tokens=1))
+        for i, response in enumerate(out):
+            for j, seq in enumerate(response.sequences):
+                if seq.stop_reason != "abort":
+                    if emit_all:
+                        handle._emit(Finished(i, j, seq))
+                    continue
+                left = params.max_tokens - len(seq.tokens)
+                ids = [*response.prompt_token_ids, *seq.tokens]
+                if left <= 0 or len(ids) > limit:
+                    done = attrs.evolve(seq, stop_reason="length")
+                    response.sequences[j] = done
+                    handle._emit(Finished(i, j, done))
+                    continue
+                todo.append((i, j))
+                prompts.append(InputFeature(input_ids=ids))
+                base.append(j)
+                generated.append(len(seq.tokens))
+        if not todo:
+            return out
+        budgets = [params.max_tokens - g for g in generated]
+        cont_params = params.replace(max_tokens=max(budgets), num_samples=1, prompt_logprobs=None)
+        spec = _RunSpec(handle, base, generated, budgets, [(i, j) for i, j in todo], out)
+        results = self._sample(prompts, cont_params, adapter_name, "raise", None, handle, spec)
+        for (i, j), result in zip(todo, results):
+            merged = self._merge(out[i].prompt_token_ids, out[i].sequences[j], result.sequences[0])
+            out[i].sequences[j] = merged
+        return out
+
+    def _merge(self, prompt_ids: list[int], first: SampledSequence, rest: SampledSequence) -> SampledSequence:
+        """One sequence from a partial one and its continuation."""
+        tokens = [*first.tokens, *rest.tokens]
+        logprobs = None if first.logprobs is None else [*first.logprobs, *(rest.logprobs or [])]
+        top = None if first.top_logprobs is None else [*first.top_logprobs, *(rest.top_logprobs or [])]
+        spans = list(first.version_spans or ([(0, first.weights_version)] if first.tokens else []))
+        if rest.tokens and (not spans or spans[-1][1] != rest.weights_version):
+            spans.append((len(first.tokens), rest.weights_version))
+        if not spans:
+            spans = [(0, rest.weights_version)]
+        full = self.template.decode(tokens)
+        text = full
+        if isinstance(rest.stop, str):
+            cut = full.find(rest.stop, max(0, len(self.template.decode(first.tokens)) - len(rest.stop)))
+            text = full[:cut] if cut >= 0 else full
+        merged = self._make_sequence(
+            prompt_ids,
+            tokens,
+            stop_reason=rest.stop_reason,
+            stop=rest.stop,
+            text=text,
+            adapter_name=rest.adapter_name,
+            logprobs=logprobs,
+            top_logprobs=top,
+            weights_version=min(v for _, v in spans),
+        )
+        return attrs.evolve(merged, version_spans=spans if len(spans) > 1 else None)
 
     def _check_params(self, params: SamplingParams) -> None:
         """Refuse fields the engine does not honour, and values beyond its vocabulary."""
@@ -688,6 +949,8 @@ class Sampler(ABC, metaclass=SamplerMeta):
         adapter_name: str,
         on_invalid: OnInvalid,
         indices: list[int] | None,
+        handle: SampleHandle | None = None,
+        spec: _RunSpec | None = None,
     ) -> list[SampleResponse]:
         """Run checked arguments: hold the lock shared, check the adapter, then :meth:`_process`.
 
@@ -699,7 +962,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
             self._check_open()
             if adapter_name:
                 self._require_adapter(adapter_name)
-            return self._process(items, params, adapter_name, on_invalid, indices)
+            return self._process(items, params, adapter_name, on_invalid, indices, handle, spec)
 
     def _process(
         self,
@@ -708,14 +971,18 @@ class Sampler(ABC, metaclass=SamplerMeta):
         adapter_name: str,
         on_invalid: OnInvalid,
         indices: list[int] | None,
+        handle: SampleHandle | None = None,
+        spec: _RunSpec | None = None,
     ) -> list[SampleResponse]:
-        """Encode and check each input, generate the valid ones, and answer in input order.
+        """Encode and check each input, run the valid ones, and answer in input order.
 
         ``items`` may hold errors (inputs ``normalize_inputs`` refused in skip
         mode). An invalid input raises, or with ``on_invalid="skip"`` gets a
         response with ``error`` set. Errors name input ``k`` as
         ``inputs[indices[k]]`` (default ``k``): a Ray replica serving a share of
-        a call names each by its place in the whole call.
+        a call names each by its place in the whole call. ``handle`` receives
+        each sequence as it finishes and can stop the run; ``spec`` describes a
+        continuation (see ``_continue``).
         """
         features: list[InputFeature | None] = []
         errors: dict[int, TwinkleError] = {}
@@ -732,14 +999,19 @@ class Sampler(ABC, metaclass=SamplerMeta):
                     raise
                 errors[k] = exc
             features.append(feature)
-        valid = [f for k, f in enumerate(features) if k not in errors and f is not None]
+        valid_at = [k for k, f in enumerate(features) if k not in errors and f is not None]
         generated: Iterator[SampleResponse] = iter([])
-        if valid:
-            if self.concurrent_samples:
-                generated = iter(self._generate(valid, params, adapter_name))
+        if valid_at:
+            run = self._engine_run([features[k] for k in valid_at], params, adapter_name, valid_at, handle, spec)  # type: ignore[misc]
+            if run.stopped():  # aborted before it started: nothing generated
+                responses = [self._aborted_response(p, params, adapter_name) for p in run.prompts]
+            elif self.concurrent_samples:
+                responses = self._run(run)
             else:
                 with self._serial:
-                    generated = iter(self._generate(valid, params, adapter_name))
+                    responses = self._run(run)
+            run.report_all(responses)
+            generated = iter(responses)
         out: list[SampleResponse] = []
         for k, feature in enumerate(features):
             if k in errors:
@@ -748,6 +1020,68 @@ class Sampler(ABC, metaclass=SamplerMeta):
             else:
                 out.append(next(generated))
         return out
+
+    def _engine_run(
+        self,
+        prompts: list[InputFeature],
+        params: SamplingParams,
+        adapter_name: str,
+        positions: list[int],
+        handle: SampleHandle | None,
+        spec: _RunSpec | None,
+    ) -> EngineRun:
+        """The run of ``prompts`` (inputs ``positions`` of the call), reporting finished sequences to ``handle``."""
+        stop = handle._start_run() if handle is not None else None
+        if spec is None:
+
+            def on_finish(p: int, s: int, seq: SampledSequence) -> None:
+                if handle is not None and not (seq.stop_reason == "abort" and handle._suspended):
+                    handle._emit(Finished(positions[p], s, seq))
+
+            return EngineRun(prompts, params, adapter_name, on_finish=on_finish, stop_event=stop)
+        sample_base = [spec.sample_base[k] for k in positions]
+        generated = [spec.generated[k] for k in positions]
+
+        def on_continued(p: int, s: int, seq: SampledSequence) -> None:
+            i, j = spec.slots[positions[p]]
+            if seq.stop_reason == "abort" and spec.handle._suspended:
+                return  # continued again after the next change
+            merged = self._merge(spec.responses[i].prompt_token_ids, spec.responses[i].sequences[j], seq)
+            spec.handle._emit(Finished(i, j, merged))
+
+        return EngineRun(
+            prompts, params, adapter_name, sample_base=sample_base, generated=generated,
+            max_tokens=[spec.budgets[k] for k in positions], on_finish=on_continued, stop_event=stop,
+        )
+
+    def _aborted_response(self, prompt: InputFeature, params: SamplingParams, adapter_name: str) -> SampleResponse:
+        empty = [
+            self._make_sequence(
+                list(prompt.input_ids),
+                [],
+                stop_reason="abort",
+                adapter_name=adapter_name,
+                text="",
+                logprobs=[] if params.logprobs is not None else None,
+                top_logprobs=[] if params.logprobs else None,
+            )
+            for _ in range(params.num_samples)
+        ]
+        return SampleResponse(prompt_token_ids=list(prompt.input_ids), sequences=empty)
+
+    def _run(self, run: EngineRun) -> list[SampleResponse]:
+        """Generate one run (see ``EngineRun``); the default calls ``_generate`` (no early stop, no streaming)."""
+        budgets = run.max_tokens
+        if len(set(budgets)) <= 1:
+            return self._generate(run.prompts, run.params.replace(max_tokens=budgets[0]), run.adapter_name)
+        # continuations with different budgets: one _generate per budget
+        out: list[SampleResponse | None] = [None] * len(run.prompts)
+        for budget in sorted(set(budgets)):
+            picked = [k for k, b in enumerate(budgets) if b == budget]
+            got = self._generate([run.prompts[k] for k in picked], run.params.replace(max_tokens=budget), run.adapter_name)
+            for k, response in zip(picked, got):
+                out[k] = response
+        return out  # type: ignore[return-value]
 
     def _encode_checked(self, item: InputFeature | Trajectory, index: int) -> InputFeature:
         """``encode``, with any failure of the template or tokenizer as a typed error naming the input."""

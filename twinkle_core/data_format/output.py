@@ -28,6 +28,12 @@ def _to_top(value: Any) -> Any:
     return [[(int(t), float(lp)) for t, lp in pos] if pos is not None else None for pos in value]
 
 
+def _to_spans(value: Any) -> Any:
+    if value is None:
+        return None
+    return [(int(start), int(version)) for start, version in value]
+
+
 def _check_reason(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value not in ("stop", "length", "abort"):
         raise ValueError(f"stop_reason={value!r} is invalid: expected 'stop', 'length' or 'abort'.")
@@ -50,7 +56,14 @@ class SampledSequence(Record):
         stop_reason: ``"stop"`` (EOS, a stop token or a stop string),
             ``"length"`` (``max_tokens`` or the context window) or ``"abort"``.
         stop: the stop string or token id that ended the sequence, if any.
-        weights_version: the version of the weights that produced it.
+        weights_version: the version of the weights that produced it. A
+            sequence continued under newer weights (``in_flight="keep"``, or
+            ``resume``) has several: then this is the oldest one (so a
+            staleness check is never optimistic) and ``version_spans`` says
+            which tokens each produced.
+        version_spans: ``None`` when one version produced every token;
+            otherwise ``(first token index, version)`` pairs in order: version
+            ``v`` produced the tokens from its index up to the next pair's.
         adapter_name: the LoRA adapter used (``""`` for the base model).
         training_feature: prompt + completion as one :class:`InputFeature`,
             labels ``-100`` on the prompt and the tokens on the completion.
@@ -63,8 +76,19 @@ class SampledSequence(Record):
     stop_reason: StopReason = attrs.field(default="length", validator=_check_reason)
     stop: str | int | None = None
     weights_version: int = 0
+    version_spans: list[tuple[int, int]] | None = attrs.field(default=None, converter=_to_spans)
     adapter_name: str = ""
     training_feature: InputFeature | None = attrs.field(default=None, converter=_to_feature)
+
+    def token_versions(self) -> list[int]:
+        """The version that produced each token, one per entry of ``tokens``."""
+        if not self.version_spans:
+            return [self.weights_version] * len(self.tokens)
+        out: list[int] = []
+        bounds = [*self.version_spans[1:], (len(self.tokens), -1)]
+        for (start, version), (end, _) in zip(self.version_spans, bounds):
+            out.extend([version] * (end - start))
+        return out
 
 
 def _to_sequences(value: Any) -> Any:

@@ -16,13 +16,14 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from twinkle_core.data_format import InputFeature, SampleResponse, SamplingParams, Trajectory
-from twinkle_core.errors import InvalidMeshError
+from twinkle_core.errors import InvalidMeshError, UnsupportedFeatureError
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
 from twinkle_core.remote._balance import estimate_prompt_tokens, item_cost, split_by_cost, trajectory_chars
 from twinkle_core.remote._pool import Op, ReplicaPool
 from twinkle_core.remote._runtime import PlacedGroup, current_session, get_group, import_ray, register_owner
 from twinkle_core.remote.errors import ReplicaLostError
 from twinkle_core.remote.remote_class import ReplicaViews
+from twinkle_core.requests import SampleHandle
 from twinkle_core.sampler import AppliedWithError, OnInvalid, Sampler
 from twinkle_core.template import Template
 
@@ -305,6 +306,8 @@ class RemoteSampler(ReplicaViews, Sampler):
         adapter_name: str,
         on_invalid: OnInvalid,
         indices: list[int] | None,
+        handle: SampleHandle | None = None,
+        spec: Any = None,
     ) -> list[SampleResponse]:
         """Split a call across the replicas and gather it in input order (lock held shared by the base).
 
@@ -312,8 +315,16 @@ class RemoteSampler(ReplicaViews, Sampler):
         named by its index in this call). Work is balanced by
         ``num_samples x (prompt tokens + max_tokens)``; a conversation's prompt
         tokens are estimated from its text, calibrated on what earlier calls
-        measured.
+        measured. A call aborted before its shares are sent comes back aborted;
+        once sent, the replicas finish it (streaming and early stops across
+        replicas are not there yet).
         """
+        if spec is not None:
+            raise UnsupportedFeatureError(
+                "Continuing aborted sequences (resume, or in_flight='keep') is not supported on a remote sampler yet."
+            )
+        if handle is not None and handle.aborted:
+            return super()._process(items, params, adapter_name, on_invalid, indices, handle, spec)
         self._pool.check_open()
         alive = self._pool.alive()
         cpt = self._chars_per_token()

@@ -33,6 +33,7 @@ from twinkle_torch.stopping import StopStringMatcher
 __all__ = [
     "Decoder",
     "PromptScores",
+    "RunControl",
     "SequenceResult",
     "WorkUnit",
     "plan_batches",
@@ -67,6 +68,30 @@ class SequenceResult:
     text: str | None = None
     logprobs: list[float] | None = None
     top_logprobs: TopList | None = None
+
+
+@attrs.define
+class RunControl:
+    """What a run may vary per prompt, and how it is stopped and streamed.
+
+    Attributes:
+        max_tokens: per prompt, the most tokens to generate.
+        sample_base: per prompt, the sample index of its first completion (seeds use it).
+        generated: per prompt, tokens generated before this run (seeded draws are keyed on the position).
+        stopped: called between steps; ``True`` ends every unfinished row with ``"abort"``.
+        on_finish: called with ``(prompt_index, sample_index, result)`` as each completion ends.
+    """
+
+    max_tokens: list[int]
+    sample_base: list[int]
+    generated: list[int]
+    stopped: Callable[[], bool] = lambda: False
+    on_finish: Callable[[int, int, SequenceResult], None] | None = None
+
+    @classmethod
+    def plain(cls, prompts: int, params: SamplingParams) -> RunControl:
+        """Every prompt with ``params.max_tokens``, fresh sequences, no early stop."""
+        return cls([params.max_tokens] * prompts, [0] * prompts, [0] * prompts)
 
 
 @attrs.define
@@ -210,17 +235,33 @@ class Decoder:
 
     # -- public -------------------------------------------------------------------------------
     def run(
-        self, prompts: list[list[int]], params: SamplingParams, *, max_batch_tokens: int
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        max_batch_tokens: int,
+        control: RunControl | None = None,
     ) -> tuple[list[list[SequenceResult]], list[PromptScores | None]]:
         """Generate ``params.num_samples`` completions for every prompt.
+
+        Args:
+            prompts: token ids.
+            params: the sampling parameters.
+            max_batch_tokens: the KV-cache budget of one batch.
+            control: per-prompt budgets and seed positions, an early stop and
+                a callback for each finished completion (see :class:`RunControl`).
 
         Returns:
             Per prompt, its completions in sample order, and its prompt scores
             (``None`` unless ``params.prompt_logprobs`` is set).
         """
+        control = control if control is not None else RunControl.plain(len(prompts), params)
         n = params.num_samples
         lengths = [len(p) for p in prompts]
-        max_new = min(params.max_tokens, self.max_model_len - min(lengths)) if params.max_tokens else 0
+        max_new = max(
+            (min(budget, self.max_model_len - length) for budget, length in zip(control.max_tokens, lengths)),
+            default=0,
+        ) if params.max_tokens else 0
         if max_new == 0 and params.prompt_logprobs is None:
             batches: list[list[WorkUnit]] = []  # nothing to generate, nothing to score
         else:
@@ -230,7 +271,7 @@ class Decoder:
             results.update(
                 run_with_split(
                     units,
-                    lambda u: self._run_batch(u, prompts, params),
+                    lambda u: self._run_batch(u, prompts, params, control),
                     is_oom=_is_cuda_oom,
                     on_oom=_empty_cuda_cache,
                 )
@@ -254,7 +295,9 @@ class Decoder:
         out = self.model(use_cache=True, **kwargs)
         return out.logits
 
-    def _run_batch(self, units: list[WorkUnit], prompts: list[list[int]], params: SamplingParams) -> dict[Any, Any]:
+    def _run_batch(
+        self, units: list[WorkUnit], prompts: list[list[int]], params: SamplingParams, control: RunControl
+    ) -> dict[Any, Any]:
         device = self.device
         lengths = [len(prompts[u.prompt_index]) for u in units]
         width = max(lengths)
@@ -267,7 +310,8 @@ class Decoder:
         prompt_mask = (columns.unsqueeze(0) >= (width - lengths_t).unsqueeze(1)).long()
         positions = (prompt_mask.cumsum(-1) - 1).clamp_(min=0)
 
-        max_new = min(params.max_tokens, self.max_model_len - min(lengths)) if params.max_tokens else 0
+        budgets = [control.max_tokens[u.prompt_index] for u in units]
+        max_new = max(min(b, self.max_model_len - n) for b, n in zip(budgets, lengths)) if params.max_tokens else 0
         counts = [u.count for u in units]
         rows = sum(counts)
         expand = max_new > 0 and rows != batch
@@ -300,10 +344,14 @@ class Decoder:
         row_prompt = [u.prompt_index for u in units for _ in range(u.count)]
         row_sample = [u.first_sample + j for u in units for j in range(u.count)]
         row_length = [lengths[b] for b, u in enumerate(units) for _ in range(u.count)]
-        limits = [min(params.max_tokens, self.max_model_len - n) for n in row_length]
+        limits = [
+            min(control.max_tokens[u.prompt_index], self.max_model_len - lengths[b])
+            for b, u in enumerate(units)
+            for _ in range(u.count)
+        ]
         return results | self._decode(
             cache, last, prompt_mask[source], input_ids[source], row_prompt, row_sample, row_length, limits,
-            max_new, params,
+            max_new, params, control,
         )
 
     def _prompt_scores(self, logits: torch.Tensor, ids: torch.Tensor, top: int) -> PromptScores:
@@ -328,6 +376,7 @@ class Decoder:
         limits: list[int],
         max_new: int,
         params: SamplingParams,
+        control: RunControl,
     ) -> dict[Any, Any]:
         device = self.device
         rows = len(row_prompt)
@@ -335,8 +384,9 @@ class Decoder:
         sampler = TokenSampler(params)
         randomness = None
         if sampler.needs_uniforms:
-            seeds = [None if params.seed is None else derive_seed(params.seed, s) for s in row_sample]
-            randomness = RowRandomness(seeds)
+            samples = [control.sample_base[p] + s for p, s in zip(row_prompt, row_sample)]
+            seeds = [None if params.seed is None else derive_seed(params.seed, s) for s in samples]
+            randomness = RowRandomness(seeds, [control.generated[p] for p in row_prompt])
         seen = None
         if sampler.needs_seen:
             counts = torch.zeros(rows, logits.shape[-1], dtype=torch.int32, device=device)
@@ -374,7 +424,24 @@ class Decoder:
         finished: dict[int, tuple[int, str, str | int | None]] = {}  # original row -> (length, reason, stop)
         stop_text_end: dict[int, int] = {}
         step = 0
+
+        def report(rows_done: list[int]) -> None:
+            """Hand finished rows to the control's callback as they end (their tokens come to the host)."""
+            if control.on_finish is None or not rows_done:
+                return
+            for row in rows_done:
+                control.on_finish(row_prompt[row], row_sample[row], self._row_result(
+                    row, finished[row], out_tokens, out_lp, out_top_ids, out_top_lp, matcher, stop_text_end
+                ))
+
         while True:
+            if control.stopped():
+                # stop early: every unfinished row ends here with what it has
+                rows_stopped = [live_list[j] for j, a in enumerate(alive) if a]
+                for row in rows_stopped:
+                    finished[row] = (step, "abort", None)
+                report(rows_stopped)
+                break
             if randomness is not None:
                 result = sampler(logits, seen, randomness.uniforms(device), randomness.redraw)
             else:
@@ -421,6 +488,7 @@ class Decoder:
                         ended.append(j)
             for j in ended:
                 alive[j] = False
+            report(sorted({live_list[j] for j in ended}))
             n_alive = sum(alive)
             if n_alive == 0:
                 break
@@ -450,24 +518,36 @@ class Decoder:
             )[:, -1, :]
 
         del cache
-        tokens_cpu = out_tokens.cpu().tolist()
-        lp_cpu = out_lp.cpu().tolist() if out_lp is not None else None
-        top_ids_cpu = out_top_ids.cpu().tolist() if out_top_ids is not None else None
-        top_lp_cpu = out_top_lp.cpu().tolist() if out_top_lp is not None else None
         results: dict[Any, Any] = {}
         for row in range(rows):
-            length, reason, stop = finished[row]
-            toks = tokens_cpu[row][:length]
-            seq = SequenceResult(tokens=toks, stop_reason=reason, stop=stop)
-            if lp_cpu is not None:
-                seq.logprobs = lp_cpu[row][:length]
-            if top_ids_cpu is not None and top_lp_cpu is not None:
-                seq.top_logprobs = [
-                    list(zip(ids, lps)) for ids, lps in zip(top_ids_cpu[row][:length], top_lp_cpu[row][:length])
-                ]
-            if row in stop_text_end:
-                assert matcher is not None and isinstance(stop, str)
-                seq.text = matcher.final_text(toks, stop, stop_text_end[row], row)
-            results[(row_prompt[row], row_sample[row])] = seq
+            results[(row_prompt[row], row_sample[row])] = self._row_result(
+                row, finished[row], out_tokens, out_lp, out_top_ids, out_top_lp, matcher, stop_text_end
+            )
         return results
 
+    @staticmethod
+    def _row_result(
+        row: int,
+        end: tuple[int, str, str | int | None],
+        out_tokens: torch.Tensor,
+        out_lp: torch.Tensor | None,
+        out_top_ids: torch.Tensor | None,
+        out_top_lp: torch.Tensor | None,
+        matcher: StopStringMatcher | None,
+        stop_text_end: dict[int, int],
+    ) -> SequenceResult:
+        """One row's completion, from the step buffers (indexed by the row's original place)."""
+        length, reason, stop = end
+        toks = out_tokens[row, :length].tolist()
+        seq = SequenceResult(tokens=toks, stop_reason=reason, stop=stop)
+        if out_lp is not None:
+            seq.logprobs = out_lp[row, :length].tolist()
+        if out_top_ids is not None and out_top_lp is not None:
+            seq.top_logprobs = [
+                list(zip(ids, lps))
+                for ids, lps in zip(out_top_ids[row, :length].tolist(), out_top_lp[row, :length].tolist())
+            ]
+        if row in stop_text_end:
+            assert matcher is not None and isinstance(stop, str)
+            seq.text = matcher.final_text(toks, stop, stop_text_end[row], row)
+        return seq

@@ -22,16 +22,17 @@ from typing import Any
 
 import torch
 
-from twinkle_core.data_format import InputFeature, SampleResponse, SamplingParams
+from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams
 from twinkle_core.errors import AdapterError, ConfigError, InvalidMeshError
 from twinkle_core.hub import resolve_model_id
 from twinkle_core.mesh import DeviceMesh
+from twinkle_core.requests import EngineRun
 from twinkle_core.sampler import Sampler
 
 from twinkle_torch.adapters import AdapterSet
 from twinkle_torch.attention import ATTN_IMPLEMENTATION
 from twinkle_torch.attention import register as register_attention
-from twinkle_torch.decoding import Decoder
+from twinkle_torch.decoding import Decoder, RunControl, SequenceResult
 from twinkle_torch.weights import WeightTable
 
 __all__ = ["TorchSampler", "DEFAULT_MAX_BATCH_TOKENS"]
@@ -252,37 +253,44 @@ class TorchSampler(Sampler):
             decoder.tokenizer = self.tokenizer
 
     def _generate(self, prompts: list[InputFeature], params: SamplingParams, adapter_name: str) -> list[SampleResponse]:
-        # The base holds its lock shared (no adapter or weight change meanwhile) and runs one _generate at a time.
+        return self._run(EngineRun(prompts, params, adapter_name))
+
+    def _run(self, run: EngineRun) -> list[SampleResponse]:
+        # The base holds its lock shared (no adapter or weight change meanwhile) and runs one _run at a time.
+        prompts, params, adapter_name = run.prompts, run.params, run.adapter_name
+        ids_of = [list(p.input_ids) for p in prompts]
+
+        def build(prompt_index: int, result: SequenceResult) -> SampledSequence:
+            return self._make_sequence(
+                ids_of[prompt_index],
+                result.tokens,
+                stop_reason=result.stop_reason,
+                adapter_name=adapter_name,
+                text=result.text,
+                stop=result.stop,
+                logprobs=result.logprobs,
+                top_logprobs=result.top_logprobs,
+            )
+
+        control = RunControl(
+            max_tokens=list(run.max_tokens),
+            sample_base=list(run.sample_base),
+            generated=list(run.generated),
+            stopped=run.stopped,
+            on_finish=lambda p, s, result: run.finish(p, s, build(p, result)),
+        )
         with torch.inference_mode():
             self._adapter_set.activate(adapter_name)
-            sequences, scores = self._decoder.run(
-                [list(p.input_ids) for p in prompts], params, max_batch_tokens=self.max_batch_tokens
+            sequences, scores = self._decoder.run(ids_of, params, max_batch_tokens=self.max_batch_tokens, control=control)
+        return [
+            SampleResponse(
+                prompt_token_ids=ids_of[p],
+                sequences=[build(p, result) for result in seqs],
+                prompt_logprobs=score.logprobs if score is not None else None,
+                prompt_top_logprobs=score.top_logprobs if score is not None else None,
             )
-        out = []
-        for prompt, seqs, score in zip(prompts, sequences, scores):
-            ids = list(prompt.input_ids)
-            built = [
-                self._make_sequence(
-                    ids,
-                    s.tokens,
-                    stop_reason=s.stop_reason,
-                    adapter_name=adapter_name,
-                    text=s.text,
-                    stop=s.stop,
-                    logprobs=s.logprobs,
-                    top_logprobs=s.top_logprobs,
-                )
-                for s in seqs
-            ]
-            out.append(
-                SampleResponse(
-                    prompt_token_ids=ids,
-                    sequences=built,
-                    prompt_logprobs=score.logprobs if score is not None else None,
-                    prompt_top_logprobs=score.top_logprobs if score is not None else None,
-                )
-            )
-        return out
+            for p, (seqs, score) in enumerate(zip(sequences, scores))
+        ]
 
     def _load_adapter(
         self, name: str, config_or_dir: Any, *, weights: Any = None, version: int, **kwargs: Any

@@ -54,31 +54,45 @@ def derive_seed(seed: int, index: int) -> int:
     return z ^ (z >> 31)
 
 
-class RowRandomness:
-    """Uniform numbers for the rows of a batch: a private generator per seeded row.
+def _position_seed(seed: int, position: int) -> int:
+    """The seed of a row's stream at ``position``: a mix distinct from ``derive_seed``'s sample streams."""
+    return derive_seed((seed * 0x2545F4914F6CDD1D + 0x632BE59BD9B4E019) & _MASK64, position + 1)
 
-    A seeded row draws from its own generator (a ``random.Random``: one draw
-    costs a tenth of a microsecond, against microseconds through a
-    ``torch.Generator``, and a batch may hold hundreds of rows): one number per
-    step it is alive, plus one per rejected draw (see :class:`TokenSampler`),
-    which depends on its own logits only. So its stream does not depend on its
-    batch. Unseeded rows draw together from torch's global generator, so
-    ``torch.manual_seed`` makes whole runs repeatable.
+
+class RowRandomness:
+    """Uniform numbers for the rows of a batch: a private stream per seeded row and position.
+
+    A seeded row draws, at each position of its completion, from a generator
+    seeded with its own seed mixed with that position (a ``random.Random``:
+    seeding and drawing cost microseconds, against more through a
+    ``torch.Generator``, and a batch may hold hundreds of rows): one number
+    per step, plus one per rejected draw (see :class:`TokenSampler`), which
+    depends on its own logits only. So what a row draws depends on its seed
+    and position alone: not on its batch, nor on how many calls it took to get
+    there (a sequence stopped and continued from its partial tokens draws what
+    the uninterrupted one would have). Unseeded rows draw together from
+    torch's global generator, so ``torch.manual_seed`` makes whole runs repeatable.
 
     Args:
         seeds: per row, the seed (already derived per sample) or ``None``.
+        positions: per row, the completion position of its next token
+            (tokens generated before this run); default 0.
     """
 
-    def __init__(self, seeds: list[int | None]) -> None:
-        self._generators = [None if seed is None else random.Random(seed) for seed in seeds]
-        self._any_seeded = any(g is not None for g in self._generators)
+    def __init__(self, seeds: list[int | None], positions: list[int] | None = None) -> None:
+        self._seeds = list(seeds)
+        self._positions = list(positions) if positions is not None else [0] * len(seeds)
+        self._generators: list[random.Random | None] = [None] * len(seeds)
+        self._any_seeded = any(seed is not None for seed in seeds)
 
     def select(self, rows: list[int]) -> None:
         """Keep the rows ``rows`` (indices into the current rows), in that order."""
+        self._seeds = [self._seeds[i] for i in rows]
+        self._positions = [self._positions[i] for i in rows]
         self._generators = [self._generators[i] for i in rows]
 
     def redraw(self, rows: list[int]) -> torch.Tensor:
-        """One ``U[0, 1)`` number for each of ``rows`` (indices into the current rows), on the CPU."""
+        """One more ``U[0, 1)`` number at the current position for each of ``rows``, on the CPU."""
         if not self._any_seeded:
             return torch.rand(len(rows))
         gens = [self._generators[i] for i in rows]
@@ -90,8 +104,13 @@ class RowRandomness:
         return torch.tensor(values, dtype=torch.float32)
 
     def uniforms(self, device: torch.device) -> torch.Tensor:
-        """One ``U[0, 1)`` number per current row."""
-        return self.redraw(list(range(len(self._generators)))).to(device, non_blocking=True)
+        """Move every row to its next position and draw its first number there."""
+        if self._any_seeded:
+            for i, seed in enumerate(self._seeds):
+                if seed is not None:
+                    self._generators[i] = random.Random(_position_seed(seed, self._positions[i]))
+                self._positions[i] += 1
+        return self.redraw(list(range(len(self._seeds)))).to(device, non_blocking=True)
 
 
 @attrs.frozen

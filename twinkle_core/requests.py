@@ -1,0 +1,309 @@
+"""Requests as first-class objects: ``submit()`` returns a :class:`SampleHandle`.
+
+A handle is one call of ``sample()`` that runs in the background. It can be
+waited on (``result()``), streamed as its sequences finish
+(``as_completed()``, or ``async for`` inside an event loop), awaited
+(``await handle``), aborted (``abort()``: unfinished sequences come back with
+``stop_reason="abort"`` and what they generated so far) and continued
+(``resume()``: the aborted sequences go on under the current weights).
+
+The engine side is :class:`EngineRun`: what one ``_run`` of an engine
+generates, the switch that tells it to stop early, and the callback through
+which it reports each sequence as it finishes. ``sample()`` and ``submit()``
+share all of it: ``sample()`` is a submit whose run happens in the caller's
+thread, followed by ``result()``.
+
+Threads and asyncio meet in one place, :meth:`SampleHandle.__await__` and
+:meth:`SampleHandle.__aiter__`, through the standard library's
+``asyncio.wrap_future`` and ``loop.call_soon_threadsafe``: a running event
+loop is never blocked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from typing import Any
+
+import attrs
+
+from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams
+
+__all__ = ["EngineRun", "Finished", "InFlightPolicy", "SampleHandle", "IN_FLIGHT_POLICIES"]
+
+#: What a weight or adapter change does to requests in flight (see ``Sampler.update_weights``).
+IN_FLIGHT_POLICIES = ("wait", "abort", "keep")
+InFlightPolicy = str
+
+
+@attrs.frozen
+class Finished:
+    """One finished sequence of a submitted call, as ``as_completed()`` yields it.
+
+    Attributes:
+        input_index: the input's place in the call.
+        sample_index: which of its ``num_samples`` completions.
+        sequence: the completion.
+    """
+
+    input_index: int
+    sample_index: int
+    sequence: SampledSequence
+
+
+class EngineRun:
+    """What one engine run generates, and how the engine reports back.
+
+    Engines that override ``Sampler._run`` read it: ``prompts``, ``params``
+    (with ``num_samples`` completions per prompt) and ``adapter_name`` as
+    ``_generate`` gets them, plus, for continued sequences, the sample index
+    and the number of tokens generated before this run of each prompt
+    (``sample_base`` and ``generated``: seeded randomness keyed on them makes
+    a continued sequence draw what the uninterrupted one would have). While
+    running, an engine checks :meth:`stopped` (or waits on ``stop_event``)
+    between steps and then ends its unfinished sequences with
+    ``stop_reason="abort"``, keeping what they generated; it reports each
+    sequence through :meth:`finish` as soon as it is final.
+
+    Attributes:
+        prompts: validated prompts.
+        params: the sampling parameters.
+        adapter_name: the adapter (``""`` for the base model).
+        sample_base: per prompt, the sample index of its first completion.
+        generated: per prompt, completion tokens generated before this run
+            (they are at the end of the prompt).
+        max_tokens: per prompt, the most tokens to generate in this run
+            (``params.max_tokens``, or less for a continuation).
+        stop_event: set when the run should stop early.
+    """
+
+    def __init__(
+        self,
+        prompts: list[InputFeature],
+        params: SamplingParams,
+        adapter_name: str,
+        *,
+        sample_base: list[int] | None = None,
+        generated: list[int] | None = None,
+        max_tokens: list[int] | None = None,
+        on_finish: Callable[[int, int, SampledSequence], None] | None = None,
+        stop_event: threading.Event | None = None,
+    ) -> None:
+        self.prompts = prompts
+        self.params = params
+        self.adapter_name = adapter_name
+        self.sample_base = sample_base if sample_base is not None else [0] * len(prompts)
+        self.generated = generated if generated is not None else [0] * len(prompts)
+        self.max_tokens = max_tokens if max_tokens is not None else [params.max_tokens] * len(prompts)
+        self.stop_event = stop_event if stop_event is not None else threading.Event()
+        self._on_finish = on_finish
+        self._reported: set[tuple[int, int]] = set()
+        self._report_lock = threading.Lock()
+
+    def stopped(self) -> bool:
+        """Whether the run should end now (an abort, or a weight change under the ``keep`` policy)."""
+        return self.stop_event.is_set()
+
+    def finish(self, prompt_index: int, sample_index: int, sequence: SampledSequence) -> None:
+        """Report one final sequence (``sample_index`` counts within this run's ``num_samples``)."""
+        with self._report_lock:
+            key = (prompt_index, sample_index)
+            if key in self._reported:
+                return
+            self._reported.add(key)
+        if self._on_finish is not None:
+            self._on_finish(prompt_index, sample_index, sequence)
+
+    def report_all(self, responses: list[SampleResponse]) -> None:
+        """Report every sequence of ``responses`` not reported yet (the base does this after a run)."""
+        for p, response in enumerate(responses):
+            for s, sequence in enumerate(response.sequences):
+                self.finish(p, s, sequence)
+
+
+class SampleHandle:
+    """A submitted ``sample()`` call.
+
+    Returned by ``Sampler.submit``. Thread-safe: any thread may wait on it,
+    stream it or abort it.
+    """
+
+    def __init__(self, num_inputs: int, num_samples: int) -> None:
+        self.num_inputs = num_inputs
+        self.num_samples = num_samples
+        self._cond = threading.Condition()
+        self._future: concurrent.futures.Future[list[SampleResponse]] = concurrent.futures.Future()
+        self._events: list[Finished] = []
+        self._listeners: list[Callable[[Finished | None], None]] = []
+        self._abort = threading.Event()
+        self._run_stop: threading.Event | None = None
+        self._suspended = False
+        #: set by the sampler: continues the aborted sequences (see ``resume``), with the call's parameters
+        self._resumer: Callable[[SampleHandle], SampleHandle] | None = None
+        self._call_params: Any = None
+
+    # -- state -----------------------------------------------------------------------------
+    def done(self) -> bool:
+        """Whether the call has finished (with a result or an error)."""
+        return self._future.done()
+
+    @property
+    def aborted(self) -> bool:
+        """Whether ``abort()`` was called."""
+        return self._abort.is_set()
+
+    def result(self, timeout: float | None = None) -> list[SampleResponse]:
+        """What ``sample()`` would return: one ``SampleResponse`` per input, in input order.
+
+        Raises:
+            TimeoutError: not done within ``timeout`` seconds (the call goes on).
+            Any error the call raised (the same ``sample()`` raises).
+        """
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"The call did not finish within {timeout} s; it is still running.") from None
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        """The call's error once it is done, or ``None``."""
+        try:
+            return self._future.exception(timeout)
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"The call did not finish within {timeout} s; it is still running.") from None
+
+    # -- streaming -------------------------------------------------------------------------
+    def as_completed(self, timeout: float | None = None) -> Iterator[Finished]:
+        """Yield each sequence as it finishes (every one exactly once), then stop.
+
+        Args:
+            timeout: the longest wait for the next sequence, in seconds.
+
+        Raises:
+            TimeoutError: no sequence finished within ``timeout``.
+            The call's error, after the sequences that finished before it.
+        """
+        seen = 0
+        while True:
+            with self._cond:
+                if seen >= len(self._events) and not self._future.done():
+                    if not self._cond.wait_for(lambda: seen < len(self._events) or self._future.done(), timeout):
+                        raise TimeoutError(f"No sequence finished within {timeout} s.")
+                batch = self._events[seen:]
+                seen += len(batch)
+                finished = self._future.done() and seen >= len(self._events)
+            yield from batch
+            if finished:
+                error = self._future.exception()
+                if error is not None:
+                    raise error
+                return
+
+    def __iter__(self) -> Iterator[Finished]:
+        return self.as_completed()
+
+    def __aiter__(self) -> AsyncIterator[Finished]:
+        return self._stream()
+
+    async def _stream(self) -> AsyncIterator[Finished]:
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[Finished | None] = asyncio.Queue()
+
+        def push(item: Finished | None) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        with self._cond:
+            for item in self._events:
+                queue.put_nowait(item)
+            if self._future.done():
+                queue.put_nowait(None)
+            else:
+                self._listeners.append(push)
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    break
+                yield item
+        finally:
+            with self._cond:
+                if push in self._listeners:
+                    self._listeners.remove(push)
+        error = self._future.exception()
+        if error is not None:
+            raise error
+
+    def __await__(self) -> Generator[Any, None, list[SampleResponse]]:
+        return asyncio.wrap_future(self._future).__await__()
+
+    # -- control ---------------------------------------------------------------------------
+    def abort(self) -> None:
+        """Stop the unfinished sequences; they come back with ``stop_reason="abort"``.
+
+        Finished sequences are untouched. Aborting twice, or a finished call, is harmless.
+        """
+        with self._cond:
+            self._abort.set()
+            if self._run_stop is not None:
+                self._run_stop.set()
+
+    def resume(self) -> SampleHandle:
+        """Continue the aborted sequences under the current weights, in a new call.
+
+        Waits for this call to finish. Each aborted sequence goes on from its
+        partial tokens with what is left of ``max_tokens``; the new handle's
+        result is this one's, with every continued sequence holding both parts
+        (tokens, log-probs, training feature; ``version_spans`` when the
+        weights changed in between). Sequences that had finished are copied.
+        """
+        self.result()
+        if self._resumer is None:  # pragma: no cover - every sampler sets it
+            raise RuntimeError("This handle was not created by a sampler.")
+        return self._resumer(self)
+
+    # -- used by the sampler ---------------------------------------------------------------
+    def _start_run(self) -> threading.Event:
+        """A fresh stop switch for the next engine run, already set if the call was aborted."""
+        with self._cond:
+            event = threading.Event()
+            if self._abort.is_set():
+                event.set()
+            self._run_stop = event
+            return event
+
+    def _suspend(self) -> bool:
+        """Stop the current run so a weight change can go in; the call continues after it (``keep``)."""
+        with self._cond:
+            if self._future.done() or self._abort.is_set():
+                return False
+            self._suspended = True
+            if self._run_stop is not None:
+                self._run_stop.set()
+            return True
+
+    def _take_suspended(self) -> bool:
+        with self._cond:
+            was, self._suspended = self._suspended, False
+            return was and not self._abort.is_set()
+
+    def _emit(self, item: Finished) -> None:
+        with self._cond:
+            self._events.append(item)
+            listeners = list(self._listeners)
+            self._cond.notify_all()
+        for push in listeners:
+            push(item)
+
+    def _settle(self, responses: list[SampleResponse] | None, error: BaseException | None) -> None:
+        with self._cond:
+            if self._future.done():
+                return
+            if error is not None:
+                self._future.set_exception(error)
+            else:
+                self._future.set_result(responses or [])
+            listeners, self._listeners = list(self._listeners), []
+            self._cond.notify_all()
+        for push in listeners:
+            push(None)

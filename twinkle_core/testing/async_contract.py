@@ -1,0 +1,207 @@
+"""``AsyncContractTests``: submit, stream, abort, resume and updates with calls in flight, as pytest tests.
+
+Subclass it next to ``SamplerContractTests`` and provide three fixtures:
+``sampler`` (the engine), ``weights_a`` and ``weights_b`` (two full weight
+updates whose greedy outputs differ). Expectations come from the engine's own
+greedy outputs. The tests never order threads with sleeps: an abort or a
+weight change is triggered when a short sequence of the same call is
+streamed back, so a long one is always mid-flight then.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+
+from twinkle_core.data_format import InputFeature, SamplingParams, Trajectory
+from twinkle_core.requests import SampleHandle
+from twinkle_core.sampler import Sampler
+from twinkle_core.testing.contract import CONTRACT_PROMPTS
+
+__all__ = ["AsyncContractTests"]
+
+LONG = 160
+
+
+def _greedy(**kw: Any) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0.0, "max_tokens": LONG, "ignore_eos": True, **kw})
+
+
+class AsyncContractTests:
+    """The asynchronous API of every engine whose ``_run`` stops early and streams."""
+
+    #: Tolerance on log-probs of the same tokens computed in two calls.
+    async_logprob_atol: float = 1e-4
+    #: Whether a seeded sequence aborted and resumed equals the uninterrupted one token for token.
+    exact_seeded_resume: bool = True
+
+    @pytest.fixture
+    def sampler(self) -> Sampler:  # pragma: no cover - always overridden
+        raise NotImplementedError
+
+    @pytest.fixture
+    def weights_a(self) -> Mapping[str, Any]:  # pragma: no cover - always overridden
+        raise NotImplementedError
+
+    @pytest.fixture
+    def weights_b(self) -> Mapping[str, Any]:  # pragma: no cover - always overridden
+        raise NotImplementedError
+
+    # -- helpers ---------------------------------------------------------------------------
+    def prompts(self, sampler: Sampler, params: SamplingParams) -> tuple[InputFeature, InputFeature, int]:
+        """A short prompt, a long one, and a stop token that ends the short one early but never the long one.
+
+        Found from the engine's own outputs under ``params`` (greedy, or seeded:
+        either way reproducible whatever else is in the batch).
+        """
+        trajs = [Trajectory(messages=m) for m in CONTRACT_PROMPTS]
+        feats = [sampler.template.encode(t) for t in trajs]
+        outs = [r.sequences[0].tokens for r in sampler.sample(feats, params)]
+        for a in range(len(feats)):
+            for b in range(len(feats)):
+                if a == b:
+                    continue
+                for k, tok in enumerate(outs[a][: params.max_tokens // 4]):
+                    if tok not in outs[b] and k >= 2:
+                        return feats[a], feats[b], tok
+        pytest.skip("no token ends one continuation early without appearing in another")
+
+    def run_until_short_finishes(
+        self, sampler: Sampler, params: SamplingParams, action: Any
+    ) -> tuple[SampleHandle, InputFeature, InputFeature, SamplingParams]:
+        """Submit [short, long]; when the short one is streamed back, call ``action(handle)``.
+
+        Returns the handle, the two prompts and the parameters the call used.
+        """
+        short, long_, stop = self.prompts(sampler, params)
+        params = params.replace(stop_token_ids=[stop])
+        handle = sampler.submit([short, long_], params)
+        for item in handle.as_completed(timeout=300):
+            if item.input_index == 0:
+                action(handle)
+        return handle, short, long_, params
+
+    # -- tests -----------------------------------------------------------------------------
+    def test_submit_result_equals_sample(self, sampler: Sampler) -> None:
+        trajs = [Trajectory(messages=m) for m in CONTRACT_PROMPTS]
+        params = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True, seed=3, logprobs=1)
+        handle = sampler.submit(trajs, params, num_samples=2)
+        got = handle.result(timeout=300)
+        assert handle.done()
+        want = sampler.sample(trajs, params, num_samples=2)
+        assert [[s.tokens for s in r.sequences] for r in got] == [[s.tokens for s in r.sequences] for r in want]
+
+    def test_stream_yields_every_sequence_once(self, sampler: Sampler) -> None:
+        trajs = [Trajectory(messages=m) for m in CONTRACT_PROMPTS]
+        handle = sampler.submit(trajs, _greedy(max_tokens=8), num_samples=3)
+        items = list(handle.as_completed(timeout=300))
+        assert sorted((i.input_index, i.sample_index) for i in items) == [(i, s) for i in range(4) for s in range(3)]
+        result = handle.result()
+        for item in items:
+            assert result[item.input_index].sequences[item.sample_index].tokens == item.sequence.tokens
+
+    def test_short_sequences_stream_before_long_ones_finish(self, sampler: Sampler) -> None:
+        order: list[int] = []
+        handle, _, _, _ = self.run_until_short_finishes(sampler, _greedy(), lambda h: order.append(len(order)))
+        items = handle.result()
+        assert order == [0]  # the short one came back alone first
+        assert len(items[1].sequences[0].tokens) == LONG
+
+    def test_asyncio_does_not_block_the_loop(self, sampler: Sampler) -> None:
+        trajs = [Trajectory(messages=m) for m in CONTRACT_PROMPTS]
+
+        async def main() -> tuple[list[Any], list[Any], int]:
+            ticks = 0
+            done = asyncio.Event()
+
+            async def ticker() -> None:
+                nonlocal ticks
+                while not done.is_set():
+                    ticks += 1
+                    await asyncio.sleep(0)
+
+            task = asyncio.create_task(ticker())
+            result = await sampler.asample(trajs, _greedy(max_tokens=24))
+            streamed = [item async for item in sampler.submit(trajs, _greedy(max_tokens=8))]
+            done.set()
+            await task
+            return result, streamed, ticks
+
+        result, streamed, ticks = asyncio.run(main())
+        assert len(result) == 4 and len(streamed) == 4
+        assert ticks > 10, "the event loop was blocked while sampling"
+
+    def test_abort_keeps_an_exact_prefix(self, sampler: Sampler) -> None:
+        params = _greedy(logprobs=0)
+        handle, short, long_, params = self.run_until_short_finishes(sampler, params, lambda h: h.abort())
+        out = handle.result()
+        seq = out[1].sequences[0]
+        full = sampler.sample(long_, params)[0].sequences[0]
+        assert seq.stop_reason == "abort" and 0 < len(seq.tokens) < LONG
+        assert seq.tokens == full.tokens[: len(seq.tokens)]
+        assert seq.logprobs == pytest.approx(full.logprobs[: len(seq.tokens)], abs=self.async_logprob_atol)
+        assert seq.weights_version == sampler.weights_version
+        assert out[0].sequences[0].stop_reason == "stop"  # finished sequences are untouched
+        handle.abort()  # twice, and on a finished call: harmless
+        assert handle.result() == out
+
+    def test_abort_all(self, sampler: Sampler) -> None:
+        handle, _, _, _ = self.run_until_short_finishes(sampler, _greedy(), lambda h: sampler.abort_all())
+        assert handle.result()[1].sequences[0].stop_reason == "abort"
+        assert sampler.abort_all() == 0
+
+    def test_resume_continues_an_aborted_sequence(self, sampler: Sampler) -> None:
+        params = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, seed=17, logprobs=0)
+        handle, short, long_, params = self.run_until_short_finishes(sampler, params, lambda h: h.abort())
+        partial = handle.result()[1].sequences[0]
+        assert partial.stop_reason == "abort" and len(partial.tokens) >= 3
+        resumed = handle.resume().result(timeout=300)[1].sequences[0]
+        assert resumed.tokens[: len(partial.tokens)] == partial.tokens
+        assert len(resumed.tokens) > len(partial.tokens) and resumed.stop_reason != "abort"
+        assert resumed.training_feature is not None
+        assert resumed.training_feature.input_ids == list(long_.input_ids) + resumed.tokens
+        assert resumed.logprobs is not None and len(resumed.logprobs) == len(resumed.tokens)
+        if self.exact_seeded_resume:
+            whole = sampler.sample(long_, params)[0].sequences[0]
+            assert resumed.tokens == whole.tokens and resumed.stop_reason == whole.stop_reason
+            assert resumed.logprobs == pytest.approx(whole.logprobs, abs=self.async_logprob_atol)
+
+    @pytest.mark.parametrize("policy", ["wait", "abort", "keep"])
+    def test_update_with_calls_in_flight(
+        self, sampler: Sampler, policy: str, weights_a: Mapping[str, Any], weights_b: Mapping[str, Any]
+    ) -> None:
+        sampler.update_weights(dict(weights_a))
+        old = sampler.weights_version
+        updated = threading.Event()
+
+        def change(handle: SampleHandle) -> None:
+            sampler.update_weights(dict(weights_b), in_flight=policy)
+            updated.set()
+
+        handle, short, long_, params = self.run_until_short_finishes(sampler, _greedy(logprobs=0), change)
+        assert updated.is_set()
+        new = sampler.weights_version
+        assert new == old + 1
+        seq = handle.result()[1].sequences[0]
+        if policy == "wait":
+            assert seq.weights_version == old and seq.version_spans is None and len(seq.tokens) == LONG
+        elif policy == "abort":
+            assert seq.stop_reason == "abort" and seq.weights_version == old and len(seq.tokens) < LONG
+        else:
+            assert len(seq.tokens) == LONG and seq.stop_reason == "length"
+            assert seq.version_spans is not None and seq.version_spans[0] == (0, old)
+            switch, version = seq.version_spans[1]
+            assert version == new and 0 < switch < LONG and seq.weights_version == old
+            assert seq.token_versions() == [old] * switch + [new] * (LONG - switch)
+            # tokens before the switch are the old weights' greedy ones; after it, the new weights'
+            sampler.update_weights(dict(weights_a))
+            with_a = sampler.sample(long_, params)[0].sequences[0].tokens
+            assert seq.tokens[:switch] == with_a[:switch]
+            sampler.update_weights(dict(weights_b))
+            rest = sampler.sample(InputFeature(input_ids=[*long_.input_ids, *seq.tokens[:switch]]),
+                                  params.replace(max_tokens=LONG - switch))[0].sequences[0].tokens
+            assert seq.tokens[switch:] == rest
