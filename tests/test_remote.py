@@ -4,6 +4,11 @@ One cluster serves the whole module. The main behaviour runs on two real
 TorchSampler replicas of the tiny model; the failure paths that need an
 engine to misbehave on purpose use ``EchoEngine``, a small, real ``Sampler``
 subclass defined here.
+
+Threads and replicas are ordered by what can be observed, never by sleeping:
+a test that needs a call in flight arms a :class:`Hold`, and the armed replica
+says (with a file) that it has started its share and waits until the test
+lets it go.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("twinkle_torch")
 
 import twinkle_core as tw  # noqa: E402
+import twinkle_core.sampler  # noqa: E402
 from twinkle_core import DeviceGroup, DeviceMesh, InputFeature, SampleResponse, Sampler, Trajectory  # noqa: E402
 from twinkle_core.errors import (  # noqa: E402
     ConfigError,
@@ -35,6 +41,7 @@ from twinkle_core.errors import (  # noqa: E402
     UnknownAdapterError,
     WeightUpdateError,
 )
+from twinkle_core.locks import ReadWriteLock  # noqa: E402
 from twinkle_core.remote import (  # noqa: E402
     RemoteTraceback,
     ReplicaLostError,
@@ -47,8 +54,69 @@ from twinkle_core.remote import (  # noqa: E402
 from twinkle_core.remote._balance import split_by_cost  # noqa: E402
 from twinkle_core.template import Template  # noqa: E402
 from twinkle_core.testing import TINY_CHAT_PROMPTS, build_tiny_model  # noqa: E402
+from twinkle_torch.sampler import TorchSampler  # noqa: E402
 
 GREEDY = {"temperature": 0.0, "max_tokens": 24}
+DEADLINE_S = 120.0  # only stops a broken test from hanging the run; nothing waits this long when it works
+
+
+def wait_until(condition: Any, what: str) -> None:
+    """Poll an observable ``condition`` until it holds."""
+    deadline = time.monotonic() + DEADLINE_S
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} did not happen within {DEADLINE_S} s")
+        time.sleep(0.01)
+
+
+# -- holding a replica's call, across processes ----------------------------------------------------
+class Hold:
+    """Holds chosen replicas inside their next ``_generate`` call, through files in one folder.
+
+    ``arm(i)`` marks replica ``i``; its next call claims the mark (an atomic
+    rename to ``started-i``, which the test waits for), then waits until
+    ``release()``. A replica rebuilt after a kill finds no mark and runs freely.
+    Files work across the actor processes of this one-machine cluster.
+    """
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def arm(self, replica: int) -> None:
+        (self.folder / f"started-{replica}").unlink(missing_ok=True)
+        (self.folder / f"armed-{replica}").touch()
+
+    def wait_started(self, replica: int) -> None:
+        wait_until((self.folder / f"started-{replica}").exists, f"replica {replica} starting its held call")
+
+    def release(self) -> None:
+        (self.folder / "go").touch()
+
+
+def hold_here(folder: str | None) -> None:
+    """Called by the test engines as ``_generate`` starts: wait there if this replica is armed."""
+    if folder is None:
+        return
+    index = current_replica().index
+    try:
+        os.rename(os.path.join(folder, f"armed-{index}"), os.path.join(folder, f"started-{index}"))
+    except FileNotFoundError:
+        return  # not armed, or already claimed by the call a rebuilt replica now retries
+    wait_until(lambda: os.path.exists(os.path.join(folder, "go")), f"the test releasing replica {index}")
+
+
+class HeldTorchSampler(TorchSampler):
+    """The real torch engine, whose calls a :class:`Hold` can stop in flight."""
+
+    def __init__(self, model_id: str, device_mesh: DeviceMesh | None = None, *, hold: str | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(model_id, device_mesh, **kwargs)
+        self.hold = hold
+
+    def _generate(self, prompts, params, adapter_name):  # type: ignore[no-untyped-def]
+        hold_here(self.hold)
+        return super()._generate(prompts, params, adapter_name)
 
 
 # -- a small real engine for the failure paths ------------------------------------------------
@@ -75,17 +143,18 @@ class EchoEngine(Sampler):
     """Counts up from the last prompt token (+ a weight offset, + an adapter shift); text = its pid.
 
     ``fail_if_exists``: the constructor fails while that file exists (a model that went missing).
+    ``hold``: a :class:`Hold` folder, to keep a call in flight until the test releases it.
     """
 
     engine_name = "echo"
 
     def __init__(self, model_id: str = "echo", device_mesh: DeviceMesh | None = None, *,
-                 delay: float = 0.0, fail_if_exists: str | None = None) -> None:
+                 hold: str | None = None, fail_if_exists: str | None = None) -> None:
         super().__init__()
         if fail_if_exists and os.path.exists(fail_if_exists):
             raise FileNotFoundError(f"model files missing: {fail_if_exists}")
         self.mesh = device_mesh
-        self.delay = delay
+        self.hold = hold
         self.offset = 0
         self.shifts: dict[str, int] = {}
         self._init_template(Template(CharTokenizer()), None)
@@ -99,7 +168,7 @@ class EchoEngine(Sampler):
         return 256
 
     def _generate(self, prompts, params, adapter_name):  # type: ignore[no-untyped-def]
-        time.sleep(self.delay * len(prompts))
+        hold_here(self.hold)
         shift = self.shifts.get(adapter_name, 0)
         out = []
         for p in prompts:
@@ -189,9 +258,14 @@ def local(model_dir):
 
 
 @pytest.fixture(scope="module")
-def remote(cluster, model_dir):
-    with tw.create_sampler("torch", model_id=model_dir, device_mesh=DeviceMesh.from_sizes(dp_size=2),
-                           remote_group="pair") as s:
+def torch_hold(tmp_path_factory) -> Hold:
+    return Hold(tmp_path_factory.mktemp("hold"))
+
+
+@pytest.fixture(scope="module")
+def remote(cluster, model_dir, torch_hold):
+    with tw.create_sampler(HeldTorchSampler, model_id=model_dir, device_mesh=DeviceMesh.from_sizes(dp_size=2),
+                           remote_group="pair", hold=str(torch_hold.folder)) as s:
         yield s
 
 
@@ -391,10 +465,9 @@ def test_adapters_and_weights_reach_every_replica(remote, local, model_dir, lora
     assert tokens(out) == base * 2
 
 
-def test_killed_replica_is_rebuilt_with_its_state_and_the_work_retried(remote, local, changed):
-    # long enough that the kill lands while the call runs, even on an idle machine
-    work = [c for c in chats() for _ in range(8)]
-    params = {"temperature": 0.0, "max_tokens": 256, "ignore_eos": True}
+def test_killed_replica_is_rebuilt_with_its_state_and_the_work_retried(remote, local, changed, torch_hold):
+    work = [c for c in chats() for _ in range(2)]
+    params = {"temperature": 0.0, "max_tokens": 48, "ignore_eos": True}
     expected = local.sample(work, params)
     victim = remote.actors[1]
     restarts = [r.restarts for r in remote.replicas]
@@ -407,16 +480,16 @@ def test_killed_replica_is_rebuilt_with_its_state_and_the_work_retried(remote, l
         except BaseException as exc:  # pragma: no cover - reported below
             result["err"] = exc
 
+    torch_hold.arm(1)
     t = threading.Thread(target=run)
     t.start()
-    time.sleep(0.5)
+    torch_hold.wait_started(1)  # replica 1 holds its share: the kill lands while the call runs
     ray.kill(victim)
-    t.join(timeout=120)
-    assert "err" not in result, result.get("err")
-    assert tokens(result["out"]) == tokens(expected)
+    t.join(timeout=DEADLINE_S)
+    assert not t.is_alive() and "err" not in result, result.get("err")
+    assert tokens(result["out"]) == tokens(expected)  # replica 1's share was retried on its rebuild
     assert remote.weights_version == version
-    # the rebuilt replica has the adapter and the updated weights (if the kill landed after the
-    # call, this call finds the replica dead and rebuilds it first)
+    # the rebuilt replica has the adapter and the updated weights
     got = remote.sample(chats() * 2, GREEDY, adapter_name="lora")
     assert tokens(got) == tokens(local.sample(chats(), GREEDY, adapter_name="lora")) * 2
     assert {s.weights_version for r in got for s in r.sequences} == {version}
@@ -450,20 +523,55 @@ def test_work_is_balanced_across_replicas_and_order_kept(cluster):
         assert max(loads.values()) - min(loads.values()) <= 32
 
 
-def test_updates_wait_for_running_samples_so_no_call_mixes_versions(cluster):
-    with EchoEngine(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="aux", delay=0.2) as s:
-        inputs = [InputFeature(input_ids=[i]) for i in range(8)]  # ~0.8 s per replica
+def test_updates_wait_for_running_samples_so_no_call_mixes_versions(cluster, tmp_path, monkeypatch):
+    # Record the lock the driver's front end is built with, to see the update waiting on it.
+    locks: list[ReadWriteLock] = []
+
+    def recorded_lock() -> ReadWriteLock:
+        locks.append(ReadWriteLock())
+        return locks[-1]
+
+    monkeypatch.setattr(twinkle_core.sampler, "ReadWriteLock", recorded_lock)
+    hold = Hold(tmp_path / "hold")
+    with EchoEngine(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="aux", hold=str(hold.folder)) as s:
+        (driver_lock,) = locks  # the replicas build theirs in their own processes
+        inputs = [InputFeature(input_ids=[i]) for i in range(8)]
+        finished: list[str] = []
         result: dict[str, Any] = {}
-        t = threading.Thread(target=lambda: result.setdefault("out", s.sample(inputs, {"max_tokens": 1})))
-        t.start()
-        time.sleep(0.3)
-        assert s.update_weights({"offset": 50}) == 1  # waits for the call in flight
-        assert not t.is_alive()
-        t.join()
-        assert {(r.sequences[0].weights_version, r.sequences[0].tokens[0] - i) for i, r in enumerate(result["out"])} == {
-            (0, 0)}
-        out = s.sample(inputs, {"max_tokens": 1})
-        assert {(r.sequences[0].weights_version, r.sequences[0].tokens[0] - i) for i, r in enumerate(out)} == {(1, 50)}
+
+        def call(name: str, fn: Any) -> threading.Thread:
+            def run() -> None:
+                try:
+                    result[name] = fn()
+                finally:
+                    finished.append(name)
+
+            thread = threading.Thread(target=run)
+            thread.start()
+            return thread
+
+        hold.arm(0)
+        hold.arm(1)
+        sampling = call("in flight", lambda: s.sample(inputs, {"max_tokens": 1}))
+        hold.wait_started(0)
+        hold.wait_started(1)  # both replicas are inside their share of the call
+        updating = call("update", lambda: s.update_weights({"offset": 50}))
+        wait_until(lambda: driver_lock.writers_waiting == 1, "the update waiting for the call in flight")
+        # a call made now waits for the update (writers go first), so it sees only the new weights
+        later = call("later", lambda: s.sample(inputs, {"max_tokens": 1}))
+        assert finished == [], "nothing can end while the first call is held"
+        hold.release()
+        for thread in (sampling, updating, later):
+            thread.join(DEADLINE_S)
+        assert sorted(finished) == ["in flight", "later", "update"] and result["update"] == 1
+
+        def stamps(out: list[SampleResponse]) -> set[tuple[int, int]]:
+            """(weights_version, weight offset) of every sequence of a call."""
+            return {(r.sequences[0].weights_version, r.sequences[0].tokens[0] - i) for i, r in enumerate(out)}
+
+        assert stamps(result["in flight"]) == {(0, 0)}
+        assert stamps(result["later"]) == {(1, 50)}
+        assert stamps(s.sample(inputs, {"max_tokens": 1})) == {(1, 50)}
 
 
 def test_a_rebuilt_replica_carries_the_same_state_and_version(cluster):
@@ -621,11 +729,10 @@ def test_a_second_driver_joins_by_address_and_exits_cleanly(cluster, tmp_path):
         print(s.sample(tw.InputFeature(input_ids=[7]), {{"max_tokens": 2}})[0].sequences[0].tokens)
     """))
     before = ray.available_resources().get("CPU", 0.0)
-    start = time.monotonic()
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    # A driver that hangs at exit (the bug this guards against) never ends: the timeout catches it.
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=DEADLINE_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[7, 8]" in proc.stdout
-    assert time.monotonic() - start < 90
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and ray.available_resources().get("CPU", 0.0) < before - 1e-6:
         time.sleep(0.5)

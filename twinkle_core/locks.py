@@ -26,6 +26,12 @@ class ReadWriteLock:
         self._writer = False
         self._writers_waiting = 0
 
+    @property
+    def writers_waiting(self) -> int:
+        """How many ``write()`` callers are blocked waiting (a snapshot, for diagnostics and tests)."""
+        with self._cond:
+            return self._writers_waiting
+
     @contextmanager
     def read(self) -> Iterator[None]:
         """Hold the lock shared."""

@@ -465,7 +465,9 @@ def test_registered_as_torch(tiny_llama: Path) -> None:
 
 # -- CUDA -------------------------------------------------------------------------------------------
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="out-of-memory splitting needs CUDA")
-def test_cuda_out_of_memory_splits_the_batch(tiny_llama: Path, chat_prompts: list[Trajectory]) -> None:
+def test_cuda_out_of_memory_splits_the_batch(
+    tiny_llama: Path, chat_prompts: list[Trajectory], monkeypatch: pytest.MonkeyPatch
+) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, num_samples=64)
     with TorchSampler(tiny_llama, device="cuda", max_batch_tokens=10**9) as s:
         expected = tokens_of(s.sample(chat_prompts[:2], params.replace(num_samples=1)))
@@ -482,7 +484,8 @@ def test_cuda_out_of_memory_splits_the_batch(tiny_llama: Path, chat_prompts: lis
             batches.append(sum(u.count for u in units))
             return run_batch(units, *args)
 
-        s._decoder._run_batch = counting  # type: ignore[method-assign]
+        # count the rows of each batch the decoder runs (monkeypatch puts the method back)
+        monkeypatch.setattr(s._decoder, "_run_batch", counting)
         try:
             out = s.sample(chat_prompts[:2], params)
         finally:

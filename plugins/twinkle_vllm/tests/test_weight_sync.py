@@ -178,6 +178,7 @@ def test_samples_in_flight_never_mix_versions(
     kind_of[sampler.update_weights(original)] = "original"
     seen: list[tuple[int, list[list[int]]]] = []
     errors: list[BaseException] = []
+    progress = threading.Condition()  # notified whenever a sample call ends
     stop = threading.Event()
 
     def sample_loop() -> None:
@@ -186,9 +187,13 @@ def test_samples_in_flight_never_mix_versions(
                 out = sampler.sample(PROMPTS, GREEDY)
                 versions = {r.sequences[0].weights_version for r in out}
                 assert len(versions) == 1, "one call, one version"
-                seen.append((versions.pop(), [r.sequences[0].tokens for r in out]))
+                with progress:
+                    seen.append((versions.pop(), [r.sequences[0].tokens for r in out]))
+                    progress.notify_all()
         except BaseException as exc:  # pragma: no cover - reported below
-            errors.append(exc)
+            with progress:
+                errors.append(exc)
+                progress.notify_all()
 
     threads = [threading.Thread(target=sample_loop) for _ in range(2)]
     for t in threads:
@@ -196,8 +201,13 @@ def test_samples_in_flight_never_mix_versions(
     try:
         for i in range(4):
             kind = "new" if i % 2 == 0 else "original"
-            kind_of[sampler.update_weights(new if kind == "new" else original)] = kind
-            time.sleep(0.3)
+            version = sampler.update_weights(new if kind == "new" else original)
+            kind_of[version] = kind
+            # Updates go before waiting samples, so back-to-back updates could starve them: wait
+            # until a sample has run under this version (the deadline only stops a hang).
+            with progress:
+                ran = progress.wait_for(lambda: errors or any(v == version for v, _ in seen), timeout=300)
+            assert ran and not errors, errors or f"no sample ran under version {version}"
     finally:
         stop.set()
         for t in threads:
