@@ -31,7 +31,7 @@ import attrs
 
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams
 
-__all__ = ["EngineRun", "Finished", "InFlightPolicy", "SampleHandle", "IN_FLIGHT_POLICIES"]
+__all__ = ["EngineRun", "Finished", "InFlightPolicy", "SampleHandle", "StopSwitch", "IN_FLIGHT_POLICIES"]
 
 #: What a weight or adapter change does to requests in flight (see ``Sampler.update_weights``).
 IN_FLIGHT_POLICIES = ("wait", "abort", "keep")
@@ -51,6 +51,36 @@ class Finished:
     input_index: int
     sample_index: int
     sequence: SampledSequence
+
+
+class StopSwitch(threading.Event):
+    """A ``threading.Event`` that also calls back when set: an engine on an event loop needs no polling."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._callbacks: list[Callable[[], None]] = []
+        self._callback_lock = threading.Lock()
+
+    def set(self) -> None:
+        with self._callback_lock:
+            super().set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def add_callback(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` (from the setting thread) when set; at once if it already is."""
+        with self._callback_lock:
+            if not self.is_set():
+                self._callbacks.append(callback)
+                return
+        callback()
+
+    def remove_callback(self, callback: Callable[[], None]) -> None:
+        """Forget ``callback`` (the run ended first)."""
+        with self._callback_lock:
+            if callback in self._callbacks:
+                self._callbacks.remove(callback)
 
 
 class EngineRun:
@@ -76,7 +106,7 @@ class EngineRun:
             (they are at the end of the prompt).
         max_tokens: per prompt, the most tokens to generate in this run
             (``params.max_tokens``, or less for a continuation).
-        stop_event: set when the run should stop early.
+        stop_event: set when the run should stop early (``add_callback`` to hear it at once).
     """
 
     def __init__(
@@ -89,7 +119,7 @@ class EngineRun:
         generated: list[int] | None = None,
         max_tokens: list[int] | None = None,
         on_finish: Callable[[int, int, SampledSequence], None] | None = None,
-        stop_event: threading.Event | None = None,
+        stop_event: StopSwitch | None = None,
     ) -> None:
         self.prompts = prompts
         self.params = params
@@ -97,7 +127,7 @@ class EngineRun:
         self.sample_base = sample_base if sample_base is not None else [0] * len(prompts)
         self.generated = generated if generated is not None else [0] * len(prompts)
         self.max_tokens = max_tokens if max_tokens is not None else [params.max_tokens] * len(prompts)
-        self.stop_event = stop_event if stop_event is not None else threading.Event()
+        self.stop_event = stop_event if stop_event is not None else StopSwitch()
         self._on_finish = on_finish
         self._reported: set[tuple[int, int]] = set()
         self._report_lock = threading.Lock()
@@ -138,7 +168,7 @@ class SampleHandle:
         self._events: list[Finished] = []
         self._listeners: list[Callable[[Finished | None], None]] = []
         self._abort = threading.Event()
-        self._run_stop: threading.Event | None = None
+        self._run_stop: StopSwitch | None = None
         self._suspended = False
         #: set by the sampler: continues the aborted sequences (see ``resume``), with the call's parameters
         self._resumer: Callable[[SampleHandle], SampleHandle] | None = None
@@ -263,10 +293,10 @@ class SampleHandle:
         return self._resumer(self)
 
     # -- used by the sampler ---------------------------------------------------------------
-    def _start_run(self) -> threading.Event:
+    def _start_run(self) -> StopSwitch:
         """A fresh stop switch for the next engine run, already set if the call was aborted."""
         with self._cond:
-            event = threading.Event()
+            event = StopSwitch()
             if self._abort.is_set():
                 event.set()
             self._run_stop = event

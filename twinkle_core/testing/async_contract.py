@@ -24,7 +24,8 @@ from twinkle_core.testing.contract import CONTRACT_PROMPTS
 
 __all__ = ["AsyncContractTests"]
 
-LONG = 160
+#: Tokens of the long sequence: enough that an abort sent when the short one finishes lands mid-flight.
+LONG = 400
 
 
 def _greedy(**kw: Any) -> SamplingParams:
@@ -155,7 +156,7 @@ class AsyncContractTests:
         assert sampler.abort_all() == 0
 
     def test_resume_continues_an_aborted_sequence(self, sampler: Sampler) -> None:
-        params = SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True, seed=17, logprobs=0)
+        params = SamplingParams(temperature=1.0, max_tokens=LONG, ignore_eos=True, seed=17, logprobs=0)
         handle, short, long_, params = self.run_until_short_finishes(sampler, params, lambda h: h.abort())
         partial = handle.result()[1].sequences[0]
         assert partial.stop_reason == "abort" and len(partial.tokens) >= 3

@@ -45,6 +45,7 @@ from twinkle_core.errors import (
     WeightUpdateError,
 )
 from twinkle_core.mesh import DeviceMesh
+from twinkle_core.requests import EngineRun
 from twinkle_core.sampler import Sampler
 
 from twinkle_vllm._convert import Plan, flat_entries, make_plan, scoring_params
@@ -210,7 +211,14 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
         return self._max_model_len - 1
 
     def _generate(self, prompts: list[InputFeature], params: SamplingParams, adapter_name: str) -> list[SampleResponse]:
+        return self._run(EngineRun(prompts, params, adapter_name))
+
+    def _run(self, run: EngineRun) -> list[SampleResponse]:
+        """Every prompt of ``run`` as one vLLM request; finished sequences are reported as vLLM ends them,
+        and a stopped run aborts its requests (their partial outputs come back with ``stop_reason="abort"``).
+        """
         assert self._loop is not None
+        prompts, params, adapter_name = run.prompts, run.params, run.adapter_name
         plan = make_plan(
             params,
             max_logprobs=self._max_logprobs,
@@ -224,7 +232,7 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
         lora = self._loras[adapter_name] if adapter_name else None
         version = self.weights_version
         try:
-            outputs = self._loop.run(self._run_all([p.input_ids for p in prompts], plan, lora))
+            outputs = self._loop.run(self._run_all(run, plan, lora, version))
         except (concurrent.futures.CancelledError, asyncio.CancelledError) as exc:
             if self.closed:
                 raise SamplerClosedError("The sampler was closed while this sample() was running.") from exc
@@ -239,8 +247,18 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
         return [self._response(p.input_ids, out, plan, adapter_name, version) for p, out in zip(prompts, outputs)]
 
     # -- async request handling -----------------------------------------------------------
-    async def _run_all(self, prompts: list[list[int]], plan: Plan, lora: LoRARequest | None) -> list[Any]:
-        tasks = [asyncio.ensure_future(self._run_one(ids, plan, lora)) for ids in prompts]
+    async def _run_all(self, run: EngineRun, plan: Plan, lora: LoRARequest | None, version: int) -> list[Any]:
+        request_ids = [uuid.uuid4().hex for _ in run.prompts]
+        tasks = [
+            asyncio.ensure_future(self._run_one(run, p, request_ids[p], plan, lora, version))
+            for p in range(len(run.prompts))
+        ]
+        loop = asyncio.get_running_loop()
+
+        def stop() -> None:  # from the thread that aborted: abort the requests on the loop
+            asyncio.run_coroutine_threadsafe(self._abort_requests(request_ids), loop)
+
+        run.stop_event.add_callback(stop)
         try:
             return await asyncio.gather(*tasks)
         except BaseException:
@@ -249,27 +267,75 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+        finally:
+            run.stop_event.remove_callback(stop)
 
-    async def _request(self, ids: list[int], kwargs: dict[str, Any], lora: LoRARequest | None) -> Any:
+    async def _abort_requests(self, request_ids: list[str]) -> None:
+        if self._engine is not None:
+            await self._engine.abort(request_ids)
+
+    async def _request(
+        self, ids: list[int], kwargs: dict[str, Any], lora: LoRARequest | None, request_id: str | None = None,
+        on_output: Any = None,
+    ) -> Any:
+        """One vLLM request; ``on_output`` sees every cumulative output (to report finished completions)."""
         assert self._engine is not None
-        params = VllmSamplingParams(**kwargs, output_kind=RequestOutputKind.FINAL_ONLY)
+        kind = RequestOutputKind.CUMULATIVE if on_output is not None else RequestOutputKind.FINAL_ONLY
+        params = VllmSamplingParams(**kwargs, output_kind=kind)
         final = None
-        async for out in self._engine.generate(tokens_input(list(ids)), params, uuid.uuid4().hex, lora_request=lora):
+        latest: dict[int, Any] = {}  # with n > 1 a cumulative output may carry only the completions that moved
+        prompt_logprobs = None
+        async for out in self._engine.generate(
+            tokens_input(list(ids)), params, request_id or uuid.uuid4().hex, lora_request=lora
+        ):
             final = out
+            for completion in out.outputs:
+                latest[completion.index] = completion
+            if out.prompt_logprobs is not None and prompt_logprobs is None:
+                prompt_logprobs = out.prompt_logprobs
+            if on_output is not None:
+                await on_output(out)
+        if final is not None and on_output is not None:
+            final.outputs = [latest[i] for i in sorted(latest)]
+            if final.prompt_logprobs is None:
+                final.prompt_logprobs = prompt_logprobs
         return final
 
-    async def _run_one(self, ids: list[int], plan: Plan, lora: LoRARequest | None) -> tuple[Any, list[Any] | None]:
+    async def _run_one(
+        self, run: EngineRun, p: int, request_id: str, plan: Plan, lora: LoRARequest | None, version: int
+    ) -> tuple[Any, list[Any] | None]:
+        ids = list(run.prompts[p].input_ids)
         kwargs = plan.for_prompt(len(ids), self._max_model_len)
         if kwargs is None:
             return None, None
-        final = await self._request(ids, kwargs, lora)
+        if not plan.scoring and run.max_tokens[p] < kwargs["max_tokens"]:
+            kwargs = {**kwargs, "max_tokens": run.max_tokens[p]}
+        k = plan.params.logprobs or 0
+        rescored: dict[int, Any] = {}
+        reported: set[int] = set()
+
+        async def report(out: Any) -> None:
+            for completion in out.outputs:
+                if completion.finish_reason is None or completion.index in reported:
+                    continue
+                reported.add(completion.index)
+                raw = None
+                if plan.rescore_raw and not plan.scoring:
+                    raw = await self._request(ids + list(completion.token_ids), scoring_params(k), lora)
+                    rescored[completion.index] = raw
+                sequence = self._sequence(ids, completion, raw, plan, run.adapter_name, version)
+                for copy_index in range(plan.copies):
+                    run.finish(p, completion.index * plan.copies + copy_index, sequence)
+
+        final = await self._request(ids, kwargs, lora, request_id, on_output=report)
         if not plan.rescore_raw:
             return final, None
-        k = plan.params.logprobs or 0
-        rescored = await asyncio.gather(
-            *(self._request(ids + list(o.token_ids), scoring_params(k), lora) for o in final.outputs)
-        )
-        return final, list(rescored)
+        missing = [o for o in final.outputs if o.index not in rescored]
+        for o, raw in zip(missing, await asyncio.gather(
+            *(self._request(ids + list(o.token_ids), scoring_params(k), lora) for o in missing)
+        )):
+            rescored[o.index] = raw
+        return final, [rescored[o.index] for o in final.outputs]
 
     # -- outputs --------------------------------------------------------------------------
     def _response(
