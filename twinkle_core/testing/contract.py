@@ -14,13 +14,26 @@ The tests are model-agnostic: they derive every expectation from the
 engine's own outputs (greedy text, its tokens) rather than hard-coding one.
 They assume a chat template, a vocabulary of a few hundred tokens or more,
 and a model whose greedy continuations run for at least a dozen tokens.
+
+The numbers are checked too: for each sampling field alone and all of them
+together, an engine's processed log-probs (the sampled token's and the top-k
+alternatives') must match :mod:`twinkle_core.testing.reference` computed from
+the same engine's raw log-probs, and each field must change what is sampled.
+That asks of the engine that it returns log-prob alternatives for up to
+``vocab_size`` tokens (``logprobs`` and ``prompt_logprobs`` up to the whole
+vocabulary: vLLM needs ``max_logprobs`` at least the vocabulary size) and that
+prompt log-probs asked with ``logprobs_mode="raw"`` are the raw log-softmax.
+Fields an engine does not declare in ``supported_params`` must be refused
+with ``UnsupportedFeatureError`` instead.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
+import attrs
 import pytest
 
 from twinkle_core.data_format import IGNORE_INDEX, InputFeature, SamplingParams, Trajectory
@@ -31,8 +44,16 @@ from twinkle_core.errors import (
     TwinkleError,
     UnknownAdapterError,
     UnknownTemplateError,
+    UnsupportedFeatureError,
 )
 from twinkle_core.sampler import Sampler
+from twinkle_core.testing.reference import (
+    NEG_INF,
+    ambiguous_tokens,
+    fit_logit_offset,
+    processed_logprobs,
+    reference_error,
+)
 
 __all__ = ["SamplerContractTests", "CONTRACT_PROMPTS"]
 
@@ -56,10 +77,64 @@ def _traj(i: int) -> Trajectory:
     return Trajectory(messages=CONTRACT_PROMPTS[i % len(CONTRACT_PROMPTS)])
 
 
+def _fmt(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.4f}" for v in values) + "]"
+
+
 def _greedy(**kw: Any) -> SamplingParams:
     base: dict[str, Any] = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}
     base.update(kw)
     return SamplingParams(**base)
+
+
+#: One value per sampling field the reference covers, strong enough to bind on a small model.
+_FIELD_VALUES: dict[str, Any] = {
+    "temperature": 0.6,
+    "top_k": 4,
+    "top_p": 0.7,
+    "min_p": 0.15,
+    "repetition_penalty": 1.8,
+}
+
+#: The fields of each reference case: every field alone, then combinations (a temperature
+#: above 2 and a penalty below 1 too, which some engines emulate).
+_REFERENCE_CASES: dict[str, dict[str, Any]] = {
+    **{name: {name: value} for name, value in _FIELD_VALUES.items()},
+    "greedy-repetition_penalty": {"temperature": 0.0, "repetition_penalty": 1.8},
+    "combined": {"temperature": 0.8, "top_k": 12, "top_p": 0.85, "min_p": 0.05, "repetition_penalty": 1.3},
+    "combined-hot": {"temperature": 2.5, "top_k": 40, "top_p": 0.9, "min_p": 0.02, "repetition_penalty": 0.8},
+}
+
+#: A value other than the default for every ``SamplingParams`` field.
+_NON_DEFAULT: dict[str, Any] = {
+    "max_tokens": 3,
+    "temperature": 0.5,
+    "top_p": 0.9,
+    "top_k": 5,
+    "min_p": 0.1,
+    "repetition_penalty": 1.2,
+    "seed": 3,
+    "stop": ("\n\n",),
+    "stop_token_ids": (0,),
+    "ignore_eos": True,
+    "logprobs": 1,
+    "prompt_logprobs": 1,
+    "logprobs_mode": "raw",
+    "num_samples": 2,
+}
+
+
+def _undeclared(sampler: Sampler, params: SamplingParams) -> list[str]:
+    """The fields ``params`` sets away from their defaults that ``sampler`` does not declare."""
+    supported = getattr(sampler, "supported_params", None)
+    if supported is None:  # an engine from before field declarations: it claims every field
+        return []
+    defaults = SamplingParams()
+    return [
+        f.name
+        for f in attrs.fields(SamplingParams)
+        if f.name not in supported and getattr(params, f.name) != getattr(defaults, f.name)
+    ]
 
 
 class SamplerContractTests:
@@ -67,6 +142,13 @@ class SamplerContractTests:
 
     #: Tolerance when one engine's log-probs are compared with each other.
     logprob_atol: float = 1e-4
+    #: Tolerance when processed log-probs are compared with the reference computed from
+    #: the engine's raw ones (raw log-probs come from a separate scoring pass).
+    reference_atol: float = 1e-3
+    #: Top-k alternatives asked for in the reference checks.
+    reference_top_logprobs: int = 8
+    #: Tokens generated per sequence in the reference checks.
+    reference_max_tokens: int = 4
 
     @pytest.fixture
     def sampler(self) -> Sampler:  # pragma: no cover - always overridden
@@ -79,6 +161,88 @@ class SamplerContractTests:
     def assert_still_works(self, sampler: Sampler) -> None:
         out = sampler.sample(_traj(0), _greedy(max_tokens=4))
         assert len(out) == 1 and len(out[0].sequences[0].tokens) == 4
+
+    def refused_if_undeclared(self, sampler: Sampler, params: SamplingParams) -> bool:
+        """Check that ``params`` is refused if it sets a field the engine does not declare.
+
+        Returns:
+            Whether it was (the caller then has nothing more to check).
+        """
+        undeclared = _undeclared(sampler, params)
+        if not undeclared:
+            return False
+        with pytest.raises(UnsupportedFeatureError, match=undeclared[0]):
+            sampler.sample(_traj(0), params)
+        return True
+
+    def raw_logprob_rows(self, sampler: Sampler, pairs: list[tuple[list[int], list[int]]]) -> list[list[list[float]]]:
+        """The engine's raw log-probs over the whole vocabulary before each completion token.
+
+        Scores prompt + completion in one scoring-only call with
+        ``prompt_logprobs=vocab_size`` and ``logprobs_mode="raw"``.
+
+        Args:
+            pairs: ``(prompt, completion)`` token ids.
+
+        Returns:
+            Per pair, per completion token, one log-prob per token id.
+        """
+        vocab = sampler.vocab_size
+        features = [InputFeature(input_ids=prompt + completion) for prompt, completion in pairs]
+        scored = sampler.sample(features, SamplingParams(max_tokens=0, prompt_logprobs=vocab, logprobs_mode="raw"))
+        out = []
+        for (prompt, completion), resp in zip(pairs, scored):
+            assert resp.prompt_top_logprobs is not None
+            rows = []
+            for j in range(len(completion)):
+                entry = resp.prompt_top_logprobs[len(prompt) + j]
+                assert entry is not None and len(entry) == vocab, (
+                    f"prompt_logprobs={vocab} (the vocabulary size) returned {entry and len(entry)} alternatives"
+                )
+                row = [NEG_INF] * vocab
+                for token, value in entry:
+                    row[token] = value
+                rows.append(row)
+            out.append(rows)
+        return out
+
+    def reference_mismatches(self, sampler: Sampler, params: SamplingParams, inputs: list[Any]) -> list[str]:
+        """Sample ``inputs`` with ``params`` and list where the processed log-probs leave the reference.
+
+        ``params`` must ask for ``logprobs=k > 0`` in processed mode.
+        """
+        k = params.logprobs
+        assert k and params.logprobs_mode == "processed"
+        out = sampler.sample(inputs, params)
+        pairs = [(r.prompt_token_ids, s.tokens) for r in out for s in r.sequences]
+        seqs = [s for r in out for s in r.sequences]
+        problems: list[str] = []
+        for n, ((prompt, tokens), seq, rows) in enumerate(zip(pairs, seqs, self.raw_logprob_rows(sampler, pairs))):
+            assert seq.logprobs is not None and seq.top_logprobs is not None
+            assert len(seq.logprobs) == len(tokens) == len(seq.top_logprobs) == len(rows)
+            for j, (token, raw) in enumerate(zip(tokens, rows)):
+                where = f"sequence {n}, position {j} (token {token})"
+                context = prompt + tokens[:j]
+                top = seq.top_logprobs[j]
+                observed: dict[int, float] = dict(top)
+                observed[token] = seq.logprobs[j]
+                offset = fit_logit_offset(raw, params, context, observed)
+                ref = processed_logprobs(raw, params, context, logit_offset=offset)
+                unsure = ambiguous_tokens(raw, params, context, logit_offset=offset)
+                if ref[token] == NEG_INF and token not in unsure:
+                    problems.append(f"{where}: sampled a token the processing removes")
+                if params.greedy and ref[token] < max(ref) - self.reference_atol:
+                    problems.append(f"{where}: greedy token is not the argmax ({ref[token]:.4f} < {max(ref):.4f})")
+                if unsure:  # a token on a threshold: the normaliser is not pinned down
+                    continue
+                for tok, value in sorted(observed.items()):
+                    if reference_error(ref, {tok: value}) > self.reference_atol:
+                        problems.append(f"{where}: token {tok} has processed log-prob {value:.5f}, reference {ref[tok]:.5f}")
+                want = sorted(ref, reverse=True)[:k]
+                got = [v for _, v in top]
+                if len(got) != len(want) or reference_error(want, dict(enumerate(got))) > self.reference_atol:
+                    problems.append(f"{where}: top-{k} log-probs {_fmt(got)}, reference {_fmt(want)}")
+        return problems
 
     # -- shape of the output -----------------------------------------------------------------
     def test_empty_input_returns_empty_list(self, sampler: Sampler) -> None:
@@ -282,6 +446,65 @@ class SamplerContractTests:
         assert topk.prompt_top_logprobs is not None and topk.prompt_top_logprobs[0] is None
         for entry in topk.prompt_top_logprobs[1:]:
             assert entry is not None and len(entry) == 2 and entry[0][1] >= entry[1][1]
+
+    # -- the numbers: processed log-probs against the reference ----------------------------------
+    @pytest.mark.parametrize("case", list(_REFERENCE_CASES))
+    def test_processed_logprobs_match_the_reference(self, sampler: Sampler, case: str) -> None:
+        params = SamplingParams(
+            max_tokens=self.reference_max_tokens,
+            ignore_eos=True,
+            seed=1234,
+            logprobs=self.reference_top_logprobs,
+            **_REFERENCE_CASES[case],
+        )
+        if self.refused_if_undeclared(sampler, params):
+            pytest.skip(f"the engine does not declare {_undeclared(sampler, params)} (and refuses them)")
+        problems = self.reference_mismatches(sampler, params, [_traj(1), _traj(3)])
+        assert not problems, f"{len(problems)} mismatches with the reference, e.g.:\n" + "\n".join(problems[:6])
+
+    @pytest.mark.parametrize("field", list(_FIELD_VALUES))
+    def test_each_sampling_field_changes_the_samples(self, sampler: Sampler, field: str) -> None:
+        base = SamplingParams(max_tokens=8, ignore_eos=True, seed=21, logprobs=0)
+        changed = base.replace(**{field: _FIELD_VALUES[field]})
+        if self.refused_if_undeclared(sampler, changed):
+            pytest.skip(f"the engine does not declare {field} (and refuses it)")
+        inputs = [_traj(i) for i in range(4)]
+        before = [s for r in sampler.sample(inputs, base) for s in r.sequences]
+        after = [s for r in sampler.sample(inputs, changed) for s in r.sequences]
+        differs = False
+        for a, b in zip(before, after):
+            assert a.logprobs is not None and b.logprobs is not None
+            if a.tokens != b.tokens or any(abs(x - y) > self.reference_atol for x, y in zip(a.logprobs, b.logprobs)):
+                differs = True
+        assert differs, f"{field}={_FIELD_VALUES[field]!r} changed neither the tokens nor their log-probs"
+
+    def test_undeclared_fields_are_refused(self, sampler: Sampler) -> None:
+        supported = getattr(sampler, "supported_params", None)
+        fields = [f.name for f in attrs.fields(SamplingParams)]
+        undeclared = [name for name in fields if supported is not None and name not in supported]
+        if not undeclared:
+            pytest.skip("the engine declares every SamplingParams field")
+        for name in undeclared:
+            with pytest.raises(UnsupportedFeatureError, match=name):
+                sampler.sample(_traj(0), SamplingParams(**{name: _NON_DEFAULT[name]}))
+        self.assert_still_works(sampler)
+
+    def test_ids_beyond_the_vocabulary_are_refused(self, sampler: Sampler) -> None:
+        vocab = sampler.vocab_size
+        cases = [
+            ("logprobs", SamplingParams(max_tokens=2, logprobs=vocab + 1)),
+            ("prompt_logprobs", SamplingParams(max_tokens=0, prompt_logprobs=vocab + 1)),
+            ("stop_token_ids", SamplingParams(max_tokens=2, stop_token_ids=[vocab])),
+        ]
+        for name, params in cases:
+            with pytest.raises(InvalidSamplingParams) as info:
+                sampler.sample(_traj(0), params)
+            assert name in str(info.value) and str(vocab) in str(info.value)
+            assert isinstance(info.value, ValueError)
+        self.assert_still_works(sampler)
+        # the whole vocabulary is not beyond it
+        seq = sampler.sample(_traj(0), _greedy(max_tokens=1, logprobs=vocab))[0].sequences[0]
+        assert seq.top_logprobs is not None and len(seq.top_logprobs[0]) == vocab
 
     # -- bad input: typed errors, and the sampler keeps working --------------------------------
     @pytest.mark.parametrize(

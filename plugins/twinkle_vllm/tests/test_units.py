@@ -118,7 +118,13 @@ def test_plan_maps_every_field() -> None:
     )
     plan = make_plan(params, max_logprobs=20, vocab_size=100, temperature_processor=True)
     kw = plan.vllm
-    assert kw["n"] == 3 and kw["temperature"] == 0.7 and kw["top_p"] == 0.9 and kw["top_k"] == 5
+    # min-p with top-p: the processor truncates, in twinkle's order (min-p last)
+    assert kw["n"] == 3 and kw["temperature"] == 1.0 and kw["top_p"] == 1.0 and kw["top_k"] == 0
+    assert kw["extra_args"] == {"twinkle_temperature": [0.7, 0.1, 5, 0.9]}
+    native = make_plan(params.replace(min_p=0.0), max_logprobs=20, vocab_size=100, temperature_processor=True).vllm
+    assert native["temperature"] == 0.7 and native["top_p"] == 0.9 and native["top_k"] == 5
+    assert "extra_args" not in native
+    kw = make_plan(params.replace(top_p=1.0), max_logprobs=20, vocab_size=100, temperature_processor=True).vllm
     assert kw["min_p"] == 0.1 and kw["repetition_penalty"] == 1.2 and kw["seed"] == -3 % SEED_MODULUS
     assert kw["stop"] == ["x"] and kw["stop_token_ids"] == [7] and kw["ignore_eos"] is True
     assert kw["logprobs"] == 2 and kw["prompt_logprobs"] == 1 and kw["max_tokens"] == 9 and kw["detokenize"]
@@ -136,7 +142,12 @@ def test_plan_maps_every_field() -> None:
     assert raw.for_prompt(511, 512) is None
     hot = make_plan(params.replace(temperature=3.0), max_logprobs=20, vocab_size=100, temperature_processor=True)
     assert hot.vllm["temperature"] == 1.0 and hot.vllm["min_p"] == 0.0
-    assert hot.vllm["extra_args"] == {"twinkle_temperature": [3.0, 0.1]}
+    assert hot.vllm["extra_args"] == {"twinkle_temperature": [3.0, 0.1, 5, 0.9]}
+    hot = make_plan(params.replace(temperature=3.0, top_p=1.0), max_logprobs=20, vocab_size=100,
+                    temperature_processor=True)
+    assert hot.vllm["extra_args"] == {"twinkle_temperature": [3.0, 0.1]} and hot.vllm["top_k"] == 5
+    with pytest.raises(UnsupportedFeatureError, match="min_p"):
+        make_plan(params, max_logprobs=20, vocab_size=100, temperature_processor=False)
     with pytest.raises(UnsupportedFeatureError, match="temperature"):
         make_plan(params.replace(temperature=3.0), max_logprobs=20, vocab_size=100, temperature_processor=False)
     with pytest.raises(UnsupportedFeatureError, match="max_logprobs"):
@@ -166,6 +177,16 @@ def test_temperature_processor_tracks_batch_rows() -> None:
     proc.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, SimpleNamespace(extra_args={EXTRA_ARG: [1.0, 0.5]}), None, [])], moved=[]))
     out = proc.apply(torch.tensor([[0.0, -0.1, -5.0]]))
     assert out[0, 2] == float("-inf") and torch.isfinite(out[0, :2]).all()
+    # with top-p, min-p comes after it: the nucleus is measured before min-p removes anything
+    probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
+    proc.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, SimpleNamespace(extra_args={EXTRA_ARG: [1.0, 0.3, 0, 0.75]}), None, [])], moved=[]))
+    out = proc.apply(probs.log())
+    # top-p 0.75 keeps 0.4, 0.3, 0.2 (the mass above 0.1 is 0.9), and min-p 0.3 x 0.4 keeps those;
+    # min-p first (vLLM's order) would drop 0.1, and the nucleus of the rest would drop 0.2
+    assert torch.isfinite(out[0, :3]).all() and out[0, 3] == float("-inf")
+    proc.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, SimpleNamespace(extra_args={EXTRA_ARG: [1.0, 0.0, 1, 1.0]}), None, [])], moved=[]))
+    out = proc.apply(probs.log())
+    assert torch.isfinite(out[0, 0]) and (out[0, 1:] == float("-inf")).all()
 
 
 def test_loop_thread_runs_and_cancels() -> None:

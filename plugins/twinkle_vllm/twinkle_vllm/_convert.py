@@ -5,6 +5,9 @@ Every twinkle field is mapped; what vLLM cannot do natively is emulated here
 
 * ``temperature`` outside vLLM's ``[0.01, 2]``: run at 1 and let
   :class:`twinkle_vllm._logits.TemperatureProcessor` divide the logits.
+* ``min_p`` with ``top_p``: vLLM applies min-p before top-p, twinkle after it
+  (the nucleus differs); the processor then does temperature, top-k, top-p and
+  min-p itself, in twinkle's order, with vLLM's own switched off.
 * ``num_samples > 1`` with greedy decoding (vLLM refuses ``n > 1`` there) or
   when scoring: run once and copy; such samples are identical by definition.
 * ``max_tokens=0`` (scoring): vLLM needs at least one step, so it generates
@@ -130,12 +133,23 @@ def make_plan(
         "include_stop_str_in_output": False,
     }
     temperature = params.temperature
-    if greedy or VLLM_MIN_TEMPERATURE <= temperature <= VLLM_MAX_TEMPERATURE:
+    reorder = not greedy and params.min_p > 0.0 and params.top_p < 1.0
+    in_range = VLLM_MIN_TEMPERATURE <= temperature <= VLLM_MAX_TEMPERATURE
+    if greedy or (in_range and not reorder):
         kw["temperature"] = temperature
     elif temperature_processor:
         kw["temperature"] = 1.0
         kw["min_p"] = 0.0  # applied by the processor, after the real temperature
         kw["extra_args"] = {EXTRA_ARG: [temperature, params.min_p]}
+        if reorder:  # top-k and top-p too, so that min-p comes after them
+            kw["top_k"], kw["top_p"] = 0, 1.0
+            kw["extra_args"][EXTRA_ARG] += [max(params.top_k, 0), params.top_p]
+    elif in_range:  # only the order of min-p needs the processor
+        raise UnsupportedFeatureError(
+            f"SamplingParams.min_p={params.min_p!r} with top_p={params.top_p!r} needs twinkle's logits"
+            " processor (vLLM applies min-p before top-p), which is off here"
+            " (speculative decoding disables custom logits processors): drop one of them."
+        )
     else:
         raise UnsupportedFeatureError(
             f"SamplingParams.temperature={temperature!r} is outside vLLM's range"

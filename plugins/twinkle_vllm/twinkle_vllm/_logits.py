@@ -9,6 +9,13 @@ place temperature is applied: after penalties, before top-k / top-p, and the
 these requests it is applied here too, after the division (vLLM's built-in
 min-p runs before custom processors and is switched off for them).
 
+The order of min-p. twinkle applies min-p *after* top-k and top-p (as Hugging
+Face does); vLLM applies it before them, and top-p then measures its nucleus
+in the min-p survivors' renormalised mass, so it keeps fewer tokens. A request
+with both min-p and top-p therefore runs with vLLM's top-k, top-p and min-p
+off, and this processor applies all three, in twinkle's order, after the
+temperature (whatever the temperature).
+
 This module is imported inside vLLM's worker processes.
 """
 
@@ -24,16 +31,20 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["EXTRA_ARG", "TemperatureProcessor"]
 
-#: Key in ``SamplingParams.extra_args``: ``(temperature, min_p)``.
+#: Key in ``SamplingParams.extra_args``: ``(temperature, min_p)``, or
+#: ``(temperature, min_p, top_k, top_p)`` to truncate here too (``top_k`` 0: off).
 EXTRA_ARG = "twinkle_temperature"
 
 
 class TemperatureProcessor(LogitsProcessor):
-    """Divides a request's logits by ``extra_args['twinkle_temperature'][0]``, then applies its min-p."""
+    """Divides a request's logits by ``extra_args['twinkle_temperature'][0]``, then truncates them.
+
+    Truncation: its top-k and top-p when given, then its min-p.
+    """
 
     def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
-        # batch row -> (temperature, min_p); empty for nearly every batch, so apply() is free.
-        self._rows: dict[int, tuple[float, float]] = {}
+        # batch row -> (temperature, min_p, top_k, top_p); empty for nearly every batch, so apply() is free.
+        self._rows: dict[int, tuple[float, float, int, float]] = {}
 
     @classmethod
     def validate_params(cls, sampling_params: Any) -> None:
@@ -41,8 +52,10 @@ class TemperatureProcessor(LogitsProcessor):
         extra = sampling_params.extra_args or {}
         if EXTRA_ARG in extra:
             value = extra[EXTRA_ARG]
-            if not (isinstance(value, (list, tuple)) and len(value) == 2 and float(value[0]) > 0):
-                raise ValueError(f"extra_args[{EXTRA_ARG!r}] must be (temperature > 0, min_p), got {value!r}")
+            if not (isinstance(value, (list, tuple)) and len(value) in (2, 4) and float(value[0]) > 0):
+                raise ValueError(
+                    f"extra_args[{EXTRA_ARG!r}] must be (temperature > 0, min_p[, top_k, top_p]), got {value!r}"
+                )
 
     def is_argmax_invariant(self) -> bool:
         """Dividing by a positive number never changes the argmax."""
@@ -60,7 +73,8 @@ class TemperatureProcessor(LogitsProcessor):
             if value is None:
                 rows.pop(index, None)
             else:
-                rows[index] = (float(value[0]), float(value[1]))
+                top_k, top_p = (int(value[2]), float(value[3])) if len(value) == 4 else (0, 1.0)
+                rows[index] = (float(value[0]), float(value[1]), top_k, top_p)
         for a, b, direction in batch_update.moved:
             entry_a, entry_b = rows.pop(a, None), rows.pop(b, None)
             if entry_a is not None:
@@ -70,10 +84,25 @@ class TemperatureProcessor(LogitsProcessor):
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Scale the tracked rows in place."""
-        for index, (temperature, min_p) in self._rows.items():
+        for index, (temperature, min_p, top_k, top_p) in self._rows.items():
             row = logits[index]
             row.div_(temperature)
+            if top_k > 0 or top_p < 1.0:
+                _top_k_top_p(row, top_k, top_p)
             if min_p > 0:
                 probs = torch.softmax(row, dim=-1)
                 row.masked_fill_(probs < probs.max() * min_p, float("-inf"))
         return logits
+
+
+def _top_k_top_p(row: torch.Tensor, top_k: int, top_p: float) -> None:
+    """Mask ``row`` in place to its top-k, then to the top-p nucleus of what is left (renormalised)."""
+    values, ids = row.sort(descending=True)
+    drop = torch.zeros_like(values, dtype=torch.bool)
+    if 0 < top_k < values.numel():
+        drop[top_k:] = True
+        values = values.masked_fill(drop, float("-inf"))
+    if top_p < 1.0:
+        probs = torch.softmax(values, dim=-1)
+        drop |= (probs.cumsum(dim=-1) - probs) >= top_p  # the mass ranked above it reached top_p
+    row[ids[drop]] = float("-inf")
