@@ -28,7 +28,7 @@ def _to_top(value: Any) -> Any:
     return [[(int(t), float(lp)) for t, lp in pos] if pos is not None else None for pos in value]
 
 
-def _check_reason(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check_reason(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value not in ("stop", "length", "abort"):
         raise ValueError(f"stop_reason={value!r} is invalid: expected 'stop', 'length' or 'abort'.")
 

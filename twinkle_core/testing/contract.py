@@ -140,7 +140,7 @@ class SamplerContractTests:
         full = sampler.template.decode(tokens)
         # character boundaries between tokens; pick a stop string straddling one
         bounds = [len(sampler.template.decode(tokens[:k])) for k in range(1, len(tokens))]
-        stop = None
+        stop, cut = None, 0
         for b in bounds:
             if 2 <= b <= len(full) - 2:
                 cand = full[b - 2 : b + 2]
