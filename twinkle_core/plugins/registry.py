@@ -42,7 +42,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from importlib.machinery import ModuleSpec
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import attrs
 import pluggy
@@ -304,7 +304,7 @@ class Registry(Generic[T]):
             registers it, its registration wins over any other distribution's.
     """
 
-    all_registries: list[Registry[Any]] = []
+    all_registries: ClassVar[list[Registry[Any]]] = []
 
     def __init__(
         self,

@@ -186,7 +186,7 @@ class ReplicaHost:
         return responses
 
     def close(self) -> None:
-        """Close the target if it has ``close()`` and drop it; errors are printed, never raised (the actor is killed next)."""
+        """Close the target (if it has ``close()``) and drop it; errors are printed, not raised: the actor dies next."""
         close = getattr(self._target, "close", None)
         if callable(close):
             try:

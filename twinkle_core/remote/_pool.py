@@ -150,7 +150,7 @@ class ReplicaPool:
             InvalidMeshError: the mesh does not fit the group's free devices.
             Exception: a replica's constructor error, as its own type, naming the replica.
         """
-        ray = import_ray()
+        import_ray()  # fails early, with the install hint, when Ray is missing
         sets = self.placed.take(self.mesh, owner=self.label)
         self._replicas = [_Replica(i, s) for i, s in enumerate(sets)]
         try:

@@ -71,7 +71,7 @@ def split_mesh(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
 
 
 def build_remote(cls: type, remote_group: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """What ``cls(*args, remote_group=..., **kwargs)`` returns: replicas in ``"ray"`` mode, a local object in ``"local"``.
+    """What ``cls(*args, remote_group=..., **kwargs)`` returns: replicas in ``"ray"`` mode, else a local object.
 
     Raises:
         UnknownGroupError: the group was never initialised.

@@ -302,7 +302,7 @@ class SamplerContractTests:
         ids=lambda d: next(iter(d)),
     )
     def test_bad_sampling_params(self, sampler: Sampler, bad: dict[str, Any]) -> None:
-        key, value = next(iter(bad.items()))
+        key, _value = next(iter(bad.items()))
         with pytest.raises(InvalidSamplingParams) as info:
             sampler.sample(_traj(0), bad)
         assert key in str(info.value)

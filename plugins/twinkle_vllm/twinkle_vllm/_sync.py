@@ -243,9 +243,13 @@ class SyncChannel:
         """
         kind = CudaIpcBuffer.kind if cuda_device is not None else ShmBuffer.kind
         current = self._buffer
-        if current is not None and current.kind == kind and current.size >= size:
-            if cuda_device is None or current.tensor.device == cuda_device:
-                return current
+        if (
+            current is not None
+            and current.kind == kind
+            and current.size >= size
+            and (cuda_device is None or current.tensor.device == cuda_device)
+        ):
+            return current
         if current is not None:
             current.close()
             self._buffer = None
