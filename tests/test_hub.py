@@ -43,7 +43,7 @@ MODEL_FILES = {
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Start every test online-by-default, with private caches and no stray endpoints."""
-    for name in OFFLINE_VARS + ("HF_ENDPOINT", "MODELSCOPE_ENDPOINT", "HUGGINGFACE_HUB_CACHE"):
+    for name in (*OFFLINE_VARS, "HF_ENDPOINT", "MODELSCOPE_ENDPOINT", "HUGGINGFACE_HUB_CACHE"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf-cache"))
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))

@@ -13,6 +13,7 @@ lets it go.
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import subprocess
@@ -289,7 +290,7 @@ def chats() -> list[Trajectory]:
 def uneven_inputs(local_sampler: Sampler) -> list[Any]:
     """Conversations and token-id prompts of very different lengths, mixed."""
     feats = [local_sampler.template.encode(t) for t in chats()]
-    long = InputFeature(input_ids=sum((f.input_ids for f in feats[:6]), [])[:300])
+    long = InputFeature(input_ids=[t for f in feats[:6] for t in f.input_ids][:300])
     return [feats[0], chats()[3], long, chats()[1], InputFeature(input_ids=feats[2].input_ids[-5:]),
             chats()[7], feats[5], chats()[9], long, chats()[0]]
 
@@ -341,7 +342,7 @@ def test_split_by_cost_groups_similar_lengths_in_balanced_runs():
         mean = sum(costs) / bins
         assert all(abs(sum(costs[i] for i in s) - mean) <= max(costs) for s in shards)
         # runs: every input of one shard costs no more than every input of the next
-        for a, b in zip(shards, shards[1:]):
+        for a, b in itertools.pairwise(shards):
             if a and b:
                 assert max(costs[i] for i in a) <= min(costs[i] for i in b)
 
@@ -388,7 +389,7 @@ def test_errors_come_back_as_their_own_type_naming_the_replica(remote, local):
     assert skipped[5].error and "inputs[5]" in skipped[5].error and not skipped[5].sequences
     assert tokens(skipped[:5]) == tokens(local.sample(chats()[:5], GREEDY))
     version = remote.weights_version
-    with pytest.raises(WeightUpdateError, match="no_such.weight") as info:
+    with pytest.raises(WeightUpdateError, match=r"no_such\.weight") as info:
         remote.update_weights({"no_such.weight": torch.zeros(2)})
     assert type(info.value) is WeightUpdateError and remote.weights_version == version
     assert tokens(remote.sample(chats()[:2], GREEDY)) == tokens(local.sample(chats()[:2], GREEDY))

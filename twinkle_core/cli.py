@@ -143,7 +143,7 @@ def _field_docs(cls: type) -> dict[str, str]:
     return {k: v[:1].upper() + v[1:] for k, v in first.items()}
 
 
-def _click_type(hint: Any) -> tuple[click.ParamType | None, bool]:
+def _click_type(hint: Any) -> tuple[click.ParamType[Any, Any] | None, bool]:
     """The click type of one ``SamplingParams`` field and whether the option repeats.
 
     ``None`` means a flag (a ``bool``). Types not handled here take a JSON value.
@@ -154,7 +154,8 @@ def _click_type(hint: Any) -> tuple[click.ParamType | None, bool]:
     if hint is bool:
         return None, False
     if hint in (int, float, str):
-        return {int: click.INT, float: click.FLOAT, str: click.STRING}[hint], False
+        scalar: dict[Any, click.ParamType[Any, Any]] = {int: click.INT, float: click.FLOAT, str: click.STRING}
+        return scalar[hint], False
     if typing.get_origin(hint) is typing.Literal:
         return click.Choice([str(a) for a in typing.get_args(hint)]), False
     if typing.get_origin(hint) in (tuple, list) and args and args[0] in (int, float, str):
@@ -162,7 +163,7 @@ def _click_type(hint: Any) -> tuple[click.ParamType | None, bool]:
     return _JSON, False
 
 
-class _JsonValue(click.ParamType):
+class _JsonValue(click.ParamType):  # type: ignore[type-arg]  # generic only in newer clicks: no [] at run time
     """A value parsed as JSON, or taken as a plain string when it is not JSON."""
 
     name = "json"

@@ -168,4 +168,4 @@ class EngineDeadError(TwinkleError, RuntimeError):
 
 
 def _rebuild(cls: type[TwinkleError], message: str, kwargs: dict[str, object]) -> TwinkleError:
-    return cls(message, **kwargs)  # type: ignore[call-arg]
+    return cls(message, **kwargs)

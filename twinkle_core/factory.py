@@ -36,7 +36,7 @@ def register_sampler(name: str, target: Any = None, *, replace: bool = False) ->
     return sampler_registry.register(name, target, replace=replace)
 
 
-def get_sampler_class(name: str) -> Any:
+def get_sampler_class(name: str) -> type[Sampler]:
     """Resolve an engine name (or ``"pkg.module:Class"``) to its class.
 
     Raises:
@@ -132,7 +132,7 @@ def _is_config_path(value: str) -> bool:
     return value.endswith((".yaml", ".yml", ".json")) and ("/" in value or os.path.exists(value))
 
 
-def create_sampler(name_or_config: str | dict[str, Any] | type, **kwargs: Any) -> Any:
+def create_sampler(name_or_config: str | dict[str, Any] | type[Sampler], **kwargs: Any) -> Sampler:
     """Build an engine chosen by a string, a config mapping or a config file.
 
     Args:
@@ -164,4 +164,5 @@ def create_sampler(name_or_config: str | dict[str, Any] | type, **kwargs: Any) -
     else:
         name = name_or_config
     cls = name if isinstance(name, type) else get_sampler_class(name)
-    return cls(**kwargs)
+    sampler: Sampler = cls(**kwargs)
+    return sampler

@@ -13,7 +13,7 @@ __all__ = ["DeviceGroup", "DeviceMesh", "DEVICE_TYPES"]
 DEVICE_TYPES = ("cuda", "cpu")
 
 
-def _positive(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _positive(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidMeshError(f"{type(inst).__name__}.{attribute.name}={value!r} is invalid: expected an integer >= 1.")
 
@@ -51,7 +51,7 @@ def _ranks(value: Any) -> Any:
     return value
 
 
-def _check_ranks(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check_ranks(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool):
         raise InvalidMeshError(f"DeviceGroup.ranks={value!r} is invalid: expected a count >= 1 or a list of ranks.")
     if isinstance(value, int):
@@ -69,12 +69,12 @@ def _check_ranks(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         )
 
 
-def _check_device(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check_device(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value not in DEVICE_TYPES:
         raise InvalidMeshError(f"DeviceGroup.device_type={value!r} is invalid: expected one of {', '.join(DEVICE_TYPES)}.")
 
 
-def _check_name(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check_name(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, str) or not value:
         raise InvalidMeshError(f"DeviceGroup.name={value!r} is invalid: expected a non-empty string.")
 

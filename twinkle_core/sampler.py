@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import threading
 from abc import ABC, ABCMeta, abstractmethod
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal, TypeVar
@@ -61,7 +61,8 @@ __all__ = [
 ]
 
 S = TypeVar("S", bound="Sampler")
-SampleInputs = InputFeature | Trajectory | dict[str, Any] | list[InputFeature | Trajectory | dict[str, Any]]
+# A Sequence, not a list: list is invariant, so a caller's list[Trajectory] would not be a list of the union.
+SampleInputs = InputFeature | Trajectory | dict[str, Any] | Sequence[InputFeature | Trajectory | dict[str, Any]]
 OnInvalid = Literal["raise", "skip"]
 
 
@@ -139,7 +140,7 @@ def normalize_inputs(inputs: SampleInputs, *, on_invalid: OnInvalid = "raise") -
     """
     if isinstance(inputs, (InputFeature, Trajectory, dict)):
         inputs = [inputs]
-    if isinstance(inputs, (list, tuple)):
+    if isinstance(inputs, Sequence) and not isinstance(inputs, str):
         out: list[Any] = []
         for i, x in enumerate(inputs):
             try:

@@ -97,7 +97,8 @@ def check_update(
             expected, ok = want.dtype, got == want.dtype
         if not ok:
             raise WeightUpdateError(
-                f"update_weights: {name!r} has dtype {got}, expected {expected}; send tensor.to(torch.{expected.split()[0]})."
+                f"update_weights: {name!r} has dtype {got}, expected {expected};"
+                f" send tensor.to(torch.{expected.split()[0]})."
                 " Nothing was updated."
             )
         out[name] = value

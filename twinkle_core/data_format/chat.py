@@ -14,7 +14,7 @@ __all__ = ["Message", "Tool", "Trajectory", "ROLES"]
 ROLES = ("system", "user", "assistant", "tool")
 
 
-def _check_role(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check_role(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value not in ROLES:
         raise InvalidInputError(f"Message.role={value!r} is invalid: expected one of {', '.join(ROLES)}.")
 
@@ -30,14 +30,14 @@ def _check_text(owner: str, value: str) -> None:
         ) from None
 
 
-def _check_opt_str(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check_opt_str(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and not isinstance(value, str):
         raise InvalidInputError(f"Message.{attribute.name}={value!r} is invalid: expected a string or None.")
     if value is not None:
         _check_text(f"Message.{attribute.name}", value)
 
 
-def _check_content(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check_content(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     # Multimodal content arrives as a list of parts; text-only as a string.
     if not isinstance(value, (str, list)):
         raise InvalidInputError(
@@ -47,7 +47,7 @@ def _check_content(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
         _check_text("Message.content", value)
 
 
-def _check_list_of_dicts(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check_list_of_dicts(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and (not isinstance(value, list) or not all(isinstance(v, dict) for v in value)):
         raise InvalidInputError(
             f"{type(inst).__name__}.{attribute.name}={value!r} is invalid: expected a list of dicts or None."
@@ -123,7 +123,7 @@ def _to_tools(value: Any) -> Any:
     return value
 
 
-def _check_messages(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check_messages(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, list) or not value:
         raise InvalidInputError(f"Trajectory.messages={value!r} is invalid: expected a non-empty list of messages.")
     for i, m in enumerate(value):
@@ -133,7 +133,7 @@ def _check_messages(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
             )
 
 
-def _check_tools(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check_tools(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, list) or not all(isinstance(t, Tool) for t in value):
         raise InvalidInputError(f"Trajectory.tools={value!r} is invalid: expected a list of Tool.")
 

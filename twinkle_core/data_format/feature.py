@@ -23,7 +23,7 @@ def _to_int_list(value: Any) -> Any:
     return value
 
 
-def _check_ids(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check_ids(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is None and attribute.name != "input_ids":
         return
     if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):

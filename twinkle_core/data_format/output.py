@@ -34,7 +34,7 @@ def _to_spans(value: Any) -> Any:
     return [(int(start), int(version)) for start, version in value]
 
 
-def _check_reason(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check_reason(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value not in ("stop", "length", "abort"):
         raise ValueError(f"stop_reason={value!r} is invalid: expected 'stop', 'length' or 'abort'.")
 

@@ -42,7 +42,7 @@ def _check_float(lo: float, hi: float, *, lo_open: bool = False, hi_open: bool =
     left, right = "(" if lo_open else "[", ")" if hi_open else "]"
     accepted = f"a number in {left}{lo:g}, {'inf' if hi == math.inf else f'{hi:g}'}{right}"
 
-    def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    def check(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         if not _is_number(value):
             raise _bad(attribute.name, value, accepted)
         if value < lo or value > hi or (lo_open and value == lo) or (hi_open and value == hi):
@@ -56,7 +56,7 @@ def _check_int(lo: int, hi: int | None = None, *, optional: bool = False) -> Any
         " or None" if optional else ""
     )
 
-    def check(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+    def check(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         if value is None and optional:
             return
         if not _is_int(value) or value < lo or (hi is not None and value > hi):
@@ -65,7 +65,7 @@ def _check_int(lo: int, hi: int | None = None, *, optional: bool = False) -> Any
     return check
 
 
-def _check_temperature(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check_temperature(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not _is_number(value) or not (value == 0 or MIN_TEMPERATURE <= value <= MAX_TEMPERATURE):
         raise _bad(
             attribute.name,
@@ -75,12 +75,12 @@ def _check_temperature(inst: Any, attribute: attrs.Attribute, value: Any) -> Non
         )
 
 
-def _check_top_k(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check_top_k(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not _is_int(value) or value == 0 or value < -1:
         raise _bad(attribute.name, value, "-1 (disabled) or an integer >= 1")
 
 
-def _check_seed(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check_seed(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and (not _is_int(value) or not -SEED_LIMIT < value < SEED_LIMIT):
         raise _bad(attribute.name, value, "an integer with absolute value below 2**62, or None")
 
@@ -99,12 +99,12 @@ def _stop_ids(value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _check_bool(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check_bool(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, bool):
         raise _bad(attribute.name, value, "True or False")
 
 
-def _check_mode(inst: Any, attribute: attrs.Attribute, value: Any) -> None:
+def _check_mode(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value not in ("processed", "raw"):
         raise _bad(attribute.name, value, "'processed' or 'raw'")
 

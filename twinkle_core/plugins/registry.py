@@ -42,7 +42,7 @@ import warnings
 from collections.abc import Callable, Iterable
 from importlib.machinery import ModuleSpec
 from importlib.metadata import EntryPoint, entry_points
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import attrs
 import pluggy
@@ -134,7 +134,7 @@ def _spec(name: str) -> ModuleSpec | None:
         if find is None:
             continue
         try:
-            spec = find(name, list(search))
+            spec: ModuleSpec | None = find(name, list(search))
         except Exception:  # a third-party finder's failure means "not found here"
             continue
         if spec is not None:
@@ -304,7 +304,7 @@ class Registry(Generic[T]):
             registers it, its registration wins over any other distribution's.
     """
 
-    all_registries: list[Registry[Any]] = []
+    all_registries: ClassVar[list[Registry[Any]]] = []
 
     def __init__(
         self,
@@ -390,15 +390,15 @@ class Registry(Generic[T]):
                 entries.update(self._resolve_claims(name, claimed))
             # entry points that failed to import show up under their entry-point name
             for record in scan.loaded.values():
-                exc = record.error
-                if exc is not None and record.entry_point not in entries:
+                failure = record.error
+                if failure is not None and record.entry_point not in entries:
                     entries[record.entry_point] = PluginInfo(
                         record.entry_point,
                         None,
                         record.distribution,
                         record.version,
-                        f"plugin failed to import: {type(exc).__name__}: {exc}",
-                        exc,
+                        f"plugin failed to import: {type(failure).__name__}: {failure}",
+                        failure,
                     )
             self._claims = claims
             self._plugin_entries = entries
@@ -515,7 +515,7 @@ class Registry(Generic[T]):
                         f"No distribution {prefix!r} registers {self.kind} {short!r}; it is registered by"
                         f" {'; '.join(c.describe() for c in known)}."
                     )
-                obj = load_target(name)
+                obj: T = load_target(name)
                 self._cache[name] = obj
                 return obj
             if info is None:

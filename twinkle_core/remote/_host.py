@@ -182,10 +182,11 @@ class ReplicaHost:
     ) -> list[SampleResponse]:
         """``sample()`` on this replica's share of a call; errors name each input's index in the whole call."""
         # the driver checked the arguments as sample() does; each input is named by its place in the whole call
-        return self._target._sample(items, params, adapter_name, on_invalid, indices)
+        responses: list[SampleResponse] = self._target._sample(items, params, adapter_name, on_invalid, indices)
+        return responses
 
     def close(self) -> None:
-        """Close the target if it has ``close()`` and drop it; errors are printed, never raised (the actor is killed next)."""
+        """Close the target (if it has ``close()``) and drop it; errors are printed, not raised: the actor dies next."""
         close = getattr(self._target, "close", None)
         if callable(close):
             try:

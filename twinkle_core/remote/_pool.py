@@ -9,6 +9,7 @@ it take work again.
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -149,7 +150,7 @@ class ReplicaPool:
             InvalidMeshError: the mesh does not fit the group's free devices.
             Exception: a replica's constructor error, as its own type, naming the replica.
         """
-        ray = import_ray()
+        import_ray()  # fails early, with the install hint, when Ray is missing
         sets = self.placed.take(self.mesh, owner=self.label)
         self._replicas = [_Replica(i, s) for i, s in enumerate(sets)]
         try:
@@ -354,8 +355,9 @@ class ReplicaPool:
         if errors:
             first = errors[min(errors)]
             if values:
-                first.add_note(
-                    f"Replicas {sorted(values)} of {self.label} completed the call; replicas {sorted(errors)} failed."
+                add_note(
+                    first,
+                    f"Replicas {sorted(values)} of {self.label} completed the call; replicas {sorted(errors)} failed.",
                 )
             raise first
         return [values[i] for i in sorted(values)]
@@ -451,7 +453,7 @@ def _unwrap(exc: Any, where: str) -> BaseException:
     if isinstance(cause, BaseException) and not isinstance(cause, RayError):
         cause.__cause__ = RemoteTraceback(tb)
         cause.__suppress_context__ = True
-        cause.add_note(f"Raised in {where}; its traceback is above.")
+        add_note(cause, f"Raised in {where}; its traceback is above.")
         return cause
     return RemoteError(f"{where} raised {type(cause).__name__ if cause else 'an error'}:\n{tb}")
 
@@ -466,3 +468,11 @@ def split_evenly(items: Sequence[Any], parts: int) -> list[list[int]]:
         out.append(list(range(start, start + size)))
         start += size
     return out
+
+
+def add_note(exc: BaseException, note: str) -> None:
+    """``exc.add_note(note)``, which Python 3.10 lacks (there the note is kept in ``__notes__``, not shown)."""
+    if sys.version_info >= (3, 11):
+        exc.add_note(note)
+    else:
+        exc.__notes__ = [*getattr(exc, "__notes__", []), note]  # type: ignore[attr-defined]  # 3.11 declares it

@@ -322,7 +322,8 @@ def initialize(
         raise ConfigError(f"initialize(mode={mode!r}) is invalid: expected 'local' or 'ray'.")
     if placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
         raise ConfigError(
-            f"placement_strategy={placement_strategy!r} is invalid: expected PACK, SPREAD, STRICT_PACK or STRICT_SPREAD."
+            f"placement_strategy={placement_strategy!r} is invalid:"
+            " expected PACK, SPREAD, STRICT_PACK or STRICT_SPREAD."
         )
     wanted = _coerce_groups(groups)
     if replica_niceness is not None and (

@@ -30,7 +30,7 @@ from twinkle_core.mesh import DeviceGroup, DeviceMesh
 from twinkle_core.remote._runtime import PlacedGroup, register_owner
 
 if TYPE_CHECKING:  # pragma: no cover
-    from twinkle_core.remote._pool import ReplicaInfo
+    from twinkle_core.remote._pool import ReplicaInfo, ReplicaPool
 
 __all__ = ["DISPATCH_MODES", "RemoteObject", "dispatch", "remote_class"]
 
@@ -93,7 +93,7 @@ def remote_class(cls: C) -> C:
     def __init__(self: Any, *args: Any, remote_group: str | None = None, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
 
-    cls.__new__ = __new__  # type: ignore[method-assign]
+    cls.__new__ = __new__  # type: ignore[method-assign,assignment]
     cls.__init__ = __init__  # type: ignore[method-assign]
     cls.__twinkle_remote__ = cls  # type: ignore[attr-defined]
     return cls
@@ -105,7 +105,7 @@ class ReplicaViews:
     Mixed into a class that keeps its replicas in a ``ReplicaPool`` as ``self._pool``.
     """
 
-    _pool: Any
+    _pool: ReplicaPool
 
     @property
     def replicas(self) -> list[ReplicaInfo]:

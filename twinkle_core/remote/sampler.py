@@ -19,7 +19,7 @@ from twinkle_core.data_format import InputFeature, SampleResponse, SamplingParam
 from twinkle_core.errors import InvalidMeshError, UnsupportedFeatureError
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
 from twinkle_core.remote._balance import estimate_prompt_tokens, item_cost, split_by_cost, trajectory_chars
-from twinkle_core.remote._pool import Op, ReplicaPool
+from twinkle_core.remote._pool import Op, ReplicaPool, add_note
 from twinkle_core.remote._runtime import PlacedGroup, current_session, get_group, import_ray, register_owner
 from twinkle_core.remote.errors import ReplicaLostError
 from twinkle_core.remote.remote_class import ReplicaViews
@@ -50,7 +50,8 @@ def split_mesh(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
     ``device_mesh`` is only the layout and is not passed on.
     """
     try:
-        sig = inspect.signature(cls.__init__)
+        # the class's own __init__, not the metaclass's __call__ that inspect.signature(cls) would give
+        sig = inspect.signature(cls.__init__)  # type: ignore[misc]
         params = list(sig.parameters.values())[1:]  # drop self
         sig = sig.replace(parameters=params)
     except (TypeError, ValueError):  # no introspectable signature: pass arguments through
@@ -71,7 +72,7 @@ def split_mesh(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tupl
 
 
 def build_remote(cls: type, remote_group: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """What ``cls(*args, remote_group=..., **kwargs)`` returns: replicas in ``"ray"`` mode, a local object in ``"local"``.
+    """What ``cls(*args, remote_group=..., **kwargs)`` returns: replicas in ``"ray"`` mode, else a local object.
 
     Raises:
         UnknownGroupError: the group was never initialised.
@@ -263,7 +264,7 @@ class RemoteSampler(ReplicaViews, Sampler):
 
         self._apply("update_weights", (ref,), {"version": version, "check_finite": False}, record=record)
 
-    def _apply(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, record: Callable[[], None]) -> None:
+    def _apply(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, record: Callable[[], object]) -> None:
         """Make a state change on every replica and record it (for rebuilds), once at least one applied it.
 
         If every replica rejects it (bad input: they all agree), nothing
@@ -285,9 +286,9 @@ class RemoteSampler(ReplicaViews, Sampler):
             try:
                 self._pool.restart(i, errors[i])
             except Exception as exc:  # lost: the note below still tells the story
-                first.add_note(str(exc))
+                add_note(first, str(exc))
         done = f"Replicas {sorted(values)} applied {method}" + (f" (version {version})" if version is not None else "")
-        first.add_note(f"{done}; replicas {out_of_step} failed and were rebuilt with it." if out_of_step else f"{done}.")
+        add_note(first, f"{done}; replicas {out_of_step} failed and were rebuilt with it." if out_of_step else f"{done}.")
         raise AppliedWithError(first)
 
     # -- sampling --------------------------------------------------------------------------

@@ -304,7 +304,7 @@ class SamplerContractTests:
         full = sampler.template.decode(tokens)
         # character boundaries between tokens; pick a stop string straddling one
         bounds = [len(sampler.template.decode(tokens[:k])) for k in range(1, len(tokens))]
-        stop = None
+        stop, cut = None, 0
         for b in bounds:
             if 2 <= b <= len(full) - 2:
                 cand = full[b - 2 : b + 2]
@@ -525,7 +525,7 @@ class SamplerContractTests:
         ids=lambda d: next(iter(d)),
     )
     def test_bad_sampling_params(self, sampler: Sampler, bad: dict[str, Any]) -> None:
-        key, value = next(iter(bad.items()))
+        key, _value = next(iter(bad.items()))
         with pytest.raises(InvalidSamplingParams) as info:
             sampler.sample(_traj(0), bad)
         assert key in str(info.value)

@@ -421,7 +421,7 @@ def test_replace_remove_and_bad_adapters(
             assert same(outputs(s, chat_prompts), base)
         with pytest.raises(AdapterError):
             s.add_adapter_to_model("z", {"r": 4, "target_modules": ["q_proj"]})  # no weights
-        with pytest.raises(AdapterError, match="unexpected|missing"):
+        with pytest.raises(AdapterError, match=r"unexpected|missing"):
             s.add_adapter_to_model(
                 "z", {"r": 8, "target_modules": ["q_proj"]}, weights={"nope.lora_A.weight": torch.zeros(8, 128)}
             )

@@ -29,7 +29,7 @@ from twinkle_core.weights import find_non_finite
 __all__ = ["AdapterSet"]
 
 
-def _tuner_layer_cls() -> type:
+def _tuner_layer_cls() -> Any:  # peft is not type-checked (see pyproject.toml): its class is Any to us
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     return BaseTunerLayer
@@ -177,13 +177,13 @@ class AdapterSet:
         unexpected = list(result.unexpected_keys)
         if missing or unexpected:
             self._delete(internal)
-            detail = []
+            problems = []
             if unexpected:
-                detail.append(f"unexpected tensors {unexpected[:3]}{' ...' if len(unexpected) > 3 else ''}")
+                problems.append(f"unexpected tensors {unexpected[:3]}{' ...' if len(unexpected) > 3 else ''}")
             if missing:
                 shown = [k.replace(marker, ".") for k in missing[:3]]
-                detail.append(f"missing tensors {shown}{' ...' if len(missing) > 3 else ''}")
-            raise AdapterError(f"{label} does not fit this model: {'; '.join(detail)}.")
+                problems.append(f"missing tensors {shown}{' ...' if len(missing) > 3 else ''}")
+            raise AdapterError(f"{label} does not fit this model: {'; '.join(problems)}.")
 
     # -- removing -----------------------------------------------------------------------------
     def remove(self, name: str) -> None:

@@ -47,9 +47,10 @@ def grouped_sdpa_attention_forward(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     if query.shape[1] == key.shape[1] or any(kwargs.get(k) is not None for k in _STOCK_ONLY):
-        return sdpa_attention_forward(
+        stock: tuple[torch.Tensor, None] = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
+        return stock
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     if q_len == 1 and (attention_mask is None or attention_mask.shape[-2] == 1):

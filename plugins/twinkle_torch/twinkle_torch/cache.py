@@ -106,7 +106,7 @@ class PreallocatedLayer(DynamicLayer):
     def reset(self) -> None:
         self.length = 0
         self._k = self._v = None
-        self.keys = self.values = None
+        self.keys = self.values = None  # type: ignore[assignment]  # transformers' "not initialized"; see is_initialized
         self.is_initialized = False
 
 

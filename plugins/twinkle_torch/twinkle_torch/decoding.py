@@ -281,7 +281,7 @@ class Decoder:
         for i in range(len(prompts)):
             scores.append(results.get(("prompt", i)))
             if max_new == 0:  # scoring only: each sample is an empty completion
-                empty = {
+                empty: dict[str, Any] = {
                     "logprobs": [] if params.logprobs is not None else None,
                     "top_logprobs": [] if params.logprobs else None,
                 }
@@ -293,7 +293,8 @@ class Decoder:
     # -- one batch ----------------------------------------------------------------------------
     def _forward(self, **kwargs: Any) -> torch.Tensor:
         out = self.model(use_cache=True, **kwargs)
-        return out.logits
+        logits: torch.Tensor = out.logits
+        return logits
 
     def _run_batch(
         self, units: list[WorkUnit], prompts: list[list[int]], params: SamplingParams, control: RunControl
@@ -451,7 +452,12 @@ class Decoder:
             out_tokens[where, step] = tokens
             if out_lp is not None and result.logprobs is not None:
                 out_lp[where, step] = result.logprobs
-            if out_top_ids is not None and out_top_lp is not None and result.top_ids is not None:
+            if (
+                out_top_ids is not None
+                and out_top_lp is not None
+                and result.top_ids is not None
+                and result.top_logprobs is not None
+            ):
                 out_top_ids[where, step] = result.top_ids
                 out_top_lp[where, step] = result.top_logprobs
             if seen is not None:

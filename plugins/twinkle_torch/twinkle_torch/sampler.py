@@ -199,7 +199,7 @@ class TorchSampler(Sampler):
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         self.dtype = _resolve_dtype(dtype, config, self.device)
         model = _load_model(path, self.dtype, self.device, trust_remote_code, model_kwargs)
-        self._model = model.to(self.device).eval()
+        self._model: torch.nn.Module = model.to(self.device).eval()
         self.max_batch_tokens = max_batch_tokens
         self._init_template(template, path)
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config

@@ -354,7 +354,7 @@ class TokenSampler:
         full_lse = None if self.top_k is not None else torch.logsumexp(scaled, dim=-1, keepdim=True)
         while True:
             values, ids = scaled.topk(k, dim=-1)
-            if full_lse is None:  # top-p and min-p renormalise over the top-k survivors
+            if full_lse is None:  # noqa: SIM108  top-p and min-p renormalise over the top-k survivors
                 ref_lse = torch.logsumexp(values[:, : self.top_k], dim=-1, keepdim=True)
             else:
                 ref_lse = full_lse

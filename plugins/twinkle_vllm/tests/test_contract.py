@@ -152,7 +152,8 @@ def test_exit_without_close_does_not_hang(tiny_model: Path, tmp_path: Path) -> N
         "from twinkle_vllm.sampler import vLLMSampler\n"
         "if __name__ == '__main__':\n"
         f"    s = vLLMSampler({str(tiny_model)!r}, engine_args={TEST_ENGINE_ARGS!r})\n"
-        "    print(len(s.sample({'input_ids': [1, 2, 3]}, {'max_tokens': 3, 'temperature': 0})[0].sequences[0].tokens))\n"
+        "    out = s.sample({'input_ids': [1, 2, 3]}, {'max_tokens': 3, 'temperature': 0})\n"
+        "    print(len(out[0].sequences[0].tokens))\n"
     )
     started = time.monotonic()
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)

@@ -164,13 +164,13 @@ def test_capacity_names_the_engine_option(clean: Any, adapters: dict[str, Path])
 
 def test_bad_adapters_are_typed_errors(clean: Any, tiny_model: Path, adapters: dict[str, Path], tmp_path: Path) -> None:
     sampler = clean
-    with pytest.raises(AdapterError, match="adapter_config.json"):
+    with pytest.raises(AdapterError, match=r"adapter_config\.json"):
         sampler.add_adapter_to_model("missing", tmp_path / "nowhere")
     big = make_peft_adapter(tiny_model, tmp_path / "big", seed=3, rank=16)
     with pytest.raises(AdapterError, match="max_lora_rank"):
         sampler.add_adapter_to_model("big", big)
     config, weights = adapter_tensors(adapters["a"])
-    with pytest.raises(AdapterError, match="target_modules|'r'"):
+    with pytest.raises(AdapterError, match=r"target_modules|'r'"):
         sampler.add_adapter_to_model("noconfig", {"lora_alpha": 8}, weights=weights)
     bad_weights = {k.replace("q_proj", "nonexistent_proj"): v for k, v in weights.items()}
     with pytest.raises(AdapterError, match="nonexistent_proj"):

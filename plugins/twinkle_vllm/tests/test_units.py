@@ -82,11 +82,11 @@ def test_weight_spec_validation() -> None:
     assert spec.validate([("model.norm.weight", torch.zeros(4))])  # a whole layer alone is fine
     with pytest.raises(WeightUpdateError, match="k_proj"):
         spec.validate([("model.layers.0.self_attn.q_proj.weight", torch.zeros(4, 4))])
-    with pytest.raises(WeightUpdateError, match="experts.1"):
+    with pytest.raises(WeightUpdateError, match=r"experts\.1"):
         spec.validate([("model.layers.0.mlp.experts.0.up_proj.weight", torch.zeros(4, 4))])
-    with pytest.raises(WeightUpdateError, match="Did you mean 'model.norm.weight'"):
+    with pytest.raises(WeightUpdateError, match=r"Did you mean 'model\.norm\.weight'"):
         spec.validate([("model.nrom.weight", torch.zeros(4))])
-    with pytest.raises(WeightUpdateError, match="bfloat16.*float32"):
+    with pytest.raises(WeightUpdateError, match=r"bfloat16.*float32"):
         spec.validate([("model.norm.weight", torch.zeros(4, dtype=torch.bfloat16))])
     with pytest.raises(WeightUpdateError, match="shape"):
         spec.validate([("model.norm.weight", torch.zeros(5))])

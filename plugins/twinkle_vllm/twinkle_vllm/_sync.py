@@ -13,6 +13,7 @@ starts a fresh session. The staging buffer outlives sessions (see
 from __future__ import annotations
 
 import concurrent.futures
+import math
 import os
 import shutil
 import tempfile
@@ -159,7 +160,7 @@ class SyncChannel:
         slot = -(-slot // ALIGN) * ALIGN
         folder = tempfile.mkdtemp(prefix="twinkle-vllm-")  # 0700: nobody else can talk to our sockets
         session_id = uuid.uuid4().hex
-        sockets: list[zmq.Socket] = []
+        sockets: list[zmq.Socket[bytes]] = []
         rpc: concurrent.futures.Future[list[Any]] | None = None
         try:
             buffer = self._staging(2 * slot, tensors[0][1].device if cuda_ipc and tensors else None)
@@ -242,9 +243,13 @@ class SyncChannel:
         """
         kind = CudaIpcBuffer.kind if cuda_device is not None else ShmBuffer.kind
         current = self._buffer
-        if current is not None and current.kind == kind and current.size >= size:
-            if cuda_device is None or current.tensor.device == cuda_device:
-                return current
+        if (
+            current is not None
+            and current.kind == kind
+            and current.size >= size
+            and (cuda_device is None or current.tensor.device == cuda_device)
+        ):
+            return current
         if current is not None:
             current.close()
             self._buffer = None
@@ -271,12 +276,12 @@ class SyncChannel:
             torch.cuda.synchronize(buffer.tensor.device)
         self._timings["driver_fill"] += time.perf_counter() - clock
 
-    def _round(self, sockets: list[zmq.Socket], message: dict[str, Any], stage: str, rpc: Any) -> None:
+    def _round(self, sockets: list[zmq.Socket[bytes]], message: dict[str, Any], stage: str, rpc: Any) -> None:
         for sock in sockets:
             sock.send_pyobj(message)
         self._collect(sockets, stage, rpc)
 
-    def _collect(self, sockets: list[zmq.Socket], stage: str, rpc: concurrent.futures.Future[list[Any]]) -> None:
+    def _collect(self, sockets: list[zmq.Socket[bytes]], stage: str, rpc: concurrent.futures.Future[list[Any]]) -> None:
         """Wait for one reply per worker, each within the timeout."""
         poller = zmq.Poller()
         waiting = {}
@@ -293,7 +298,8 @@ class SyncChannel:
                     f" {self.timeout_s:g} s ({IPC_TIMEOUT_ENV}). The channel was reset; the next sync starts afresh.",
                     stage=stage,
                 )
-            events = dict(poller.poll(min(left, 0.2) * 1000))
+            # poll takes whole milliseconds; round up so the last sliver of the deadline is not a busy loop
+            events = dict(poller.poll(math.ceil(min(left, 0.2) * 1000)))
             for sock in list(waiting):
                 if events.get(sock):
                     reply = sock.recv_pyobj()

@@ -39,7 +39,8 @@ _EXPERT = re.compile(r"\.experts\.\d+(\.|$)")
 def _read_header(path: Path) -> dict[str, Any]:
     with path.open("rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(length))
+        header: dict[str, Any] = json.loads(f.read(length))
+        return header
 
 
 class WeightSpec:

@@ -207,7 +207,7 @@ class CudaIpcBuffer(StagingBuffer):  # pragma: no cover - needs a CUDA device
 
             self.tensor = torch.empty(size, dtype=torch.uint8, device=device or "cuda")
             # (rebuild function, its arguments): what torch itself sends to open the allocation elsewhere.
-            self._handle = pickle.dumps(reduce_tensor(self.tensor))
+            self._handle = pickle.dumps(reduce_tensor(self.tensor))  # type: ignore[no-untyped-call]  # torch: unannotated
         else:
             rebuild, args = pickle.loads(handle)
             self.tensor = rebuild(*args)

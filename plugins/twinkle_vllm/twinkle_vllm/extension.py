@@ -61,8 +61,8 @@ class _Channel:
         started = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         while True:
-            if self.sock.poll(POLL_S * 1000):
-                message = self.sock.recv_pyobj()
+            if self.sock.poll(round(POLL_S * 1000)):  # whole milliseconds
+                message: dict[str, Any] = self.sock.recv_pyobj()
                 self.owes_reply = True
                 self.timings["wait"] += time.perf_counter() - started
                 return message

@@ -260,7 +260,8 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
 
         run.stop_event.add_callback(stop)
         try:
-            return await asyncio.gather(*tasks)
+            results: list[Any] = await asyncio.gather(*tasks)
+            return results
         except BaseException:
             # One failed (or we were cancelled): abort the others, do not leak requests.
             for task in tasks:
@@ -620,7 +621,7 @@ def _lora_config_dict(name: str, config: Any) -> dict[str, Any]:
     for key in ("r", "lora_alpha", "target_modules"):
         if key not in data:
             raise AdapterError(f"Adapter {name!r}: the LoRA config has no {key!r}.")
-    return data
+    return dict(data)
 
 
 def _read_adapter_folder(name: str, folder: Path) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
