@@ -252,10 +252,10 @@ class SampleHandle:
                 self._listeners.append(push)
         try:
             while True:
-                item = await queue.get()
-                if item is None:
+                next_item = await queue.get()
+                if next_item is None:
                     break
-                yield item
+                yield next_item
         finally:
             with self._cond:
                 if push in self._listeners:

@@ -144,6 +144,7 @@ class AsyncContractTests:
         full = sampler.sample(long_, params)[0].sequences[0]
         assert seq.stop_reason == "abort" and 0 < len(seq.tokens) < LONG
         assert seq.tokens == full.tokens[: len(seq.tokens)]
+        assert seq.logprobs is not None and full.logprobs is not None
         assert seq.logprobs == pytest.approx(full.logprobs[: len(seq.tokens)], abs=self.async_logprob_atol)
         assert seq.weights_version == sampler.weights_version
         assert out[0].sequences[0].stop_reason == "stop"  # finished sequences are untouched

@@ -491,6 +491,8 @@ class SamplerContractTests:
 
     def test_ids_beyond_the_vocabulary_are_refused(self, sampler: Sampler) -> None:
         vocab = sampler.vocab_size
+        if vocab is None:
+            pytest.skip("the engine states no vocabulary size")
         cases = [
             ("logprobs", SamplingParams(max_tokens=2, logprobs=vocab + 1)),
             ("prompt_logprobs", SamplingParams(max_tokens=0, prompt_logprobs=vocab + 1)),

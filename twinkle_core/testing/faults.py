@@ -10,6 +10,7 @@ events, never with sleeps. Torch is imported at call time only.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -234,7 +235,9 @@ def run_soak(
             with applied_lock:
                 report.swaps += 1
 
-    threads = [threading.Thread(target=guarded(lambda o=o: sample_loop(o)), daemon=True) for o in range(sample_threads)]
+    threads = [
+        threading.Thread(target=guarded(functools.partial(sample_loop, o)), daemon=True) for o in range(sample_threads)
+    ]
     threads += [threading.Thread(target=guarded(update_loop), daemon=True),
                 threading.Thread(target=guarded(swap_loop), daemon=True)]
     started = time.monotonic()
@@ -252,10 +255,10 @@ def run_soak(
     assert not any(t.is_alive() for t in threads), "a soak thread did not finish"
     applied.sort()
     for name, version, tokens in seen:
-        state = max((a for a in applied if a[0] <= version), key=lambda a: a[0])[1]
-        assert tokens == reference[(state, name)], (
+        state_index = max((a for a in applied if a[0] <= version), key=lambda a: a[0])[1]
+        assert tokens == reference[(state_index, name)], (
             f"a sequence labelled adapter={name!r}, weights_version={version} does not match the outputs of"
-            f" weight state {state} with that adapter"
+            f" weight state {state_index} with that adapter"
         )
     report.sequences = sum(len(t) for _, _, t in seen)
     return report
