@@ -93,6 +93,7 @@ class Turn:
         message: the assistant message parsed from it (content and tool calls).
         tool_call_errors: one message per malformed tool call (left out of
             ``message.tool_calls``); reported here, never raised.
+        top_logprobs: with ``logprobs=k > 0``, the top-k alternatives per position.
     """
 
     start: int
@@ -104,6 +105,7 @@ class Turn:
     adapter_name: str
     message: Message
     tool_call_errors: list[str] = attrs.field(factory=list)
+    top_logprobs: Any = None
 
     @property
     def end(self) -> int:
@@ -268,6 +270,7 @@ class Episode:
             adapter_name=seq.adapter_name,
             message=message,
             tool_call_errors=list(parsed.errors),
+            top_logprobs=seq.top_logprobs,
         )
         self.tokens.extend(turn.tokens)
         self.loss_mask.extend([1] * len(turn.tokens))
