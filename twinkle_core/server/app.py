@@ -67,6 +67,9 @@ class _Request(BaseModel):
     user: str | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    # twinkle extensions (as vLLM's server has them), passed with the openai client's extra_body
+    ignore_eos: bool = False
+    top_k: int | None = None
 
 
 class ChatRequest(_Request):
@@ -180,7 +183,9 @@ class _Server:
             if getattr(req, name) not in (None, 0, 0.0):
                 raise ApiError(400, f"{name}={getattr(req, name)!r} is not supported: leave it unset or 0.", param=name)
         fields: dict[str, Any] = {"num_samples": req.n, "max_tokens": max_tokens or self.default_max_tokens}
-        for name in ("temperature", "top_p", "seed"):
+        if req.ignore_eos:
+            fields["ignore_eos"] = True
+        for name in ("temperature", "top_p", "seed", "top_k"):
             if getattr(req, name) is not None:
                 fields[name] = getattr(req, name)
         if req.stop is not None:
