@@ -9,10 +9,10 @@ import pytest
 pytest.importorskip("ray")
 pytest.importorskip("twinkle_torch")
 
-import twinkle_core as tw  # noqa: E402
-from twinkle_core import DeviceGroup, DeviceMesh, SamplingParams  # noqa: E402
-from twinkle_core.episode import Episode  # noqa: E402
-from twinkle_core.testing import build_tiny_model  # noqa: E402
+import twinkle_core as tw
+from twinkle_core import DeviceGroup, DeviceMesh, SamplingParams
+from twinkle_core.episode import Episode
+from twinkle_core.testing import build_tiny_model
 
 WEATHER = {
     "type": "function",

@@ -15,8 +15,8 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from twinkle_core import ConfigError  # noqa: E402
-from twinkle_core.server import RunningServer, start_server  # noqa: E402
+from twinkle_core import ConfigError
+from twinkle_core.server import RunningServer, start_server
 
 WEATHER = {
     "type": "function",
@@ -80,7 +80,7 @@ def test_streaming_gives_the_same_text(client: Any) -> None:
     assert len(chunks) > 3
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
-    final = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    final = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
     assert final.choices[0].model_extra["token_ids"] == whole.choices[0].model_extra["token_ids"]
     assert chunks[-1].usage.completion_tokens == len(final.choices[0].model_extra["token_ids"])
 

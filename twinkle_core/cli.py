@@ -387,7 +387,8 @@ def serve(
     default_max_tokens: int,
 ) -> None:
     """Serve a model over the OpenAI API (needs: pip install "twinkle-core[server]")."""
-    from twinkle_core.server import _resolve_key, serve as run_server
+    from twinkle_core.server import _resolve_key
+    from twinkle_core.server import serve as run_server
     from twinkle_core.tools import get_tool_parser
 
     config: dict[str, Any] = load_config(config_path) if config_path else {}

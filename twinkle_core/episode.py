@@ -49,7 +49,14 @@ from typing import Any, Literal
 
 import attrs
 
-from twinkle_core.data_format import IGNORE_INDEX, InputFeature, Message, SampleResponse, SamplingParams, Trajectory
+from twinkle_core.data_format import (
+    IGNORE_INDEX,
+    InputFeature,
+    Message,
+    SampleResponse,
+    SamplingParams,
+    Trajectory,
+)
 from twinkle_core.data_format.output import SampledSequence
 from twinkle_core.errors import InvalidInputError, TemplateError
 from twinkle_core.template import Template

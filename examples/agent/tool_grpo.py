@@ -111,8 +111,8 @@ def main() -> None:
             jobs = [(rng.choice(CITIES), rng.randrange(5, 35)) for _ in range(args.prompts)]
             results: list[dict[str, Any]] = [{} for _ in range(args.prompts * args.group)]
 
-            def run(k: int, city: str, degrees: int) -> None:
-                results[k] = agent(client, f"step{step}-{k}", city, degrees, args.max_tokens)
+            def run(k: int, city: str, degrees: int, out: list[dict[str, Any]] = results, step: int = step) -> None:
+                out[k] = agent(client, f"step{step}-{k}", city, degrees, args.max_tokens)
 
             threads = [threading.Thread(target=run, args=(p * args.group + g, *jobs[p]))
                        for p in range(args.prompts) for g in range(args.group)]

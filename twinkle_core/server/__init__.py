@@ -129,7 +129,7 @@ class RunningServer:
         self._server.should_exit = True
         self._thread.join()
 
-    def __enter__(self) -> RunningServer:
+    def __enter__(self) -> RunningServer:  # noqa: PYI034 - a final class in practice
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -164,7 +164,7 @@ def start_server(
     def run() -> None:
         try:
             server.run(sockets=[sock])
-        except BaseException as exc:  # reported to the caller below
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller, who re-raises it
             failed.append(exc)
         finally:
             started.set()
@@ -173,6 +173,6 @@ def start_server(
     thread.start()
     started.wait()
     if failed or not server.started:
-        raise RuntimeError(f"the server did not start: {failed[0] if failed else 'see the log'}")
+        raise ConfigError(f"The server did not start on {host}:{port}: {failed[0] if failed else 'see the log'}.")
     bound_host, bound_port = sock.getsockname()[:2]
     return RunningServer(server, thread, f"http://{bound_host}:{bound_port}", sessions)

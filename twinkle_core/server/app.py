@@ -27,7 +27,12 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import (
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -262,10 +267,10 @@ def create_app(
 
     @app.middleware("http")
     async def check_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if api_key is not None and request.url.path != "/health":
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return ApiError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.",
-                                code="invalid_api_key").response()
+        if (api_key is not None and request.url.path != "/health"
+                and request.headers.get("authorization", "") != f"Bearer {api_key}"):
+            return ApiError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.",
+                            code="invalid_api_key").response()
         return await call_next(request)
 
     @app.exception_handler(ApiError)
