@@ -45,6 +45,7 @@ the asynchronous variants run it in a worker thread. When
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import attrs
@@ -289,7 +290,7 @@ class Episode:
         return turn
 
     # -- appending messages -------------------------------------------------------------------
-    def add_messages(self, messages: list[Message | dict[str, Any]]) -> list[int]:
+    def add_messages(self, messages: Sequence[Message | dict[str, Any]]) -> list[int]:
         """Append tool results or user turns, then the next generation prompt, as the template's delta.
 
         Returns:

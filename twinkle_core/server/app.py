@@ -362,7 +362,8 @@ def create_app(
         import asyncio
 
         responses = await asyncio.to_thread(sampler.sample, features, params, adapter)
-        choices, used = [], 0
+        choices: list[dict[str, Any]] = []
+        used = 0
         for resp in responses:
             for seq in resp.sequences:
                 used += len(seq.tokens)
@@ -475,7 +476,7 @@ async def _stream_chat(state: _Server, request: Request, rid: str, req: ChatRequ
             continue
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
         if turn.tool_calls:
-            pieces: list[tuple[str, int]] = [(turn.message.content, len(turn.tokens))] if turn.message.content else []
+            pieces: list[tuple[str, int]] = [(str(turn.message.content), len(turn.tokens))] if turn.message.content else []
         else:
             # One chunk per token: the decoded text grows by each token's share (cut at a stop string).
             pieces, shown = [], 0
