@@ -42,6 +42,7 @@ from twinkle_core.factory import create_sampler, get_sampler_class, list_sampler
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
 from twinkle_core.remote import initialize, remote_class, shutdown
 from twinkle_core.sampler import AdapterInfo, Sampler
+from twinkle_core.server import serve
 from twinkle_core.template import Template, register_template
 
 __all__ = [
@@ -87,5 +88,6 @@ __all__ = [
     "register_template",
     "remote_class",
     "resolve_model_id",
+    "serve",
     "shutdown",
 ]

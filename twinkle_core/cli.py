@@ -358,6 +358,73 @@ def sample(
         bar.close()
 
 
+@cli.command()
+@click.option("--engine", "-e", default=None, help=f"Engine name (default: the config's, else {DEFAULT_ENGINE}).")
+@click.option("--model", "-m", "model_id", default=None, help="Model id: a folder, hf://, ms://, builtin:// (default: the built-in SmolLM2-135M-Instruct).")
+@click.option("--config", "-c", "config_path", default=None, help="YAML/JSON config: sampler, model_id and engine options.")
+@click.option("--template", default=None, help="A registered chat template name (e.g. chatml).")
+@click.option("--adapter", "adapters", multiple=True, metavar="NAME=DIR",
+              help="A PEFT LoRA adapter folder, served as model NAME (repeatable).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; anything but loopback needs an API key.")
+@click.option("--port", default=8000, show_default=True, type=int, help="TCP port.")
+@click.option("--api-key", default=None, envvar="TWINKLE_API_KEY", help="Required as 'Authorization: Bearer KEY' (env TWINKLE_API_KEY).")
+@click.option("--model-name", default=None, help="The name the base model is listed under (default: the model id; 'base' always works).")
+@click.option("--tool-parser", default="hermes", show_default=True, help="How tool calls are read from completions (a registered parser).")
+@click.option("--on-template-mismatch", type=click.Choice(["raise", "keep_sampled"]), default="raise", show_default=True,
+              help="What a session does when the chat template is not prefix-preserving.")
+@click.option("--max-tokens", "default_max_tokens", default=256, show_default=True, type=int, help="max_tokens when a request gives none.")
+def serve(
+    engine: str | None,
+    model_id: str | None,
+    config_path: str | None,
+    template: str | None,
+    adapters: tuple[str, ...],
+    host: str,
+    port: int,
+    api_key: str | None,
+    model_name: str | None,
+    tool_parser: str,
+    on_template_mismatch: str,
+    default_max_tokens: int,
+) -> None:
+    """Serve a model over the OpenAI API (needs: pip install "twinkle-core[server]")."""
+    from twinkle_core.server import _resolve_key
+    from twinkle_core.server import serve as run_server
+    from twinkle_core.tools import get_tool_parser
+
+    config: dict[str, Any] = load_config(config_path) if config_path else {}
+    engine_name = engine or config.pop("sampler", None) or config.pop("engine", None) or DEFAULT_ENGINE
+    config.pop("sampler", None)
+    config.pop("engine", None)
+    config.pop("sampling_params", None)
+    pairs = []
+    for item in adapters:
+        name, sep, folder = item.partition("=")
+        if not sep or not name or not folder:
+            raise click.BadParameter(f"{item!r} (expected NAME=DIR)", param_hint="--adapter")
+        pairs.append((name, folder))
+    # Fail fast, before any model is loaded: the engine, the parser and the key.
+    engine_cls = get_sampler_class(engine_name)
+    get_tool_parser(tool_parser)
+    _resolve_key(host, api_key)
+    if model_id is not None:
+        config["model_id"] = model_id
+    elif "model_id" not in config:
+        from twinkle_core.hub import DEFAULT_MODEL
+
+        config["model_id"] = DEFAULT_MODEL
+    if template is not None:
+        config["template"] = template
+    sampler = engine_cls(**config)
+    with sampler:
+        for name, folder in pairs:
+            sampler.add_adapter_to_model(name, folder)
+        run_server(
+            sampler, host, port, api_key=api_key, model_name=model_name or str(config["model_id"]),
+            tool_parser=tool_parser, on_template_mismatch=on_template_mismatch, default_max_tokens=default_max_tokens,
+        )
+
+
 def _as_text(index: int, item: Any, resp: Any) -> str:
     """One input and its completions, for a human reader."""
     if isinstance(item, Trajectory):

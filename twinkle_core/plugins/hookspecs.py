@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import pluggy
 
-__all__ = ["PROJECT", "Register", "hookimpl", "hookspec", "register_samplers", "register_templates"]
+__all__ = ["PROJECT", "Register", "hookimpl", "hookspec", "register_samplers", "register_templates", "register_tool_parsers"]
 
 PROJECT = "twinkle"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -56,3 +56,13 @@ def register_samplers(register: Register) -> None:
 @hookspec
 def register_templates(register: Register) -> None:
     """Register named chat templates: ``register(name, "pkg.module:TemplateClass")``."""
+
+
+@hookspec
+def register_tool_parsers(register: Register) -> None:
+    """Register tool-call parsers: ``register(name, "pkg.module:ParserClass")``.
+
+    A parser turns a completion's text into ``Message.tool_calls``; see
+    :class:`twinkle_core.tools.ToolCallParser`. Episodes and ``twinkle serve``
+    select one by name (``tool_parser="hermes"``).
+    """

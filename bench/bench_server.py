@@ -1,0 +1,141 @@
+"""``twinkle serve`` against in-process ``sample()``: 32 concurrent clients, same requests.
+
+    python bench/bench_server.py                     # vLLM CPU engine, the tiny model
+    python bench/bench_server.py --engine torch --clients 8
+
+One engine is started; the same workload runs twice on it:
+
+* ``in-process``: ``clients`` threads, each calling ``sampler.sample()`` on its
+  chat requests one after another (vLLM batches the concurrent calls);
+* ``server``: ``clients`` threads, each with its own ``openai`` client, sending
+  the same requests to ``start_server(sampler)`` on a loopback port. The
+  clients run in a child process, as an agent framework would: in the
+  server's process their threads would compete with it for the GIL.
+
+Every request asks for exactly ``max_tokens`` tokens (``ignore_eos``), so both
+runs generate the same number of tokens. Reported: tokens/s of each, the
+ratio server / in-process (target >= 0.8x), and the per-request latency p50
+of each and their difference (the latency the server adds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+
+PROMPTS = ["What is the capital of France?", "Tell me a story about a duck.", "Count from 3 to 8.", "Tell me about Carol."]
+
+
+def _run(clients: int, per_client: int, call: Callable[[int, int], int]) -> tuple[float, int, list[float]]:
+    """Run ``call(client, k)`` from ``clients`` threads; return wall seconds, tokens and latencies."""
+    latencies: list[float] = []
+    tokens = [0] * clients
+    lock = threading.Lock()
+    go = threading.Barrier(clients + 1)
+
+    def worker(c: int) -> None:
+        go.wait()
+        for k in range(per_client):
+            t0 = time.perf_counter()
+            n = call(c, k)
+            dt = time.perf_counter() - t0
+            with lock:
+                latencies.append(dt)
+            tokens[c] += n
+
+    threads = [threading.Thread(target=worker, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    go.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - start, sum(tokens), latencies
+
+
+def _messages(c: int, k: int) -> list[dict[str, str]]:
+    return [{"role": "user", "content": PROMPTS[(c + k) % len(PROMPTS)]}]
+
+
+def _clients(args: argparse.Namespace) -> None:
+    """The child process: ``clients`` threads of ``openai`` clients against the server."""
+    import openai
+
+    local = threading.local()
+
+    def via_server(c: int, k: int) -> int:
+        if not hasattr(local, "client"):
+            local.client = openai.OpenAI(base_url=args.client_of + "/v1", api_key="unused", max_retries=0)
+        r = local.client.chat.completions.create(
+            model="base", messages=_messages(c, k), max_tokens=args.max_tokens, temperature=1.0,
+            extra_body={"ignore_eos": True},
+        )
+        return len(r.choices[0].model_extra["token_ids"])
+
+    _run(min(4, args.clients), 1, via_server)  # warm-up
+    print(json.dumps(_run(args.clients, args.requests, via_server)))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine", default="vllm", choices=["vllm", "torch"])
+    ap.add_argument("--model", default=None, help="model folder (default: the tiny test model)")
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=4, help="requests per client")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--client-of", default=None, help=argparse.SUPPRESS)  # internal: run the clients against URL
+    args = ap.parse_args()
+    if args.client_of:
+        _clients(args)
+        return
+
+    from twinkle_core import SamplingParams, create_sampler
+    from twinkle_core.server import start_server
+    from twinkle_core.testing import build_tiny_model
+
+    model = args.model or str(build_tiny_model("llama"))
+    kwargs: dict[str, Any] = {"model_id": model}
+    if args.engine == "vllm":
+        kwargs["engine_args"] = {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 30, "dtype": "float32",
+                                 "max_num_seqs": 64}
+    else:
+        kwargs["device"] = "cpu"
+    params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=1.0, logprobs=0)
+
+    with create_sampler(args.engine, **kwargs) as sampler:
+        def direct(c: int, k: int) -> int:
+            return len(sampler.sample({"messages": _messages(c, k)}, params)[0].sequences[0].tokens)
+
+        _run(min(4, args.clients), 1, direct)  # warm-up
+        results = {"in-process": _run(args.clients, args.requests, direct)}
+        with start_server(sampler, log_level="error") as srv:
+            argv = [sys.executable, __file__, "--client-of", srv.url, "--clients", str(args.clients),
+                    "--requests", str(args.requests), "--max-tokens", str(args.max_tokens)]
+            out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+            wall, toks, lat = json.loads(out.strip().splitlines()[-1])
+            results["server"] = (wall, toks, lat)
+
+    print(f"engine={args.engine} clients={args.clients} requests/client={args.requests} max_tokens={args.max_tokens}")
+    rows = {}
+    for name, (wall, toks, lat) in results.items():
+        rows[name] = {"tokens_per_s": toks / wall, "tokens": toks, "p50_s": statistics.median(lat)}
+        print(f"{name:>10}: {toks} tokens in {wall:.2f}s = {toks / wall:.1f} tok/s, latency p50 {statistics.median(lat):.3f}s")
+    ratio = rows["server"]["tokens_per_s"] / rows["in-process"]["tokens_per_s"]
+    added = rows["server"]["p50_s"] - rows["in-process"]["p50_s"]
+    print(f"server / in-process tokens/s: {ratio:.2f}x (target >= 0.8x); added p50 latency: {added * 1000:.0f} ms")
+    print(json.dumps({"ratio": ratio, "added_p50_s": added, **rows}))
+
+
+if __name__ == "__main__":
+    main()

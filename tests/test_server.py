@@ -1,0 +1,217 @@
+"""``twinkle serve`` driven by the real ``openai`` client, over the torch engine on the tiny model.
+
+Each test talks to a real uvicorn server on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from twinkle_core import ConfigError
+from twinkle_core.server import RunningServer, start_server
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def sampler() -> Iterator[Any]:
+    from twinkle_torch.sampler import TorchSampler
+
+    from twinkle_core.testing import build_tiny_model
+
+    with TorchSampler(build_tiny_model("llama"), device="cpu") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def server(sampler: Any) -> Iterator[RunningServer]:
+    with start_server(sampler, model_name="tiny") as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> Any:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_plain_chat_and_logprobs(client: Any, sampler: Any) -> None:
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    r = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=32, logprobs=True, top_logprobs=3)
+    choice = r.choices[0]
+    direct = sampler.sample({"messages": messages}, {"temperature": 0, "max_tokens": 32, "logprobs": 3})[0].sequences[0]
+    assert choice.message.content == direct.text and choice.finish_reason == "stop"
+    extra = choice.model_extra
+    assert extra["token_ids"] == direct.tokens and extra["weights_version"] == sampler.weights_version
+    assert [t.logprob for t in choice.logprobs.content] == pytest.approx(direct.logprobs)
+    assert all(len(t.top_logprobs) == 3 for t in choice.logprobs.content)
+    assert r.usage.completion_tokens == len(direct.tokens)
+    assert r.usage.prompt_tokens == len(sampler.template.encode({"messages": messages}).input_ids)
+
+
+def test_n_choices_and_base_model_name(client: Any) -> None:
+    r = client.chat.completions.create(
+        model="base", messages=[{"role": "user", "content": "Say something about a fox."}], n=3, temperature=2.0, max_tokens=16
+    )
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert len({tuple(c.model_extra["token_ids"]) for c in r.choices}) > 1
+
+
+def test_streaming_gives_the_same_text(client: Any) -> None:
+    messages = [{"role": "user", "content": "Tell me a story about a duck."}]
+    whole = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=30)
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=messages, temperature=0, max_tokens=30, stream=True, stream_options={"include_usage": True}
+    ))
+    assert len(chunks) > 3
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    final = next(c for c in chunks if c.choices and c.choices[0].finish_reason)
+    assert final.choices[0].model_extra["token_ids"] == whole.choices[0].model_extra["token_ids"]
+    assert chunks[-1].usage.completion_tokens == len(final.choices[0].model_extra["token_ids"])
+
+
+def test_agent_loop_session_export_is_what_was_sampled(client: Any, server: RunningServer, sampler: Any) -> None:
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Rome?"}]
+    sampled: list[list[int]] = []
+    for _ in range(4):  # a plain agent loop: call the tool while the model asks for it
+        r = client.chat.completions.create(
+            model="tiny", messages=messages, tools=[WEATHER], temperature=0, max_tokens=48,
+            extra_headers={"X-Session-Id": "agent-1"},
+        )
+        msg = r.choices[0].message
+        sampled.append(r.choices[0].model_extra["token_ids"])
+        messages.append(msg.model_dump(exclude_none=True))
+        if not msg.tool_calls:
+            break
+        call = msg.tool_calls[0]
+        assert json.loads(call.function.arguments) == {"city": "Rome"}
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": "17 degrees and cloudy"})
+    assert len(sampled) == 2 and "Rome" in messages[-1]["content"]
+
+    body = httpx.get(server.url + "/v1/sessions/agent-1").json()
+    assert body["episodes"] == 1 and body["turns"] == 2
+    lines = httpx.get(server.url + "/v1/sessions/agent-1/export").text.splitlines()
+    feature = json.loads(lines[0])["feature"]
+    ids, mask = feature["input_ids"], feature["extra"]["loss_mask"]
+    # The trained tokens are exactly the sampled ones, in order, and nothing else is trained.
+    assert [t for t, m in zip(ids, mask) if m] == sampled[0] + sampled[1]
+    spans = feature["extra"]["turns"]
+    assert [ids[s["start"] : s["end"]] for s in spans] == sampled
+    prompt = sampler.template.encode({"messages": messages[:1], "tools": [WEATHER]}).input_ids
+    assert ids[: len(prompt)] == prompt and spans[0]["start"] == len(prompt)
+    listed = httpx.get(server.url + "/v1/sessions").json()["data"]
+    assert {"id": "agent-1", "episodes": 1, "turns": 2, "tokens": len(ids)} in listed
+    assert httpx.delete(server.url + "/v1/sessions/agent-1").json()["deleted"] is True
+    assert httpx.get(server.url + "/v1/sessions/agent-1").status_code == 404
+
+
+def test_completions_route(client: Any, sampler: Any) -> None:
+    prompt = "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assistant\n"
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=0)
+    ids = sampler.template.tokenizer.encode(prompt, add_special_tokens=False)
+    direct = sampler.sample({"input_ids": ids}, {"temperature": 0, "max_tokens": 12})[0].sequences[0]
+    assert r.choices[0].text == direct.text and r.choices[0].model_extra["token_ids"] == direct.tokens
+    assert len(r.choices[0].logprobs.token_logprobs) == len(direct.tokens)
+
+
+def test_weights_version_follows_updates(client: Any, sampler: Any) -> None:
+    name, tensor = next(iter(sampler._model.state_dict().items()))
+    before = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=4)
+    version = sampler.update_weights({name: tensor.clone()})
+    after = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=4)
+    assert after.choices[0].model_extra["weights_version"] == version == before.choices[0].model_extra["weights_version"] + 1
+    assert httpx.get(str(client.base_url).replace("/v1/", "/health")).json()["weights_version"] == version
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "needle"),
+    [
+        ({"model": "nope", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
+        ({"model": "tiny", "messages": []}, 400, "messages"),
+        ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "best_of": 2}, 400, "best_of"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "tool_choice"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "hi " * 600}]}, 400, "prompt tokens"),
+        ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1.0}, 400, "presence_penalty"),
+    ],
+)
+def test_bad_requests_get_openai_errors(server: RunningServer, body: dict[str, Any], status: int, needle: str) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["type"]
+    assert "Traceback" not in r.text
+
+
+def test_malformed_json_and_unknown_route(server: RunningServer) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json()
+    assert httpx.get(server.url + "/v1/nothing").json()["error"]["code"] == "not_found"
+
+
+def test_client_leaving_mid_stream_leaves_the_server_up(server: RunningServer, client: Any) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a story about a cow."}], "stream": True, "max_tokens": 40}
+    with httpx.Client() as h, h.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+        first = next(r.iter_lines())
+        assert first.startswith("data: ")
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8, temperature=0)
+    assert r.choices[0].message.content
+
+
+def test_api_key(sampler: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    with start_server(sampler, api_key="s3cret") as srv:
+        assert httpx.get(srv.url + "/health").status_code == 200
+        missing = httpx.get(srv.url + "/v1/models")
+        assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0).models.list()
+        assert [m.id for m in ok] == ["twinkle", "base"]
+    monkeypatch.delenv("TWINKLE_API_KEY", raising=False)
+    with pytest.raises(ConfigError, match="API key is required"):
+        start_server(sampler, host="0.0.0.0")
+
+
+def test_twinkle_serve_command(tmp_path: Any) -> None:
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from twinkle_core.testing import build_tiny_model
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-c", "from twinkle_core.cli import main; main()", "serve", "-e", "torch",
+           "-m", str(build_tiny_model("llama")), "--port", str(port), "--model-name", "tiny"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "TWINKLE_API_KEY": ""})
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # uvicorn announces the address once it accepts connections
+            if "Uvicorn running on" in line:
+                break
+        else:
+            pytest.fail(f"twinkle serve exited with {proc.wait()}")
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello!"}], temperature=0, max_tokens=12)
+        assert r.choices[0].message.content == "Hello! How can I help you today?"
+    finally:
+        proc.terminate()
+        proc.wait()
