@@ -454,8 +454,18 @@ def _episode_params(sampler: Any, params: SamplingParams) -> SamplingParams:
 def _sample_turn(
     sampler: Any, prompts: list[InputFeature], params: SamplingParams, adapter_name: str
 ) -> list[SampleResponse]:
-    """The one call from episodes to the engine (the seam for ``Sampler.submit`` / ``asample`` later)."""
+    """The one call from episodes to the engine, blocking."""
     return sampler.sample(prompts, params, adapter_name)
+
+
+async def _asample_turn(
+    sampler: Any, prompts: list[InputFeature], params: SamplingParams, adapter_name: str
+) -> list[SampleResponse]:
+    """The same call for asyncio code: the sampler's own ``asample`` (the event loop is never blocked)."""
+    asample = getattr(sampler, "asample", None)
+    if asample is None:  # a sampler-like object without the asynchronous API
+        return await asyncio.to_thread(_sample_turn, sampler, prompts, params, adapter_name)
+    return list(await asample(prompts, params, adapter_name))
 
 
 def _prepare(
@@ -509,5 +519,5 @@ async def asample_episodes(
 ) -> list[list[Episode]]:
     """:func:`sample_episodes` for asyncio (the engine call runs in a worker thread)."""
     prompts, params = _prepare(sampler, list(episodes), sampling_params, num_samples)
-    responses = await asyncio.to_thread(_sample_turn, sampler, prompts, params, adapter_name)
+    responses = await _asample_turn(sampler, prompts, params, adapter_name)
     return _extend(list(episodes), responses)

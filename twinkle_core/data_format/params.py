@@ -23,7 +23,6 @@ MIN_REPETITION_PENALTY = 1e-2
 MAX_REPETITION_PENALTY = 1e2
 MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_NUM_SAMPLES = 4096
-SEED_LIMIT = 2**62
 
 
 def _bad(field: str, value: Any, accepted: str) -> InvalidSamplingParams:
@@ -81,8 +80,8 @@ def _check_top_k(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None
 
 
 def _check_seed(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    if value is not None and (not _is_int(value) or not -SEED_LIMIT < value < SEED_LIMIT):
-        raise _bad(attribute.name, value, "an integer with absolute value below 2**62, or None")
+    if value is not None and not _is_int(value):
+        raise _bad(attribute.name, value, "an integer or None")
 
 
 def _stop_strings(value: Any) -> tuple[str, ...]:
@@ -127,7 +126,7 @@ class SamplingParams(Record):
         repetition_penalty: > 1 discourages tokens already in the prompt or the
             completion (the CTRL / Hugging Face rule); 1 disables it. Within ``[0.01, 100]``.
         seed: makes the request reproducible whatever else is batched with it
-            (absolute value below ``2**62``).
+            (any integer: engines reduce it to the width their generators take).
             With ``num_samples > 1`` the samples still differ from each other.
         stop: strings that end a sequence. The text is cut before the stop
             string; the tokens keep everything generated up to and including
