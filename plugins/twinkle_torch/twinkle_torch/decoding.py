@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import torch
 
-from twinkle_core.data_format import SamplingParams
+from twinkle_core.data_format import SamplingMask, SamplingParams
 
 from twinkle_torch.cache import PreallocatedLayer, make_cache, select_rows
 from twinkle_torch.sampling import RowRandomness, TokenSampler, derive_seed
@@ -67,6 +67,7 @@ class SequenceResult:
     text: str | None = None
     logprobs: list[float] | None = None
     top_logprobs: TopList | None = None
+    sampling_mask: SamplingMask | None = None
 
 
 @attrs.define
@@ -240,10 +241,12 @@ class Decoder:
         for i in range(len(prompts)):
             scores.append(results.get(("prompt", i)))
             if max_new == 0:  # scoring only: each sample is an empty completion
-                empty = {
+                empty: dict[str, Any] = {
                     "logprobs": [] if params.logprobs is not None else None,
                     "top_logprobs": [] if params.logprobs else None,
                 }
+                if params.return_sampling_mask:
+                    empty["sampling_mask"] = SamplingMask(offsets=[0], token_ids=[])
                 sequences.append([SequenceResult(tokens=[], stop_reason="length", text="", **empty) for _ in range(n)])
             else:
                 sequences.append([results[(i, s)] for s in range(n)])
@@ -370,6 +373,8 @@ class Decoder:
         out_top_ids = torch.zeros(rows, max_new, top_n, dtype=torch.long, device=device) if top_n else None
         out_top_lp = torch.zeros(rows, max_new, top_n, device=device) if top_n else None
         forward_kwargs: dict[str, Any] = {"logits_to_keep": 1} if self.logits_to_keep else {}
+        # per original row, the kept ids of each step ([]: the whole vocabulary)
+        kept_rows: list[list[list[int]]] | None = [[] for _ in range(rows)] if params.return_sampling_mask else None
 
         finished: dict[int, tuple[int, str, str | int | None]] = {}  # original row -> (length, reason, stop)
         stop_text_end: dict[int, int] = {}
@@ -387,6 +392,9 @@ class Decoder:
             if out_top_ids is not None and out_top_lp is not None and result.top_ids is not None:
                 out_top_ids[where, step] = result.top_ids
                 out_top_lp[where, step] = result.top_logprobs
+            if kept_rows is not None:
+                for j, row in enumerate(live_list):
+                    kept_rows[row].append(result.kept[j] if result.kept is not None else [])
             if seen is not None:
                 seen.scatter_(1, tokens.unsqueeze(1), True)
 
@@ -461,6 +469,8 @@ class Decoder:
             seq = SequenceResult(tokens=toks, stop_reason=reason, stop=stop)
             if lp_cpu is not None:
                 seq.logprobs = lp_cpu[row][:length]
+            if kept_rows is not None:
+                seq.sampling_mask = SamplingMask.from_rows(kept_rows[row][:length])
             if top_ids_cpu is not None and top_lp_cpu is not None:
                 seq.top_logprobs = [
                     list(zip(ids, lps)) for ids, lps in zip(top_ids_cpu[row][:length], top_lp_cpu[row][:length])

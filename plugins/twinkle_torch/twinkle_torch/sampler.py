@@ -170,6 +170,7 @@ class TorchSampler(Sampler):
         {
             "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
             "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logprobs_mode", "num_samples",
+            "return_sampling_mask",
         }
     )  # fmt: skip
     concurrent_samples = False
@@ -274,6 +275,8 @@ class TorchSampler(Sampler):
                 )
                 for s in seqs
             ]
+            for sequence, s in zip(built, seqs):  # the base's _make_sequence does not carry engine extras
+                sequence.sampling_mask = s.sampling_mask
             out.append(
                 SampleResponse(
                     prompt_token_ids=ids,
