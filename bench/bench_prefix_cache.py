@@ -1,7 +1,7 @@
 """Prefill on a GRPO-like workload: the version-keyed prefix cache against today's reset.
 
-    python bench/bench_prefix_cache.py                  # the tiny model, about 2 minutes on 2 CPU cores
-    python bench/bench_prefix_cache.py --model smollm2  # the built-in SmolLM2-135M
+    python bench/bench_prefix_cache.py                  # the tiny model (512-token window), about 2 minutes
+    python bench/bench_prefix_cache.py --model smollm2 --system-repeats 12  # the built-in SmolLM2-135M
 
 Workload: each step pushes the policy's weights (``update_weights``, same
 values: only the version changes) and samples 8 prompts x 16 samples that
@@ -31,7 +31,7 @@ from typing import Any
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-ENGINE_ARGS: dict[str, Any] = {"enforce_eager": True, "kv_cache_memory_bytes": 2 << 30, "max_num_seqs": 256}
+ENGINE_ARGS: dict[str, Any] = {"enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 2 << 30, "max_num_seqs": 256}
 SYSTEM = (
     "You are a careful assistant for arithmetic word problems. Read the question, restate the numbers, work"
     " through each step, check the result against the question, and answer with the number alone. "
@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--calls", type=int, default=2, help="sample() calls per step (samples split evenly)")
     parser.add_argument("--samples", type=int, default=16)
-    parser.add_argument("--system-repeats", type=int, default=12, help="copies of the system sentence")
+    parser.add_argument("--system-repeats", type=int, default=4, help="copies of the system sentence")
     args = parser.parse_args(argv)
     model = _model(args.model)
     rows = []
