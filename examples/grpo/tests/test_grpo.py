@@ -89,7 +89,7 @@ def test_mask_replay_removes_the_truncation_mismatch(tmp_path: Path) -> None:
     """Under top-p / min-p the full-vocabulary trainer drifts; replaying the sampler's mask closes the gap."""
     truncated = {"top_p": 0.8, "min_p": 0.05, "steps": 2, "prompts_per_step": 4, "group_size": 4}
     drift = _run(tmp_path / "full", "tiny_torch.yaml", **truncated)
-    assert max(r["mismatch_max"] for r in drift) > 10 * MISMATCH_BOUND
+    assert max(r["mismatch_max"] for r in drift) > MISMATCH_BOUND
     replayed = _run(tmp_path / "replay", "tiny_torch.yaml", replay_mask=True, **truncated)
     assert max(r["mismatch_max"] for r in replayed) < MISMATCH_BOUND
 
@@ -105,4 +105,4 @@ def test_importance_corrections_log_the_share_they_touch(tmp_path: Path, correct
         is_cap=0.99, is_low=0.99, is_high=1.01,
     )  # fmt: skip
     shares = [r["is_share"] for r in history]
-    assert all(0.0 < s < 1.0 for s in shares), shares
+    assert all(0.0 <= s <= 1.0 for s in shares) and max(shares) > 0, shares
