@@ -455,7 +455,7 @@ def _sample_turn(
     sampler: Any, prompts: list[InputFeature], params: SamplingParams, adapter_name: str
 ) -> list[SampleResponse]:
     """The one call from episodes to the engine, blocking."""
-    return sampler.sample(prompts, params, adapter_name)
+    return list(sampler.sample(prompts, params, adapter_name))
 
 
 async def _asample_turn(

@@ -25,6 +25,7 @@ import attrs
 
 from twinkle_core.data_format import (
     InputFeature,
+    SamplingMask,
     SampledSequence,
     SampleResponse,
     SamplingParams,
@@ -900,6 +901,12 @@ class Sampler(ABC, metaclass=SamplerMeta):
             spans.append((len(first.tokens), rest.weights_version))
         if not spans:
             spans = [(0, rest.weights_version)]
+        mask = None
+        if first.sampling_mask is not None and rest.sampling_mask is not None:
+            mask = SamplingMask.from_rows(
+                [first.sampling_mask.kept(i) for i in range(len(first.sampling_mask))]
+                + [rest.sampling_mask.kept(i) for i in range(len(rest.sampling_mask))]
+            )
         full = self.template.decode(tokens)
         text = full
         if isinstance(rest.stop, str):
@@ -915,6 +922,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
             logprobs=logprobs,
             top_logprobs=top,
             weights_version=min(v for _, v in spans),
+            sampling_mask=mask,
         )
         return attrs.evolve(merged, version_spans=spans if len(spans) > 1 else None)
 
@@ -1065,6 +1073,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
                 text="",
                 logprobs=[] if params.logprobs is not None else None,
                 top_logprobs=[] if params.logprobs else None,
+                sampling_mask=SamplingMask.from_rows([]) if params.return_sampling_mask else None,
             )
             for _ in range(params.num_samples)
         ]
@@ -1107,6 +1116,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         logprobs: list[float] | None = None,
         top_logprobs: Any = None,
         weights_version: int | None = None,
+        sampling_mask: SamplingMask | None = None,
     ) -> SampledSequence:
         """Build a ``SampledSequence`` with its text, version and training feature.
 
@@ -1130,6 +1140,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
             weights_version=self._weights_version if weights_version is None else weights_version,
             adapter_name=adapter_name,
             training_feature=feature,
+            sampling_mask=sampling_mask,
         )
 
     # -- lifecycle -----------------------------------------------------------------------

@@ -7,6 +7,13 @@ each group, recomputes the policy's log-probs on each sample's
 weights into the sampler in memory. Every sample must carry the weights
 version the trainer last pushed: a sampler running an old policy stops the run.
 
+Trainer-side corrections (docs/rl-correctness.md): ``replay_mask`` asks the
+sampler for the kept set of each position (under ``top_k`` / ``top_p`` /
+``min_p``) and recomputes the trainer's log-probs over exactly that support;
+``is_correction`` (``tis`` or ``mis``, at ``is_level`` token or sequence)
+reweights the loss by the sampler-trainer importance ratio and logs the share
+of tokens clipped or masked.
+
     python examples/grpo/grpo.py --config examples/grpo/tiny_torch.yaml
     python examples/grpo/grpo.py --config examples/grpo/tiny_torch.yaml --set engine=vllm --set steps=10
 """
@@ -52,6 +59,15 @@ class GRPOConfig:
     group_size: int = 8
     max_tokens: int = 16
     temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    replay_mask: bool = False  # recompute the trainer's log-probs over the sampler's kept support
+    is_correction: str = "none"  # "none", "tis" (truncated) or "mis" (masked importance sampling)
+    is_level: str = "token"  # "token" or "sequence"
+    is_cap: float = 2.0  # TIS: weights above it are clipped to it
+    is_low: float = 0.5  # MIS: tokens (sequences) with a ratio outside [is_low, is_high] are dropped
+    is_high: float = 2.0
     lr: float = 1e-2
     clip_eps: float = 0.2
     lora_rank: int = 8
@@ -92,8 +108,14 @@ def _model_dir(model_id: str) -> Path:
     return resolve_model_id(model_id)
 
 
-def completion_logprobs(model: Any, features: list[Any], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+def completion_logprobs(
+    model: Any, features: list[Any], temperature: float, replay: tuple[list[Any], SamplingParams] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs the policy gives each completion token, under the sampling temperature.
+
+    With ``replay`` (the sampled sequences and their params), each sequence's
+    log-probs are taken over the support its sampler kept (``sampling_mask``)
+    instead of the whole vocabulary.
 
     Returns:
         ``(logprobs, mask)``, both ``[batch, max_len - 1]``; ``mask`` marks completion tokens.
@@ -108,11 +130,21 @@ def completion_logprobs(model: Any, features: list[Any], temperature: float) -> 
         attn[i, :n] = 1
         labels[i, :n] = torch.tensor(f.labels)
     logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1].float()
+    targets = labels[:, 1:]
+    mask = targets != -100
+    if replay is not None:
+        from twinkle_core.rl import replay_logprobs
+
+        seqs, params = replay
+        rows = []
+        for i, (f, seq) in enumerate(zip(features, seqs)):
+            start = len(f.input_ids) - len(seq.tokens) - 1
+            lp = replay_logprobs(logits[i, start : start + len(seq.tokens)], seq.tokens, seq.sampling_mask, params)
+            rows.append(torch.cat([logits.new_zeros(start), lp, logits.new_zeros(width - 1 - start - len(lp))]))
+        return torch.stack(rows), mask
     if temperature > 0:
         logits = logits / temperature
     logp = torch.log_softmax(logits, dim=-1)
-    targets = labels[:, 1:]
-    mask = targets != -100
     token_lp = logp.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     return token_lp * mask, mask
 
@@ -147,6 +179,8 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
         policy = get_peft_model(policy, lora_config)
     elif cfg.mode != "full":
         raise ValueError(f"mode={cfg.mode!r}: expected 'lora' or 'full'")
+    if cfg.is_correction not in ("none", "tis", "mis"):
+        raise ValueError(f"is_correction={cfg.is_correction!r}: expected 'none', 'tis' or 'mis'")
     trainable = [p for p in policy.parameters() if p.requires_grad]
     optim = torch.optim.Adam(trainable, lr=cfg.lr)
 
@@ -197,9 +231,13 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
             params = SamplingParams(
                 max_tokens=cfg.max_tokens,
                 temperature=cfg.temperature,
+                top_k=cfg.top_k,
+                top_p=cfg.top_p,
+                min_p=cfg.min_p,
                 logprobs=0,
                 num_samples=cfg.group_size,
                 seed=rng.randrange(2**31),
+                return_sampling_mask=cfg.replay_mask,
             )
             t0 = time.perf_counter()
             responses = sampler.sample([Trajectory(messages=m) for m, _ in batch], params, adapter_name=adapter)
@@ -224,13 +262,25 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
                 start = len(s.training_feature.input_ids) - len(s.tokens) - 1
                 sampler_lp[i, start : start + len(s.tokens)] = torch.tensor(s.logprobs)
             policy.train()
-            new_lp, mask = completion_logprobs(policy, features, cfg.temperature)
+            replay = (seqs, params) if cfg.replay_mask else None
+            new_lp, mask = completion_logprobs(policy, features, cfg.temperature, replay)
             old_lp = new_lp.detach()
             diff = (old_lp - sampler_lp).abs()[mask]
             is_ratio = torch.exp(old_lp - sampler_lp)[mask]
             ratio = torch.exp(new_lp - old_lp)
             a = adv.unsqueeze(1)
             objective = torch.minimum(ratio * a, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * a)
+            is_share = 0.0
+            if cfg.is_correction != "none":
+                from twinkle_core.rl import masked_is, truncated_is
+
+                level: Any = cfg.is_level
+                if cfg.is_correction == "tis":
+                    corr = truncated_is(old_lp, sampler_lp, mask, cap=cfg.is_cap, level=level)
+                else:
+                    corr = masked_is(old_lp, sampler_lp, mask, low=cfg.is_low, high=cfg.is_high, level=level)
+                objective = objective * corr.weights  # constants: they reweight, not redirect, the gradient
+                is_share = corr.share
             loss = -(objective * mask).sum() / mask.sum()
             optim.zero_grad()
             loss.backward()
@@ -251,6 +301,7 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
                 "is_ratio_mean": float(is_ratio.mean()),
                 "is_ratio_min": float(is_ratio.min()),
                 "is_ratio_max": float(is_ratio.max()),
+                "is_share": is_share,  # tokens clipped (tis) or masked (mis) by the correction
                 "sample_s": t_sample,
                 "train_s": t_train,
                 "sync_s": t_sync,
@@ -263,7 +314,8 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
                     f"step {step:3d}  reward {row['reward']:.3f}  mismatch mean {row['mismatch_mean']:.2e}"
                     f" max {row['mismatch_max']:.2e}  ratio [{row['is_ratio_min']:.4f}, {row['is_ratio_max']:.4f}]"
                     f"  sample {t_sample:.2f}s ({row['sample_tokens_per_s']:.0f} tok/s)  train {t_train:.2f}s"
-                    f"  sync {t_sync * 1000:.0f}ms",
+                    f"  sync {t_sync * 1000:.0f}ms"
+                    + (f"  {cfg.is_correction} share {is_share:.3f}" if cfg.is_correction != "none" else ""),
                     flush=True,
                 )
         if held_out:

@@ -2,7 +2,7 @@
 
 from twinkle_core.data_format.chat import ROLES, Message, Tool, Trajectory
 from twinkle_core.data_format.feature import IGNORE_INDEX, InputFeature, training_feature
-from twinkle_core.data_format.output import SampledSequence, SampleResponse, StopReason, TopLogprobs
+from twinkle_core.data_format.output import SampledSequence, SampleResponse, SamplingMask, StopReason, TopLogprobs
 from twinkle_core.data_format.params import LogprobsMode, SamplingParams
 
 __all__ = [
@@ -13,6 +13,7 @@ __all__ = [
     "Message",
     "SampleResponse",
     "SampledSequence",
+    "SamplingMask",
     "SamplingParams",
     "StopReason",
     "Tool",

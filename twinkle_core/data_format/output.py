@@ -8,8 +8,9 @@ import attrs
 
 from twinkle_core.data_format._base import Record
 from twinkle_core.data_format.feature import InputFeature
+from twinkle_core.errors import InvalidInputError
 
-__all__ = ["SampledSequence", "SampleResponse", "StopReason", "TopLogprobs"]
+__all__ = ["SampledSequence", "SampleResponse", "SamplingMask", "StopReason", "TopLogprobs"]
 
 StopReason = Literal["stop", "length", "abort"]
 #: Per position, the top-k ``(token_id, logprob)`` pairs, most likely first.
@@ -37,6 +38,69 @@ def _to_spans(value: Any) -> Any:
 def _check_reason(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value not in ("stop", "length", "abort"):
         raise ValueError(f"stop_reason={value!r} is invalid: expected 'stop', 'length' or 'abort'.")
+
+
+def _int_list(value: Any) -> list[int]:
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+def _check_mask(inst: SamplingMask, attribute: attrs.Attribute[Any], value: Any) -> None:
+    offsets, ids = inst.offsets, inst.token_ids
+    if not isinstance(offsets, list) or not isinstance(ids, list):
+        raise InvalidInputError(
+            f"SamplingMask(offsets={offsets!r:.60}, token_ids={ids!r:.60}) is invalid: expected two lists of integers."
+        )
+    if not offsets or offsets[0] != 0 or offsets[-1] != len(ids) or any(b < a for a, b in zip(offsets, offsets[1:])):
+        raise InvalidInputError(
+            f"SamplingMask.offsets={offsets!r:.80} is invalid: expected a non-decreasing list starting at 0 and"
+            f" ending at len(token_ids)={len(ids)}."
+        )
+    if any(t < 0 for t in ids):
+        raise InvalidInputError("SamplingMask.token_ids holds a negative id: expected token ids >= 0.")
+
+
+@attrs.define(kw_only=True)
+class SamplingMask(Record):
+    """The token ids the sampler kept at each generated position, CSR style.
+
+    Position ``i`` kept ``token_ids[offsets[i]:offsets[i + 1]]`` (ascending):
+    the support of the truncated, renormalised distribution (after top-k,
+    top-p and min-p) that token ``i`` was drawn from. An **empty row means the
+    whole vocabulary**: nothing was truncated there. That is the case at every
+    position of greedy decoding (its processed log-probs are over the whole
+    vocabulary) and of sampling without top-k, top-p or min-p. A kept set is
+    never empty (it holds the sampled token), so the convention is unambiguous.
+
+    Attributes:
+        offsets: ``len(tokens) + 1`` non-decreasing integers, from 0 to ``len(token_ids)``.
+        token_ids: the kept ids of every position, one row after another.
+    """
+
+    _error = InvalidInputError
+
+    offsets: list[int] = attrs.field(converter=_int_list, validator=_check_mask)
+    token_ids: list[int] = attrs.field(converter=_int_list, validator=_check_mask)
+
+    def __len__(self) -> int:
+        """The number of positions."""
+        return len(self.offsets) - 1
+
+    def kept(self, position: int) -> list[int]:
+        """The ids kept at ``position`` (empty: the whole vocabulary)."""
+        return self.token_ids[self.offsets[position] : self.offsets[position + 1]]
+
+    @classmethod
+    def from_rows(cls, rows: list[list[int]]) -> SamplingMask:
+        """Build the mask from one list of kept ids per position (``[]``: the whole vocabulary)."""
+        offsets, ids = [0], []
+        for row in rows:
+            ids.extend(sorted(row))
+            offsets.append(len(ids))
+        return cls(offsets=offsets, token_ids=ids)
+
+
+def _to_mask(value: Any) -> Any:
+    return SamplingMask.from_dict(value) if isinstance(value, dict) else value
 
 
 @attrs.define(kw_only=True)
@@ -67,6 +131,9 @@ class SampledSequence(Record):
         adapter_name: the LoRA adapter used (``""`` for the base model).
         training_feature: prompt + completion as one :class:`InputFeature`,
             labels ``-100`` on the prompt and the tokens on the completion.
+        sampling_mask: with ``SamplingParams.return_sampling_mask``, the token
+            ids kept at each position (one row per entry of ``tokens``); see
+            :class:`SamplingMask`. ``None`` otherwise.
     """
 
     tokens: list[int]
@@ -79,6 +146,7 @@ class SampledSequence(Record):
     version_spans: list[tuple[int, int]] | None = attrs.field(default=None, converter=_to_spans)
     adapter_name: str = ""
     training_feature: InputFeature | None = attrs.field(default=None, converter=_to_feature)
+    sampling_mask: SamplingMask | None = attrs.field(default=None, converter=_to_mask)
 
     def token_versions(self) -> list[int]:
         """The version that produced each token, one per entry of ``tokens``."""

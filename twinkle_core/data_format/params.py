@@ -145,6 +145,12 @@ class SamplingParams(Record):
             Greedy decoding (temperature 0) applies the repetition penalty
             only. ``"raw"``: log-softmax of the model's raw logits.
         num_samples: completions per input, at most 4096.
+        return_sampling_mask: also return, per generated position, the token
+            ids the sampler kept after top-k, top-p and min-p (the support the
+            token was drawn from) in ``SampledSequence.sampling_mask``, so a
+            trainer can recompute log-probs over exactly that support (see
+            ``twinkle_core.rl.replay_logprobs``). Engines that cannot see the
+            kept set refuse it with ``UnsupportedFeatureError``.
     """
 
     _error = InvalidSamplingParams
@@ -166,6 +172,7 @@ class SamplingParams(Record):
     prompt_logprobs: int | None = attrs.field(default=None, validator=_check_int(0, optional=True))
     logprobs_mode: LogprobsMode = attrs.field(default="processed", validator=_check_mode)
     num_samples: int = attrs.field(default=1, validator=_check_int(1, MAX_NUM_SAMPLES))
+    return_sampling_mask: bool = attrs.field(default=False, validator=_check_bool)
 
     @property
     def greedy(self) -> bool:

@@ -205,7 +205,7 @@ class _Server:
             raise ApiError(400, str(exc)) from None
 
     def token_text(self, token: int) -> str:
-        return self.sampler.template.decode([token], skip_special_tokens=False)
+        return str(self.sampler.template.decode([token], skip_special_tokens=False))
 
     def logprobs_content(self, tokens: list[int], logprobs: list[float] | None, top: Any) -> list[dict[str, Any]]:
         out = []

@@ -36,7 +36,7 @@ def _args(arguments: Any) -> str:
         try:
             arguments = json.loads(arguments)
         except json.JSONDecodeError:
-            return arguments
+            return str(arguments)
     return json.dumps(arguments, sort_keys=True)
 
 

