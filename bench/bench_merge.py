@@ -1,7 +1,7 @@
 """Sampling time of one LoRA call on the vLLM engine: merged, unmerged, and the base model.
 
     python bench/bench_merge.py                       # the core's tiny Llama
-    python bench/bench_merge.py --model builtin://SmolLM2-135M-Instruct --max-tokens 64
+    python bench/bench_merge.py --model builtin://smollm2-135m-instruct --max-tokens 64
 
 One engine (LoRA on, float32, eager), one random rank-8 adapter on every
 linear layer, the same greedy call (``--prompts`` x ``--samples``,

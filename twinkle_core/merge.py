@@ -111,7 +111,9 @@ def read_adapter(name: str, config_or_dir: Any, weights: Any) -> tuple[dict[str,
         if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)):
             raise AdapterError(f"Adapter {name!r}: weights must be a dict or (name, tensor) pairs, got {entry!r:.60}.")
         if not isinstance(entry[1], torch.Tensor):
-            raise AdapterError(f"Adapter {name!r}: {entry[0]!r} is a {type(entry[1]).__name__}, expected a torch.Tensor.")
+            raise AdapterError(
+                f"Adapter {name!r}: {entry[0]!r} is a {type(entry[1]).__name__}, expected a torch.Tensor."
+            )
     return _config_dict(name, config_or_dir), pairs
 
 
@@ -159,10 +161,10 @@ def lora_deltas(name: str, config: Mapping[str, Any], tensors: list[tuple[str, A
             without its ``B`` (or the reverse), mismatched ranks, DoRA, or no
             LoRA tensors at all.
     """
-    import torch
-
     if config.get("use_dora"):
-        raise AdapterError(f"Adapter {name!r} uses DoRA, whose merge is not W + scale * B @ A; load it with merge=False.")
+        raise AdapterError(
+            f"Adapter {name!r} uses DoRA, whose merge is not W + scale * B @ A; load it with merge=False."
+        )
     parts: dict[str, dict[str, Any]] = {}
     for key, tensor in tensors:
         found = _module_of(key)
@@ -182,7 +184,9 @@ def lora_deltas(name: str, config: Mapping[str, Any], tensors: list[tuple[str, A
     out: dict[str, Any] = {}
     for module, pair in parts.items():
         if set(pair) != set(_LORA_KINDS):
-            raise AdapterError(f"Adapter {name!r}: layer {module!r} has only {sorted(pair)[0]}; it needs lora_A and lora_B.")
+            raise AdapterError(
+                f"Adapter {name!r}: layer {module!r} has only {sorted(pair)[0]}; it needs lora_A and lora_B."
+            )
         a, b = pair["lora_A"].detach().float(), pair["lora_B"].detach().float()
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
             raise AdapterError(
@@ -285,7 +289,8 @@ class MergedLoRA:
                 kept = base[key]
                 base[key] = value.detach().to(device=kept.device, dtype=kept.dtype, copy=True)
                 delta = self._deltas.get(key)
-                out.append((key, base[key] if delta is None else (base[key].float() + delta.to(kept.device)).to(kept.dtype)))
+                merged = base[key] if delta is None else (base[key].float() + delta.to(kept.device)).to(kept.dtype)
+                out.append((key, merged))
             else:
                 out.append((key, value))
         return MergePlan(out, self.name, base, dict(self._deltas))

@@ -287,8 +287,8 @@ class TorchSampler(Sampler):
         merged = self._merged.name
         if merged is not None and adapter_name != merged:
             raise MergedAdapterError(
-                f"Adapter {merged!r} is merged into the weights, so {'the base model' if not adapter_name else repr(adapter_name)}"
-                f" cannot be sampled: use adapter_name={merged!r}, or remove_adapter({merged!r}) first."
+                f"Adapter {merged!r} is merged into the weights, so"
+                f" {'the base model' if not adapter_name else repr(adapter_name)} cannot be sampled: use adapter_name={merged!r}, or remove_adapter({merged!r}) first."
             )
         with torch.inference_mode():
             # A merged adapter runs on the plain modules: its sequences still carry its name.
@@ -318,7 +318,8 @@ class TorchSampler(Sampler):
         """
         if kwargs:
             raise AdapterError(
-                f"add_adapter_to_model got unexpected arguments {sorted(kwargs)} for the torch engine (it accepts merge=)."
+                f"add_adapter_to_model got unexpected arguments {sorted(kwargs)} for the torch engine"
+                " (it accepts merge=)."
             )
         merged = self._merged.name
         if check_merge_flag(merge):

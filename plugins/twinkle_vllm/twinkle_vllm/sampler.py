@@ -255,8 +255,8 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
         merged = self._merged.name
         if merged is not None and adapter_name != merged:
             raise MergedAdapterError(
-                f"Adapter {merged!r} is merged into the weights, so {'the base model' if not adapter_name else repr(adapter_name)}"
-                f" cannot be sampled: use adapter_name={merged!r}, or remove_adapter({merged!r}) first."
+                f"Adapter {merged!r} is merged into the weights, so"
+                f" {'the base model' if not adapter_name else repr(adapter_name)} cannot be sampled: use adapter_name={merged!r}, or remove_adapter({merged!r}) first."
             )
         # A merged adapter runs on the base path (no LoRA kernels); its sequences still carry its name.
         lora = self._loras[adapter_name] if adapter_name and adapter_name != merged else None
@@ -467,7 +467,9 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
                 model, or a merge while other adapters are loaded (or the reverse).
         """
         if kwargs:
-            raise AdapterError(f"add_adapter_to_model got unexpected options {sorted(kwargs)} (the vllm engine accepts merge=).")
+            raise AdapterError(
+                f"add_adapter_to_model got unexpected options {sorted(kwargs)} (the vllm engine accepts merge=)."
+            )
         merged = self._merged.name
         if check_merge_flag(merge):
             return self._merge_adapter(name, config_or_dir, weights)
