@@ -24,6 +24,7 @@ __all__ = [
     "TemplateError",
     "UnknownAdapterError",
     "AdapterError",
+    "MergedAdapterError",
     "InvalidModelIdError",
     "ModelNotFoundError",
     "HubUnavailableError",
@@ -115,6 +116,14 @@ class UnknownAdapterError(TwinkleError, LookupError):
 
 class AdapterError(TwinkleError, ValueError):
     """A LoRA adapter could not be loaded (missing folder, bad config, bad weights)."""
+
+
+class MergedAdapterError(TwinkleError, RuntimeError):
+    """A call needs weights other than the merged ones (``add_adapter_to_model(..., merge=True)``).
+
+    While an adapter is merged into the base weights, the base model (and any
+    other adapter) is not available: remove the merged adapter first.
+    """
 
 
 class InvalidModelIdError(TwinkleError, ValueError):

@@ -509,6 +509,8 @@ class Sampler(ABC, metaclass=SamplerMeta):
             in_flight: what happens to calls in flight: ``"wait"`` for them
                 (default), ``"abort"`` them, or ``"keep"`` them (see ``update_weights``).
             **kwargs: engine-specific options (an engine refuses those it does not know).
+                ``merge=True`` (torch and vllm engines): serve the adapter merged
+                into the base weights (``twinkle_core.merge``, ``docs/concepts.md``).
 
         Returns:
             The sampler's new ``weights_version``: samples drawn after this call carry it.

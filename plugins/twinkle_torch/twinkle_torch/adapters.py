@@ -104,6 +104,11 @@ class AdapterSet:
         return name in self._internal
 
     @property
+    def names(self) -> list[str]:
+        """The loaded adapters' names."""
+        return list(self._internal)
+
+    @property
     def empty(self) -> bool:
         """Whether no adapter is loaded."""
         return not self._internal

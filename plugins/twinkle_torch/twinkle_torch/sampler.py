@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams
-from twinkle_core.errors import AdapterError, ConfigError, InvalidMeshError
+from twinkle_core.errors import AdapterError, ConfigError, InvalidMeshError, MergedAdapterError, WeightUpdateError
 from twinkle_core.hub import resolve_model_id
+from twinkle_core.merge import MergedLoRA, check_merge_flag, lora_deltas, read_adapter
 from twinkle_core.mesh import DeviceMesh
 from twinkle_core.requests import EngineRun
 from twinkle_core.sampler import Sampler
@@ -212,6 +213,8 @@ class TorchSampler(Sampler):
         self._vocab_size = int(self._model.get_input_embeddings().num_embeddings)
         self._weights = WeightTable(self._model)
         self._adapter_set = AdapterSet(self._model, self.device)
+        # add_adapter_to_model(..., merge=True): the merged adapter and the base values it replaced.
+        self._merged = MergedLoRA()
         pad = getattr(self.tokenizer, "pad_token_id", None)
         eos = _eos_ids(self._model, self.tokenizer)
         if pad is None or not 0 <= pad < self._vocab_size:
@@ -281,8 +284,15 @@ class TorchSampler(Sampler):
             stopped=run.stopped,
             on_finish=lambda p, s, result: run.finish(p, s, build(p, result)),
         )
+        merged = self._merged.name
+        if merged is not None and adapter_name != merged:
+            raise MergedAdapterError(
+                f"Adapter {merged!r} is merged into the weights, so"
+                f" {'the base model' if not adapter_name else repr(adapter_name)} cannot be sampled: use adapter_name={merged!r}, or remove_adapter({merged!r}) first."
+            )
         with torch.inference_mode():
-            self._adapter_set.activate(adapter_name)
+            # A merged adapter runs on the plain modules: its sequences still carry its name.
+            self._adapter_set.activate("" if adapter_name == merged else adapter_name)
             sequences, scores = self._decoder.run(ids_of, params, max_batch_tokens=self.max_batch_tokens, control=control)
         return [
             SampleResponse(
@@ -295,17 +305,70 @@ class TorchSampler(Sampler):
         ]
 
     def _load_adapter(
-        self, name: str, config_or_dir: Any, *, weights: Any = None, version: int, **kwargs: Any
+        self, name: str, config_or_dir: Any, *, weights: Any = None, version: int, merge: bool = False, **kwargs: Any
     ) -> str:
+        """Load (or replace) adapter ``name``; with ``merge=True``, merge it into the weights.
+
+        A merged adapter must be the only one loaded (the base weights it
+        changes are shared by every other adapter); see ``twinkle_core.merge``.
+
+        Raises:
+            AdapterError: unknown options, an adapter that does not fit, or a
+                merge while other adapters are loaded (or the reverse).
+        """
         if kwargs:
-            raise AdapterError(f"add_adapter_to_model got unexpected arguments {sorted(kwargs)} for the torch engine.")
-        return self._adapter_set.load(name, config_or_dir, weights)
+            raise AdapterError(
+                f"add_adapter_to_model got unexpected arguments {sorted(kwargs)} for the torch engine"
+                " (it accepts merge=)."
+            )
+        merged = self._merged.name
+        if check_merge_flag(merge):
+            others = sorted(n for n in self._adapter_set.names if n != name)
+            if others or merged not in (None, name):
+                raise AdapterError(
+                    f"Cannot merge adapter {name!r}: adapter(s) {others or [merged]} are loaded, and a merged adapter"
+                    " changes the weights they run on. Remove them first (one merged adapter at a time)."
+                )
+            config, tensors = read_adapter(name, config_or_dir, weights)
+            plan = self._merged.plan_merge(name, lora_deltas(name, config, tensors), self._weights.read)
+            try:
+                pairs = self._weights.check(plan.tensors)
+            except WeightUpdateError as exc:
+                raise AdapterError(f"Cannot merge adapter {name!r}: {exc}") from exc
+            self._weights.apply(pairs)
+            self._merged.commit(plan)
+            self._adapter_set.remove(name)  # it was loaded unmerged before: that copy is stale now
+            return "<memory>" if weights is not None else str(config_or_dir)
+        if merged is not None and merged != name:
+            raise AdapterError(
+                f"Cannot load adapter {name!r}: adapter {merged!r} is merged into the weights it would run on."
+                f" remove_adapter({merged!r}) first."
+            )
+        source = self._adapter_set.load(name, config_or_dir, weights)
+        if merged == name:  # merged before, unmerged now: the weights go back to base
+            self._unmerge()
+        return source
+
+    def _unmerge(self) -> None:
+        plan = self._merged.plan_unmerge()
+        self._weights.apply(self._weights.check(plan.tensors))
+        self._merged.commit(plan)
 
     def _remove_adapter(self, name: str) -> None:
-        self._adapter_set.remove(name)
+        if self._merged.name == name:
+            self._unmerge()
+        else:
+            self._adapter_set.remove(name)
 
     def _update_weights(self, named_tensors: list[tuple[str, Any]], *, version: int) -> None:
-        self._weights.apply(self._weights.check(named_tensors))
+        pairs = self._weights.check(named_tensors)
+        if self._merged.name is None:
+            self._weights.apply(pairs)
+            return
+        # While merged, pushed base values of merged weights are kept and applied merged.
+        plan = self._merged.plan_update(named_tensors)
+        self._weights.apply(self._weights.check(plan.tensors))
+        self._merged.commit(plan)
 
     def _close(self) -> None:
         with self._exclusive():

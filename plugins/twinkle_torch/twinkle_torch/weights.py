@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from twinkle_core.errors import WeightUpdateError
+from twinkle_core.errors import WeightUpdateError, did_you_mean
 from twinkle_core.weights import TensorSpec, check_update
 
 __all__ = ["WeightTable"]
@@ -44,6 +44,39 @@ class WeightTable:
         if not isinstance(tensor, torch.Tensor):  # pragma: no cover - state_dict names resolve to tensors
             raise WeightUpdateError(f"Weight {name!r} does not resolve to a tensor in this model.")
         return tensor
+
+    def read(self, names: Sequence[str]) -> dict[str, torch.Tensor]:
+        """Copies of the current values of ``names`` (the base values a merged adapter is merged into).
+
+        Raises:
+            AdapterError: a name that is not a weight of this model, or a weight
+                shared with another name (tied embeddings: merging into one would change both).
+        """
+        from twinkle_core.errors import AdapterError
+
+        spec = self._spec()
+        out = {}
+        for name in names:
+            if name not in spec:
+                raise AdapterError(
+                    f"merge=True: the adapter changes {name!r}, which is not a weight of this model."
+                    f"{did_you_mean(name, spec)}"
+                )
+            tensor = self._resolve(name)
+            if name in self._shared():
+                raise AdapterError(
+                    f"merge=True: {name!r} is tied to another weight of this model; merging into it would change"
+                    " both. Load this adapter with merge=False."
+                )
+            out[name] = tensor.detach().clone()
+        return out
+
+    def _shared(self) -> set[str]:
+        """Names whose tensor is also another name's (tied weights)."""
+        by_ptr: dict[int, list[str]] = {}
+        for name, tensor in self.model.state_dict(keep_vars=True).items():
+            by_ptr.setdefault(tensor.data_ptr(), []).append(name)
+        return {n for group in by_ptr.values() if len(group) > 1 for n in group}
 
     def check(self, named_tensors: Sequence[tuple[str, Any]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Validate an update; return ``(target, new value)`` pairs ready to copy.

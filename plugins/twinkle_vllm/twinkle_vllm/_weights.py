@@ -61,8 +61,10 @@ class WeightSpec:
         engine_dtype: str,
         packed_modules_mapping: dict[str, list[str]],
         tied_embeddings: bool,
+        files: dict[str, Path] | None = None,
     ) -> None:
         self.shapes = shapes
+        self.files = files or {}
         self.dtypes = dtypes
         self.spec = {name: TensorSpec(shape, dtypes[name]) for name, shape in shapes.items()}
         self.engine_dtype = engine_dtype
@@ -90,10 +92,12 @@ class WeightSpec:
             )
         shapes: dict[str, tuple[int, ...]] = {}
         dtypes: dict[str, str] = {}
+        where: dict[str, Path] = {}
         for file in files:
             for name, info in _read_header(file).items():
                 if name == "__metadata__":
                     continue
+                where[name] = file
                 shapes[name] = tuple(info["shape"])
                 dtypes[name] = _ST_DTYPES.get(info["dtype"], info["dtype"].lower())
         tied = False
@@ -101,7 +105,7 @@ class WeightSpec:
         if config.is_file():
             data = json.loads(config.read_text())
             tied = bool(data.get("tie_word_embeddings", data.get("text_config", {}).get("tie_word_embeddings", False)))
-        return cls(shapes, dtypes, engine_dtype, packed_modules_mapping, tied)
+        return cls(shapes, dtypes, engine_dtype, packed_modules_mapping, tied, where)
 
     def _layer_key(self, name: str) -> str:
         module = name.rsplit(".", 1)[0]
@@ -112,6 +116,31 @@ class WeightSpec:
         head, _, last = module.rpartition(".")
         fused = self._fused.get(last)
         return f"{head}.{fused}" if fused else module
+
+    def group_of(self, name: str) -> list[str]:
+        """Every checkpoint tensor an update of ``name`` must include (its fused layer), ``name`` among them."""
+        return list(self.groups.get(self._layer_key(name), [name]))
+
+    def read_checkpoint(self, names: list[str], dtype: Any) -> dict[str, Any]:
+        """The checkpoint's values of ``names``, as CPU tensors of ``dtype`` (read with safetensors).
+
+        Raises:
+            AdapterError: a name that is not in the checkpoint.
+        """
+        from safetensors import safe_open
+
+        unknown = [n for n in names if n not in self.files]
+        if unknown:
+            raise AdapterError(f"merge=True: the adapter changes {unknown[0]!r}, which is not a weight of this model.")
+        by_file: dict[Path, list[str]] = {}
+        for name in names:
+            by_file.setdefault(self.files[name], []).append(name)
+        out: dict[str, Any] = {}
+        for file, members in by_file.items():
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in members:
+                    out[name] = f.get_tensor(name).to(dtype)
+        return out
 
     def validate(self, items: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
         """Check every tensor; return what to send (tied ``lm_head`` folded into the embedding).

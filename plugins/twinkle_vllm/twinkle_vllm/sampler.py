@@ -39,11 +39,13 @@ from twinkle_core.errors import (
     AdapterError,
     ConfigError,
     InvalidMeshError,
+    MergedAdapterError,
     SamplerClosedError,
     TwinkleError,
     UnsupportedFeatureError,
     WeightUpdateError,
 )
+from twinkle_core.merge import MergedLoRA, check_merge_flag, lora_deltas, read_adapter
 from twinkle_core.mesh import DeviceMesh
 from twinkle_core.requests import EngineRun
 from twinkle_core.sampler import Sampler
@@ -69,14 +71,19 @@ def _resolve_model(model_id: str | os.PathLike[str]) -> Path:
     return Path(resolve_model_id(model_id))
 
 
-def _cache_salt(version: int, lora: LoRARequest | None) -> str:
+def _cache_salt(version: int, lora: LoRARequest | None, merge_id: int = 0) -> str:
     """vLLM's per-request prefix-cache salt: the weights version and the adapter load.
 
     Requests share cached KV only when their salts are equal, so a prompt is
     prefilled once per version and adapter and never reused across a weight
     update. The adapter part is vLLM's id of the load, fresh on every
-    (re)load, so a replaced adapter never meets its predecessor's KV.
+    (re)load, so a replaced adapter never meets its predecessor's KV. A
+    merged adapter (``merge_id``, fresh on every merge) has its own part:
+    removing it restores the base weights without a new version, and the
+    base model must not meet KV computed by the merged weights.
     """
+    if merge_id:
+        return f"twinkle-w{version}-m{merge_id}"
     return f"twinkle-w{version}-a{lora.lora_int_id if lora is not None else 0}"
 
 
@@ -149,6 +156,11 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
 
         self._loras: dict[str, LoRARequest] = {}
         self._next_lora_id = 1
+        # add_adapter_to_model(..., merge=True): the merged adapter and the base values it replaced.
+        self._merged = MergedLoRA()
+        self._merge_id = 0
+        # Names update_weights has changed: their base values are no longer the checkpoint's.
+        self._pushed: set[str] = set()
         self._asleep = False
         self._spec: WeightSpec | None = None
         self._loop = LoopThread()
@@ -240,7 +252,14 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
         # The base holds its lock shared: the adapter cannot be removed or replaced, nor the weights change.
         if self._asleep:
             raise TwinkleError("The vLLM engine is asleep: call wake_up() before sampling.")
-        lora = self._loras[adapter_name] if adapter_name else None
+        merged = self._merged.name
+        if merged is not None and adapter_name != merged:
+            raise MergedAdapterError(
+                f"Adapter {merged!r} is merged into the weights, so"
+                f" {'the base model' if not adapter_name else repr(adapter_name)} cannot be sampled: use adapter_name={merged!r}, or remove_adapter({merged!r}) first."
+            )
+        # A merged adapter runs on the base path (no LoRA kernels); its sequences still carry its name.
+        lora = self._loras[adapter_name] if adapter_name and adapter_name != merged else None
         version = self.weights_version
         try:
             outputs = self._loop.run(self._run_all(run, plan, lora, version))
@@ -319,7 +338,7 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
         self, run: EngineRun, p: int, request_id: str, plan: Plan, lora: LoRARequest | None, version: int
     ) -> tuple[Any, list[Any] | None]:
         ids = list(run.prompts[p].input_ids)
-        salt = _cache_salt(version, lora)
+        salt = _cache_salt(version, lora, self._merge_id if self._merged.name is not None else 0)
         kwargs = plan.for_prompt(len(ids), self._max_model_len)
         if kwargs is None:
             return None, None
@@ -433,16 +452,79 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
 
     # -- LoRA -----------------------------------------------------------------------------
     def _load_adapter(
-        self, name: str, config_or_dir: Any, *, weights: Any = None, version: int, **kwargs: Any
+        self, name: str, config_or_dir: Any, *, weights: Any = None, version: int, merge: bool = False, **kwargs: Any
     ) -> str:
         """Load a PEFT LoRA adapter (folder, or config + tensors in memory), or replace it.
 
+        With ``merge=True`` the adapter is merged into the base weights
+        (``twinkle_core.merge``) and pushed like ``update_weights``: sampling
+        runs on the base path, without vLLM's LoRA kernels (LoRA need not be
+        enabled). A merged adapter must be the only one loaded.
+
         Raises:
             AdapterError: LoRA is off in this engine (``engine_args={"enable_lora": True}``),
-                no slot is free (``max_cpu_loras``), or the adapter does not fit the model.
+                no slot is free (``max_cpu_loras``), the adapter does not fit the
+                model, or a merge while other adapters are loaded (or the reverse).
         """
         if kwargs:
-            raise AdapterError(f"add_adapter_to_model got unexpected options {sorted(kwargs)}.")
+            raise AdapterError(
+                f"add_adapter_to_model got unexpected options {sorted(kwargs)} (the vllm engine accepts merge=)."
+            )
+        merged = self._merged.name
+        if check_merge_flag(merge):
+            return self._merge_adapter(name, config_or_dir, weights)
+        if merged is not None and merged != name:
+            raise AdapterError(
+                f"Cannot load adapter {name!r}: adapter {merged!r} is merged into the weights it would run on."
+                f" remove_adapter({merged!r}) first."
+            )
+        source = self._load_lora(name, config_or_dir, weights)
+        if merged == name:  # merged before, served by the LoRA kernels now: the weights go back to base
+            self._unmerge()
+        return source
+
+    def _merge_adapter(self, name: str, config_or_dir: Any, weights: Any) -> str:
+        others = sorted(n for n in self._loras if n != name)
+        merged = self._merged.name
+        if others or merged not in (None, name):
+            raise AdapterError(
+                f"Cannot merge adapter {name!r}: adapter(s) {others or [merged]} are loaded, and a merged adapter"
+                " changes the weights they run on. Remove them first (one merged adapter at a time)."
+            )
+        config, tensors = read_adapter(name, config_or_dir, weights)
+        tensors = _lora_tensors(name, tensors)
+        self._check_lora(name, _lora_config_dict(name, config), tensors)
+        plan = self._merged.plan_merge(name, lora_deltas(name, config, tensors), self._read_base)
+        try:
+            self._push_weights(self._weight_spec().validate(plan.tensors))
+        except WeightUpdateError as exc:
+            raise AdapterError(f"Cannot merge adapter {name!r}: {exc}") from exc
+        self._merged.commit(plan)
+        self._merge_id += 1
+        request = self._loras.pop(name, None)  # loaded unmerged before: that copy is stale now
+        if request is not None:
+            self._rpc("twinkle_remove_lora", request.lora_int_id)
+        return _MEMORY_SOURCE if weights is not None else str(config_or_dir)
+
+    def _read_base(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Base values of ``names`` and of the rest of their fused layers, from the checkpoint."""
+        spec = self._weight_spec()
+        wanted = list(dict.fromkeys(member for name in names for member in spec.group_of(name)))
+        changed = sorted(self._pushed.intersection(wanted))
+        if changed:
+            raise AdapterError(
+                f"merge=True needs the base values of {changed[:3]}, which update_weights replaced since the engine"
+                " started; this engine keeps base values only while an adapter is merged (merge first, then update),"
+                " or load the adapter with merge=False."
+            )
+        return spec.read_checkpoint(wanted, getattr(torch, spec.engine_dtype))
+
+    def _unmerge(self) -> None:
+        plan = self._merged.plan_unmerge()
+        self._push_weights(self._weight_spec().validate(plan.tensors))
+        self._merged.commit(plan)
+
+    def _load_lora(self, name: str, config_or_dir: Any, weights: Any) -> str:
         if self._lora_config is None:
             raise AdapterError(
                 f"Cannot load adapter {name!r}: LoRA is off in this engine. Build the sampler with"
@@ -504,6 +586,9 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
         return folder.resolve()
 
     def _remove_adapter(self, name: str) -> None:
+        if self._merged.name == name:
+            self._unmerge()
+            return
         request = self._loras.pop(name, None)
         if request is not None:
             self._rpc("twinkle_remove_lora", request.lora_int_id)
@@ -530,6 +615,17 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
             WeightSyncTimeoutError: a worker did not answer within ``TWINKLE_VLLM_IPC_TIMEOUT_S``.
         """
         tensors = self._weight_spec().validate(named_tensors)
+        if self._merged.name is not None:
+            # While merged, pushed base values of merged weights are kept and sent merged.
+            plan = self._merged.plan_update(tensors)
+            self._push_weights(self._weight_spec().validate(plan.tensors))
+            self._merged.commit(plan)
+        else:
+            self._push_weights(tensors)
+        self._pushed.update(name for name, _ in tensors)
+
+    def _push_weights(self, tensors: list[tuple[str, Any]]) -> None:
+        """Push validated tensors into every worker (the checksummed bucket channel)."""
         assert self._channel is not None and self._loop is not None and self._engine is not None
         # Trainer tensors already on the GPU go through CUDA IPC (no host round trip).
         cuda_ipc = self._device_type == "cuda" and all(t.is_cuda for _, t in tensors)

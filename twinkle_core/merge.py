@@ -1,0 +1,300 @@
+"""Serving a LoRA adapter merged into the base weights: ``W + scale * B @ A``.
+
+An engine that serves an adapter through its LoRA kernels pays for them on
+every token; vLLM's CPU build gathers each token's adapter matrices in plain
+PyTorch, which makes a LoRA call several times slower than the base model.
+Merging the adapter into the weights its layers wrap makes sampling run at
+base-model speed, at the cost of one weight push per adapter version.
+
+This module is the part every engine shares (``add_adapter_to_model(...,
+merge=True)`` on the ``torch`` and ``vllm`` engines):
+
+* :func:`read_adapter` reads a PEFT adapter (folder, or config plus tensors)
+  and :func:`lora_deltas` turns it into one ``scale * B @ A`` per target
+  weight, named as in the model's Hugging Face ``state_dict``.
+* :class:`MergedLoRA` keeps the *base* values of the weights a merge touches
+  (only those), and plans each push: merge, re-merge of a new adapter
+  version from the kept base values (a trainer pushes only the adapter),
+  ``update_weights`` while merged (the kept base values take the pushed
+  tensors, the engine gets them merged), and un-merge (the kept base values
+  go back). A plan is committed only after the engine applied it, so a
+  refused push changes nothing.
+
+What is refused (``AdapterError``): tensors other than ``lora_A`` /
+``lora_B`` weights (``modules_to_save``, LoRA biases, embedding LoRA) and
+DoRA, whose merge is not ``W + scale * B @ A``.
+
+Torch is imported only when an adapter is read (tensors cannot exist without it).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from twinkle_core.errors import AdapterError
+
+__all__ = ["MergePlan", "MergedLoRA", "check_merge_flag", "lora_deltas", "read_adapter"]
+
+_PREFIXES = ("base_model.model.", "base_model.")
+_LORA_KINDS = ("lora_A", "lora_B")
+
+
+def check_merge_flag(merge: Any) -> bool:
+    """``merge`` as a bool; anything but ``True`` / ``False`` is an ``AdapterError``."""
+    if not isinstance(merge, bool):
+        raise AdapterError(f"merge={merge!r} is invalid: expected True (merge into the weights) or False.")
+    return merge
+
+
+def _config_dict(name: str, config: Any) -> dict[str, Any]:
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    if not isinstance(config, Mapping):
+        raise AdapterError(
+            f"Adapter {name!r}: the config must be a peft.LoraConfig or a dict, got {type(config).__name__}."
+        )
+    return dict(config)
+
+
+def read_adapter(name: str, config_or_dir: Any, weights: Any) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
+    """The config (as a dict) and the ``(PEFT name, tensor)`` pairs of an adapter.
+
+    Args:
+        name: the adapter's name, for messages.
+        config_or_dir: a PEFT adapter folder, or a ``peft.LoraConfig`` (or its dict) with ``weights``.
+        weights: a mapping or ``(name, tensor)`` pairs, or ``None`` with a folder.
+
+    Raises:
+        AdapterError: a missing or unreadable folder, a config without weights,
+            weights that are not tensors.
+    """
+    import torch
+
+    if isinstance(config_or_dir, (str, os.PathLike)):
+        if weights is not None:
+            raise AdapterError("Pass either an adapter folder or a config with weights=, not a folder and weights.")
+        folder = Path(config_or_dir).expanduser()
+        if not (folder / "adapter_config.json").is_file():
+            raise AdapterError(
+                f"Adapter folder {str(folder)!r} has no adapter_config.json: pass a folder written by PEFT's"
+                " save_pretrained, or a LoraConfig with weights=."
+            )
+        try:
+            config = json.loads((folder / "adapter_config.json").read_text())
+            if (folder / "adapter_model.safetensors").is_file():
+                from safetensors.torch import load_file
+
+                raw: Mapping[str, Any] = load_file(str(folder / "adapter_model.safetensors"))
+            elif (folder / "adapter_model.bin").is_file():
+                raw = torch.load(str(folder / "adapter_model.bin"), map_location="cpu", weights_only=True)
+            else:
+                raise AdapterError(f"Adapter folder {str(folder)!r} has no adapter_model.safetensors (or .bin).")
+        except AdapterError:
+            raise
+        except Exception as exc:
+            raise AdapterError(f"Adapter folder {str(folder)!r} is unreadable: {type(exc).__name__}: {exc}") from exc
+        return _config_dict(name, config), list(raw.items())
+    if weights is None:
+        raise AdapterError(
+            f"Adapter {name!r} was given a config without weights: pass weights= (tensors by PEFT name) or a folder."
+        )
+    pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
+    for entry in pairs:
+        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)):
+            raise AdapterError(f"Adapter {name!r}: weights must be a dict or (name, tensor) pairs, got {entry!r:.60}.")
+        if not isinstance(entry[1], torch.Tensor):
+            raise AdapterError(
+                f"Adapter {name!r}: {entry[0]!r} is a {type(entry[1]).__name__}, expected a torch.Tensor."
+            )
+    return _config_dict(name, config_or_dir), pairs
+
+
+def _module_of(name: str) -> tuple[str, str] | None:
+    """``(module, "lora_A" | "lora_B")`` of a PEFT LoRA weight name, or ``None``.
+
+    Both PEFT spellings: ``...q_proj.lora_A.weight`` (saved) and
+    ``...q_proj.lora_A.<adapter>.weight`` (a live model's state_dict).
+    """
+    parts = name.split(".")
+    if len(parts) < 3 or parts[-1] != "weight":
+        return None
+    if parts[-2] in _LORA_KINDS:
+        module, kind = parts[:-2], parts[-2]
+    elif len(parts) >= 4 and parts[-3] in _LORA_KINDS:
+        module, kind = parts[:-3], parts[-3]
+    else:
+        return None
+    path = ".".join(module)
+    for prefix in _PREFIXES:
+        if path.startswith(prefix):
+            path = path[len(prefix) :]
+            break
+    return path, kind
+
+
+def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> Any:
+    # PEFT matches a pattern key against the end of the module's dotted name.
+    for key, value in patterns.items():
+        if re.fullmatch(rf"(.*\.)?{key}", module):
+            return value
+    return default
+
+
+def lora_deltas(name: str, config: Mapping[str, Any], tensors: list[tuple[str, Any]]) -> dict[str, Any]:
+    """``scale * B @ A`` per target weight, by ``state_dict`` name (``<module>.weight``), in float32.
+
+    ``scale`` is ``lora_alpha / r`` (``lora_alpha / sqrt(r)`` with rsLoRA),
+    with per-module ``alpha_pattern`` honoured and ``r`` read from ``A``'s shape
+    (so ``rank_pattern`` needs no special case); ``fan_in_fan_out`` layers get
+    the transposed product.
+
+    Raises:
+        AdapterError: a tensor that is not a LoRA ``A`` / ``B`` weight, an ``A``
+            without its ``B`` (or the reverse), mismatched ranks, DoRA, or no
+            LoRA tensors at all.
+    """
+    if config.get("use_dora"):
+        raise AdapterError(
+            f"Adapter {name!r} uses DoRA, whose merge is not W + scale * B @ A; load it with merge=False."
+        )
+    parts: dict[str, dict[str, Any]] = {}
+    for key, tensor in tensors:
+        found = _module_of(key)
+        if found is None:
+            raise AdapterError(
+                f"Adapter {name!r}: {key!r} is not a lora_A / lora_B weight; merge=True serves plain LoRA on linear"
+                " layers (no modules_to_save, LoRA biases or embedding LoRA). Load it with merge=False."
+            )
+        module, kind = found
+        parts.setdefault(module, {})[kind] = tensor
+    if not parts:
+        raise AdapterError(f"Adapter {name!r} has no lora_A / lora_B tensors.")
+    alpha = float(config.get("lora_alpha", 8))
+    alpha_pattern = dict(config.get("alpha_pattern") or {})
+    rslora = bool(config.get("use_rslora", False))
+    transpose = bool(config.get("fan_in_fan_out", False))
+    out: dict[str, Any] = {}
+    for module, pair in parts.items():
+        if set(pair) != set(_LORA_KINDS):
+            raise AdapterError(
+                f"Adapter {name!r}: layer {module!r} has only {sorted(pair)[0]}; it needs lora_A and lora_B."
+            )
+        a, b = pair["lora_A"].detach().float(), pair["lora_B"].detach().float()
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
+            raise AdapterError(
+                f"Adapter {name!r}: layer {module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)};"
+                " expected (r, in) and (out, r)."
+            )
+        rank = a.shape[0]
+        layer_alpha = float(_pattern_value(alpha_pattern, module, alpha))
+        scale = layer_alpha / (math.sqrt(rank) if rslora else rank)
+        delta = (b.to(a.device) @ a) * scale
+        out[f"{module}.weight"] = delta.T.contiguous() if transpose else delta
+    return out
+
+
+@attrs.frozen
+class MergePlan:
+    """What to push into the engine, and the merge state once it is applied.
+
+    Attributes:
+        tensors: ``(state_dict name, value)`` pairs to apply, as ``update_weights`` takes them.
+        name: the merged adapter afterwards (``None``: none).
+        base: the kept base values afterwards.
+        deltas: the merged deltas afterwards.
+    """
+
+    tensors: list[tuple[str, Any]]
+    name: str | None
+    base: dict[str, Any]
+    deltas: dict[str, Any]
+
+
+class MergedLoRA:
+    """The adapter merged into one engine's weights, and the base values it was merged into.
+
+    The kept base values cover every weight the merge touches, plus what the
+    engine asked to keep with them (vLLM: the other members of a fused layer,
+    which must be pushed together). Every plan pushes all of them, so an
+    engine's all-or-nothing update path applies each change whole.
+    """
+
+    def __init__(self) -> None:
+        self.name: str | None = None
+        self._base: dict[str, Any] = {}
+        self._deltas: dict[str, Any] = {}
+
+    @property
+    def kept_names(self) -> frozenset[str]:
+        """The weights whose base values are kept (empty when nothing is merged)."""
+        return frozenset(self._base)
+
+    def _combine(self, base: dict[str, Any], deltas: dict[str, Any]) -> list[tuple[str, Any]]:
+        out = []
+        for key, value in base.items():
+            delta = deltas.get(key)
+            if delta is None:
+                out.append((key, value))
+            else:
+                out.append((key, (value.float() + delta.to(value.device)).to(value.dtype)))
+        return out
+
+    def plan_merge(
+        self, name: str, deltas: dict[str, Any], read_base: Callable[[list[str]], Mapping[str, Any]]
+    ) -> MergePlan:
+        """Merge ``deltas`` (from :func:`lora_deltas`) as adapter ``name``, replacing any merged adapter.
+
+        ``read_base(names)`` returns the engine's current values of ``names``
+        (which are base values: they are not merged), plus any other tensor
+        that must travel with them. Weights the previous merge touched and this
+        one does not are restored from their kept base values.
+
+        Raises:
+            AdapterError: a delta whose shape differs from its weight's.
+        """
+        missing = [key for key in deltas if key not in self._base]
+        base = dict(self._base)
+        if missing:
+            base.update(read_base(missing))
+        for key, delta in deltas.items():
+            if tuple(base[key].shape) != tuple(delta.shape):
+                raise AdapterError(
+                    f"Adapter {name!r}: the update of {key!r} has shape {tuple(delta.shape)}, but the weight is"
+                    f" {tuple(base[key].shape)}; nothing was merged."
+                )
+        return MergePlan(self._combine(base, deltas), name, base, dict(deltas))
+
+    def plan_unmerge(self) -> MergePlan:
+        """Put every kept base value back; afterwards nothing is merged."""
+        return MergePlan(list(self._base.items()), None, {}, {})
+
+    def plan_update(self, named_tensors: list[tuple[str, Any]]) -> MergePlan:
+        """An ``update_weights`` while merged: pushed base tensors are kept, and sent merged.
+
+        ``named_tensors`` must be validated already (names and shapes fit the
+        model). Tensors the merge does not touch go through as they are.
+        """
+        base = dict(self._base)
+        out: list[tuple[str, Any]] = []
+        for key, value in named_tensors:
+            if key in base:
+                kept = base[key]
+                base[key] = value.detach().to(device=kept.device, dtype=kept.dtype, copy=True)
+                delta = self._deltas.get(key)
+                merged = base[key] if delta is None else (base[key].float() + delta.to(kept.device)).to(kept.dtype)
+                out.append((key, merged))
+            else:
+                out.append((key, value))
+        return MergePlan(out, self.name, base, dict(self._deltas))
+
+    def commit(self, plan: MergePlan) -> None:
+        """Record ``plan`` as applied by the engine."""
+        self.name, self._base, self._deltas = plan.name, plan.base, plan.deltas
