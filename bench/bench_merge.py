@@ -66,11 +66,18 @@ def main() -> None:
     from twinkle_vllm.sampler import vLLMSampler
 
     model_dir = Path(resolve_model_id(args.model)) if args.model else build_tiny_model("llama")
-    prompts = [Trajectory(messages=[{"role": "user", "content": f"Question {i}: tell me about the number {i}."}])
-               for i in range(args.prompts)]
+    prompts = [
+        Trajectory(messages=[{"role": "user", "content": f"Question {i}: tell me about the number {i}."}])
+        for i in range(args.prompts)
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, num_samples=args.samples)
-    engine_args = {"enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 1 << 30,
-                   "enable_lora": True, "max_lora_rank": args.rank}
+    engine_args = {
+        "enforce_eager": True,
+        "dtype": "float32",
+        "kv_cache_memory_bytes": 1 << 30,
+        "enable_lora": True,
+        "max_lora_rank": args.rank,
+    }
     with tempfile.TemporaryDirectory() as tmp, vLLMSampler(model_dir, engine_args=engine_args) as sampler:
         folder = _adapter(model_dir, Path(tmp) / "adapter", args.rank)
         base = _median_s(sampler, prompts, params, "", args.repeats)
@@ -80,8 +87,15 @@ def main() -> None:
         sampler.add_adapter_to_model("policy", folder, merge=True)
         merge_s = time.perf_counter() - start
         merged = _median_s(sampler, prompts, params, "policy", args.repeats)
-    result = {"model": str(model_dir), "base_s": base, "unmerged_s": unmerged, "merged_s": merged,
-              "merge_push_s": merge_s, "merged_over_base": merged / base, "unmerged_over_base": unmerged / base}
+    result = {
+        "model": str(model_dir),
+        "base_s": base,
+        "unmerged_s": unmerged,
+        "merged_s": merged,
+        "merge_push_s": merge_s,
+        "merged_over_base": merged / base,
+        "unmerged_over_base": unmerged / base,
+    }
     if args.json:
         print(json.dumps(result))
     print(f"{'call':<10}{'seconds':>10}{'x base':>9}")

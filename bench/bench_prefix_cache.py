@@ -31,7 +31,12 @@ from typing import Any
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-ENGINE_ARGS: dict[str, Any] = {"enforce_eager": True, "dtype": "float32", "kv_cache_memory_bytes": 2 << 30, "max_num_seqs": 256}
+ENGINE_ARGS: dict[str, Any] = {
+    "enforce_eager": True,
+    "dtype": "float32",
+    "kv_cache_memory_bytes": 2 << 30,
+    "max_num_seqs": 256,
+}
 SYSTEM = (
     "You are a careful assistant for arithmetic word problems. Read the question, restate the numbers, work"
     " through each step, check the result against the question, and answer with the number alone. "
@@ -74,7 +79,9 @@ def run(sampler: Any, mode: str, steps: int, calls: int, system_repeats: int, sa
     state = load_file(str(Path(sampler.model_dir) / "model.safetensors"))
     system = SYSTEM * system_repeats
     prompts = [
-        Trajectory(messages=[{"role": "system", "content": system}, {"role": "user", "content": f"What is {i} + {i * 3}?"}])
+        Trajectory(
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": f"What is {i} + {i * 3}?"}]
+        )
         for i in range(8)
     ]
     per_call = samples // calls

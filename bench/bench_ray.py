@@ -37,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import BENCH_PROMPTS, Workload, machine_summary  # noqa: E402
+from harness import BENCH_PROMPTS, Workload, machine_summary
 
 PRESETS = {"quick": {"repeats": 2, "calls": 30}, "full": {"repeats": 5, "calls": 100}}
 
@@ -50,8 +50,13 @@ def workload() -> Workload:
 
 
 def params(w: Workload) -> dict[str, Any]:
-    return {"temperature": w.temperature, "top_p": w.top_p, "max_tokens": w.max_tokens,
-            "ignore_eos": w.ignore_eos, "num_samples": w.num_samples}
+    return {
+        "temperature": w.temperature,
+        "top_p": w.top_p,
+        "max_tokens": w.max_tokens,
+        "ignore_eos": w.ignore_eos,
+        "num_samples": w.num_samples,
+    }
 
 
 def cpu_seconds(pids: list[int]) -> float:
@@ -110,16 +115,19 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     # Three ranks: the dp=1 sampler and the dp=2 sampler live side by side, so their runs can
     # alternate and a burst of load from elsewhere hits both arms alike (idle replicas cost nothing).
-    tw.initialize("ray", groups=[tw.DeviceGroup(name="bench", ranks=3, device_type="cpu", cpus_per_rank=1)],
-                  num_cpus=3)
+    tw.initialize("ray", groups=[tw.DeviceGroup(name="bench", ranks=3, device_type="cpu", cpus_per_rank=1)], num_cpus=3)
     names = ["local, 1 thread", "ray dp=1 (1 thread)", "ray dp=2 (1 thread each)"]
     walls: dict[str, list[float]] = {name: [] for name in names}
     cores: dict[str, list[float]] = {name: [] for name in names}
     try:
         with (
             TorchSampler(model, dtype=w.dtype) as local,
-            TorchSampler(model, dtype=w.dtype, remote_group="bench", device_mesh=tw.DeviceMesh.from_sizes(dp_size=1)) as one,
-            TorchSampler(model, dtype=w.dtype, remote_group="bench", device_mesh=tw.DeviceMesh.from_sizes(dp_size=2)) as two,
+            TorchSampler(
+                model, dtype=w.dtype, remote_group="bench", device_mesh=tw.DeviceMesh.from_sizes(dp_size=1)
+            ) as one,
+            TorchSampler(
+                model, dtype=w.dtype, remote_group="bench", device_mesh=tw.DeviceMesh.from_sizes(dp_size=2)
+            ) as two,
         ):
             samplers = dict(zip(names, (local, one, two)))
             pids = dict(zip(names, ([os.getpid()], [r.pid for r in one.replicas], [r.pid for r in two.replicas])))
@@ -139,15 +147,18 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for name in names:
         best = min(range(len(walls[name])), key=walls[name].__getitem__)
-        rows.append((name, generated / walls[name][best], walls[name][best], statistics.median(walls[name]),
-                     cores[name][best]))
+        rows.append(
+            (name, generated / walls[name][best], walls[name][best], statistics.median(walls[name]), cores[name][best])
+        )
     tps1, tps2 = rows[1][1], rows[2][1]
 
     load_after = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print()
-    print(f"twinkle on Ray, data-parallel scaling: {w.name}, {len(w.prompts)} chat prompts x {w.num_samples} samples x"
-          f" {w.max_tokens} tokens (ignore_eos), temperature {w.temperature}, top_p {w.top_p}, {w.dtype};"
-          f" preset {args.preset}, best of {preset['repeats']} alternating runs per arm")
+    print(
+        f"twinkle on Ray, data-parallel scaling: {w.name}, {len(w.prompts)} chat prompts x {w.num_samples} samples x"
+        f" {w.max_tokens} tokens (ignore_eos), temperature {w.temperature}, top_p {w.top_p}, {w.dtype};"
+        f" preset {args.preset}, best of {preset['repeats']} alternating runs per arm"
+    )
     print(f"machine: {machine_summary()}; 1-min load average {load_before:.2f} before, {load_after:.2f} after")
     print()
     print(f"{'arm':<28}{'tokens/s':>12}{'best s':>10}{'median s':>10}{'cores used':>12}{'vs ray dp=1':>14}")
@@ -157,10 +168,14 @@ def main(argv: list[str] | None = None) -> None:
     verdict = "meets" if tps2 / tps1 >= 1.6 else "MISSES"
     print(f"data-parallel speed-up, dp=2 / dp=1: {tps2 / tps1:.2f}x ({verdict} the 1.6x target)")
     if rows[2][4] < 1.6:
-        print(f"  note: during its best run the dp=2 replicas got {rows[2][4]:.2f} CPU cores between them, not 2:"
-              " other work held the rest of the machine, so this run cannot show the scaling.")
-    print(f"sample() of one short prompt (greedy, 1 token), median of {preset['calls']} calls:"
-          f" local {local_ms:.2f} ms, remote {remote_ms:.2f} ms, overhead {remote_ms - local_ms:+.2f} ms per call")
+        print(
+            f"  note: during its best run the dp=2 replicas got {rows[2][4]:.2f} CPU cores between them, not 2:"
+            " other work held the rest of the machine, so this run cannot show the scaling."
+        )
+    print(
+        f"sample() of one short prompt (greedy, 1 token), median of {preset['calls']} calls:"
+        f" local {local_ms:.2f} ms, remote {remote_ms:.2f} ms, overhead {remote_ms - local_ms:+.2f} ms per call"
+    )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,12 @@ from typing import Any
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-PROMPTS = ["What is the capital of France?", "Tell me a story about a duck.", "Count from 3 to 8.", "Tell me about Carol."]
+PROMPTS = [
+    "What is the capital of France?",
+    "Tell me a story about a duck.",
+    "Count from 3 to 8.",
+    "Tell me about Carol.",
+]
 
 
 def _run(clients: int, per_client: int, call: Callable[[int, int], int]) -> tuple[float, int, list[float]]:
@@ -78,7 +83,10 @@ def _clients(args: argparse.Namespace) -> None:
         if not hasattr(local, "client"):
             local.client = openai.OpenAI(base_url=args.client_of + "/v1", api_key="unused", max_retries=0)
         r = local.client.chat.completions.create(
-            model="base", messages=_messages(c, k), max_tokens=args.max_tokens, temperature=1.0,
+            model="base",
+            messages=_messages(c, k),
+            max_tokens=args.max_tokens,
+            temperature=1.0,
             extra_body={"ignore_eos": True},
         )
         return len(r.choices[0].model_extra["token_ids"])
@@ -107,21 +115,36 @@ def main() -> None:
     model = args.model or str(build_tiny_model("llama"))
     kwargs: dict[str, Any] = {"model_id": model}
     if args.engine == "vllm":
-        kwargs["engine_args"] = {"enforce_eager": True, "kv_cache_memory_bytes": 1 << 30, "dtype": "float32",
-                                 "max_num_seqs": 64}
+        kwargs["engine_args"] = {
+            "enforce_eager": True,
+            "kv_cache_memory_bytes": 1 << 30,
+            "dtype": "float32",
+            "max_num_seqs": 64,
+        }
     else:
         kwargs["device"] = "cpu"
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, temperature=1.0, logprobs=0)
 
     with create_sampler(args.engine, **kwargs) as sampler:
+
         def direct(c: int, k: int) -> int:
             return len(sampler.sample({"messages": _messages(c, k)}, params)[0].sequences[0].tokens)
 
         _run(min(4, args.clients), 1, direct)  # warm-up
         results = {"in-process": _run(args.clients, args.requests, direct)}
         with start_server(sampler, log_level="error") as srv:
-            argv = [sys.executable, __file__, "--client-of", srv.url, "--clients", str(args.clients),
-                    "--requests", str(args.requests), "--max-tokens", str(args.max_tokens)]
+            argv = [
+                sys.executable,
+                __file__,
+                "--client-of",
+                srv.url,
+                "--clients",
+                str(args.clients),
+                "--requests",
+                str(args.requests),
+                "--max-tokens",
+                str(args.max_tokens),
+            ]
             out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
             wall, toks, lat = json.loads(out.strip().splitlines()[-1])
             results["server"] = (wall, toks, lat)
@@ -130,7 +153,8 @@ def main() -> None:
     rows = {}
     for name, (wall, toks, lat) in results.items():
         rows[name] = {"tokens_per_s": toks / wall, "tokens": toks, "p50_s": statistics.median(lat)}
-        print(f"{name:>10}: {toks} tokens in {wall:.2f}s = {toks / wall:.1f} tok/s, latency p50 {statistics.median(lat):.3f}s")
+        p50 = statistics.median(lat)
+        print(f"{name:>10}: {toks} tokens in {wall:.2f}s = {toks / wall:.1f} tok/s, latency p50 {p50:.3f}s")
     ratio = rows["server"]["tokens_per_s"] / rows["in-process"]["tokens_per_s"]
     added = rows["server"]["p50_s"] - rows["in-process"]["p50_s"]
     print(f"server / in-process tokens/s: {ratio:.2f}x (target >= 0.8x); added p50 latency: {added * 1000:.0f} ms")

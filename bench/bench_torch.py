@@ -17,7 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import BENCH_PROMPTS, Runner, Workload, compare  # noqa: E402
+from harness import BENCH_PROMPTS, Runner, Workload, compare
 
 PRESETS = {
     # (prompts, max_tokens) per model; timed repeats per child; rounds of the runners taking turns
@@ -34,12 +34,21 @@ def workloads(preset: str, models: list[str]) -> list[Workload]:
         from twinkle_core.testing import build_tiny_model
 
         n, tokens = spec["tiny"]
-        out.append(Workload(name="tiny-llama", model_id=str(build_tiny_model("llama")), prompts=BENCH_PROMPTS[:n],
-                            max_tokens=tokens))
+        out.append(
+            Workload(
+                name="tiny-llama", model_id=str(build_tiny_model("llama")), prompts=BENCH_PROMPTS[:n], max_tokens=tokens
+            )
+        )
     if "smollm2" in models:
         n, tokens = spec["smollm2"]
-        out.append(Workload(name="smollm2-135m", model_id="builtin://smollm2-135m-instruct",
-                            prompts=BENCH_PROMPTS[:n], max_tokens=tokens))
+        out.append(
+            Workload(
+                name="smollm2-135m",
+                model_id="builtin://smollm2-135m-instruct",
+                prompts=BENCH_PROMPTS[:n],
+                max_tokens=tokens,
+            )
+        )
     return out
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import BENCH_PROMPTS, Runner, Workload, compare  # noqa: E402
+from harness import BENCH_PROMPTS, Runner, Workload, compare
 
 #: Engine options shared by ``vllm-raw`` and ``twinkle-vllm`` (identical engines).
 ENGINE_ARGS: dict[str, Any] = {
@@ -73,7 +73,6 @@ def vllm_raw_runner(workload: Workload, **engine_args: Any) -> Callable[[Workloa
     from vllm.inputs import TokensPrompt
 
     from twinkle_core.hub import resolve_model_id
-
     from twinkle_vllm._engine_args import platform_defaults
 
     path = str(resolve_model_id(workload.model_id))
@@ -83,7 +82,11 @@ def vllm_raw_runner(workload: Workload, **engine_args: Any) -> Callable[[Workloa
 
     def run(w: Workload) -> int:
         prompts = [
-            TokensPrompt(prompt_token_ids=list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)))
+            TokensPrompt(
+                prompt_token_ids=list(
+                    tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False)
+                )
+            )
             for m in w.prompts
         ]
         params = SamplingParams(
@@ -116,7 +119,9 @@ def sync_child(model_id: str, repeats: int, bucket_mib: int = 0) -> dict[str, An
     state = {k: v.to(torch.float32).clone() for k, v in state.items()}
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     extra = {"sync_bucket_bytes": bucket_mib << 20} if bucket_mib else {}
-    sampler = vLLMSampler(path, engine_args={**ENGINE_ARGS, "dtype": "float32", "kv_cache_memory_bytes": 1 << 30}, **extra)
+    sampler = vLLMSampler(
+        path, engine_args={**ENGINE_ARGS, "dtype": "float32", "kv_cache_memory_bytes": 1 << 30}, **extra
+    )
     # The plain memory copy of the same bytes, tensor by tensor, into preallocated
     # memory: numpy's copyto (a memcpy; faster than torch's copy_ on CPU).
     import numpy as np
@@ -149,7 +154,9 @@ def sync_child(model_id: str, repeats: int, bucket_mib: int = 0) -> dict[str, An
             t0 = time.perf_counter()
             sampler._rpc("reload_weights")
             reload_times.append(time.perf_counter() - t0)
-        text = sampler.sample({"messages": [{"role": "user", "content": "Hello!"}]}, {"max_tokens": 8, "temperature": 0})
+        text = sampler.sample(
+            {"messages": [{"role": "user", "content": "Hello!"}]}, {"max_tokens": 8, "temperature": 0}
+        )
         assert text[0].sequences[0].tokens, "the engine still samples after the syncs"
     finally:
         sampler.close()
@@ -217,7 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     workloads = []
     for model in models:
         n, tokens = preset["models"].get(model, (16, 64))
-        workloads.append(Workload(name=f"{model}", model_id=_model_id(model), prompts=BENCH_PROMPTS[:n], max_tokens=tokens))
+        workloads.append(
+            Workload(name=f"{model}", model_id=_model_id(model), prompts=BENCH_PROMPTS[:n], max_tokens=tokens)
+        )
     runners = [
         Runner("vllm-raw", "bench_vllm:vllm_raw_runner", dict(ENGINE_ARGS)),
         Runner("twinkle-vllm", "harness:sampler_runner", {"engine": "vllm", "engine_args": dict(ENGINE_ARGS)}),

@@ -356,7 +356,10 @@ def run_runner(
             return result
         data = json.loads(out_path.read_text())
     result.tokens, result.best_s, result.median_s, result.load_s = (
-        data["tokens"], data["best_s"], data["median_s"], data["load_s"]
+        data["tokens"],
+        data["best_s"],
+        data["median_s"],
+        data["load_s"],
     )
     return result
 

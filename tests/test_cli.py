@@ -7,9 +7,8 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
-
 import textwrap
+from pathlib import Path
 from typing import Literal
 
 import attrs
@@ -25,9 +24,7 @@ TWINKLE = shutil.which("twinkle", path=str(Path(sys.executable).parent)) or "twi
 
 def run(*args: str, stdin: str | None = None, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    return subprocess.run(
-        [TWINKLE, *args], input=stdin, capture_output=True, text=True, timeout=300, env=full_env
-    )
+    return subprocess.run([TWINKLE, *args], input=stdin, capture_output=True, text=True, timeout=300, env=full_env)
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +107,24 @@ def test_a_new_sampling_params_field_becomes_an_option_with_its_type():
 
 def test_sample_prompts_flags_to_jsonl(tiny):
     out = run(
-        "sample", "-e", "torch", "-m", tiny, "-p", "What is the capital of France?", "-p", "Count to five.",
-        "-n", "2", "--max-tokens", "12", "--temperature", "0", "--logprobs", "1", "--no-progress",
+        "sample",
+        "-e",
+        "torch",
+        "-m",
+        tiny,
+        "-p",
+        "What is the capital of France?",
+        "-p",
+        "Count to five.",
+        "-n",
+        "2",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--logprobs",
+        "1",
+        "--no-progress",
     )
     assert out.returncode == 0, out.stderr
     records = [json.loads(line) for line in out.stdout.splitlines()]
@@ -127,8 +140,24 @@ def test_sample_prompts_flags_to_jsonl(tiny):
 
 def test_sample_as_readable_text(tiny):
     out = run(
-        "sample", "-e", "torch", "-m", tiny, "-p", "What is the capital of France?", "-p", "Count to five.",
-        "-n", "2", "--max-tokens", "12", "--temperature", "0", "--format", "text", "--no-progress",
+        "sample",
+        "-e",
+        "torch",
+        "-m",
+        tiny,
+        "-p",
+        "What is the capital of France?",
+        "-p",
+        "Count to five.",
+        "-n",
+        "2",
+        "--max-tokens",
+        "12",
+        "--temperature",
+        "0",
+        "--format",
+        "text",
+        "--no-progress",
     )
     assert out.returncode == 0, out.stderr
     blocks = out.stdout.strip().split("\n\n")
@@ -212,8 +241,24 @@ def mixed_run(tiny, tmp_path_factory):
     infile = tmp_path_factory.mktemp("mixed") / "in.jsonl"
     infile.write_text("\n".join(x if isinstance(x, str) else json.dumps(x) for x in MIXED) + "\n")
     out = run(
-        "sample", "-e", "torch", "-m", tiny, "-i", str(infile), "--top-k", "2", "--logprobs", "3", "--seed", "0",
-        "-P", "max_tokens=4", "--param", "ignore_eos=true", "--no-progress",
+        "sample",
+        "-e",
+        "torch",
+        "-m",
+        tiny,
+        "-i",
+        str(infile),
+        "--top-k",
+        "2",
+        "--logprobs",
+        "3",
+        "--seed",
+        "0",
+        "-P",
+        "max_tokens=4",
+        "--param",
+        "ignore_eos=true",
+        "--no-progress",
     )
     assert out.returncode == 0, out.stderr
     return out.stdout

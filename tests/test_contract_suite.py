@@ -8,8 +8,9 @@ must pass the same selection.
 
 Every field is tried on the echo example (pure Python, fast); the fields the
 reference covers (but top-k, as cheap to break as the others) are also tried
-on a broken copy of the torch engine on the tiny model, in fresh interpreters. The vocabulary-limit test is left out of these runs: it checks a
-rule of the base class, which no engine can break by dropping a field.
+on a broken copy of the torch engine on the tiny model, in fresh interpreters.
+The vocabulary-limit test is left out of these runs: it checks a rule of the
+base class, which no engine can break by dropping a field.
 """
 
 from __future__ import annotations

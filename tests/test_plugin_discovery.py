@@ -63,9 +63,7 @@ def echo_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     is packaged.
     """
     src = tmp_path_factory.mktemp("echo-src") / "twinkle_echo"
-    shutil.copytree(
-        ECHO_SRC, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".pytest_cache")
-    )
+    shutil.copytree(ECHO_SRC, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__", ".pytest_cache"))
     site = tmp_path_factory.mktemp("echo-site")
     _pip_install("--target", str(site), str(src))
     return site
@@ -184,7 +182,9 @@ def test_allow_list_blocks_plugins_through_pluggy_before_importing_them(echo_sit
                           "imported": "twinkle_echo.plugin" in sys.modules}))
         """
     assert _last_json(_python(code, _env(echo_site, TWINKLE_PLUGINS="torch"))) == {
-        "blocked": True, "registered": False, "imported": False
+        "blocked": True,
+        "registered": False,
+        "imported": False,
     }
     assert _last_json(_python(code, _env(echo_site))) == {"blocked": False, "registered": True, "imported": True}
 
@@ -310,9 +310,12 @@ def test_clashing_shadowing_and_broken_plugins_are_reported(echo_site: Path, tmp
     # their class paths, and says how to select one
     dist, available, error, _ = listing["echo"]
     assert not available
-    for text in ("twinkle-echo 0.1.0 (twinkle_echo.engine:EchoSampler)",
-                 "twinkle-echo-clash 9.9.9 (twinkle_echo_clash:Engine)", "'twinkle-echo:echo'",
-                 "'twinkle-echo-clash:echo'"):
+    for text in (
+        "twinkle-echo 0.1.0 (twinkle_echo.engine:EchoSampler)",
+        "twinkle-echo-clash 9.9.9 (twinkle_echo_clash:Engine)",
+        "'twinkle-echo:echo'",
+        "'twinkle-echo-clash:echo'",
+    ):
         assert text in error, error
     assert result["echo"]["error"] == "DuplicateSamplerError" and result["echo"]["message"] == error
     # ... and each can be selected by the distribution-qualified name the message shows

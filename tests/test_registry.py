@@ -15,8 +15,8 @@ from twinkle_core.errors import (
     UnknownSamplerError,
     UnknownTemplateError,
 )
-from twinkle_core.plugins.engines import sampler_registry
 from twinkle_core.plugins import Registry, reset_plugins
+from twinkle_core.plugins.engines import sampler_registry
 from twinkle_core.sampler import Sampler
 from twinkle_core.template import ChatMLTemplate, get_template, register_template, template_registry
 

@@ -32,7 +32,7 @@ pytest.importorskip("twinkle_torch")
 
 import twinkle_core as tw  # noqa: E402
 import twinkle_core.sampler  # noqa: E402
-from twinkle_core import DeviceGroup, DeviceMesh, InputFeature, SampleResponse, Sampler, Trajectory  # noqa: E402
+from twinkle_core import DeviceGroup, DeviceMesh, InputFeature, Sampler, SampleResponse, Trajectory  # noqa: E402
 from twinkle_core.errors import (  # noqa: E402
     ConfigError,
     InvalidMeshError,
@@ -110,8 +110,9 @@ def hold_here(folder: str | None) -> None:
 class HeldTorchSampler(TorchSampler):
     """The real torch engine, whose calls a :class:`Hold` can stop in flight."""
 
-    def __init__(self, model_id: str, device_mesh: DeviceMesh | None = None, *, hold: str | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, model_id: str, device_mesh: DeviceMesh | None = None, *, hold: str | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(model_id, device_mesh, **kwargs)
         self.hold = hold
 
@@ -149,8 +150,14 @@ class EchoEngine(Sampler):
 
     engine_name = "echo"
 
-    def __init__(self, model_id: str = "echo", device_mesh: DeviceMesh | None = None, *,
-                 hold: str | None = None, fail_if_exists: str | None = None) -> None:
+    def __init__(
+        self,
+        model_id: str = "echo",
+        device_mesh: DeviceMesh | None = None,
+        *,
+        hold: str | None = None,
+        fail_if_exists: str | None = None,
+    ) -> None:
         super().__init__()
         if fail_if_exists and os.path.exists(fail_if_exists):
             raise FileNotFoundError(f"model files missing: {fail_if_exists}")
@@ -175,8 +182,13 @@ class EchoEngine(Sampler):
         for p in prompts:
             base = p.input_ids[-1] + self.offset + shift
             seqs = [
-                self._make_sequence(p.input_ids, [(base + s + i) % 256 for i in range(params.max_tokens)],
-                                    stop_reason="length", adapter_name=adapter_name, text=str(os.getpid()))
+                self._make_sequence(
+                    p.input_ids,
+                    [(base + s + i) % 256 for i in range(params.max_tokens)],
+                    stop_reason="length",
+                    adapter_name=adapter_name,
+                    text=str(os.getpid()),
+                )
                 for s in range(params.num_samples)
             ]
             out.append(SampleResponse(prompt_token_ids=p.input_ids, sequences=seqs))
@@ -219,8 +231,13 @@ class Scorer:
     @dispatch("one")
     def layout(self) -> dict[str, Any]:
         ctx = current_replica()
-        return {"bundles": ctx.bundle_indices, "tp_size": self.mesh.tp_size, "dp_size": self.mesh.dp_size,
-                "vllm_bundles": os.environ.get("VLLM_RAY_BUNDLE_INDICES"), "pg": ctx.placement_group is not None}
+        return {
+            "bundles": ctx.bundle_indices,
+            "tp_size": self.mesh.tp_size,
+            "dp_size": self.mesh.dp_size,
+            "vllm_bundles": os.environ.get("VLLM_RAY_BUNDLE_INDICES"),
+            "pg": ctx.placement_group is not None,
+        }
 
     @dispatch("one")
     def fail(self) -> None:
@@ -265,8 +282,13 @@ def torch_hold(tmp_path_factory) -> Hold:
 
 @pytest.fixture(scope="module")
 def remote(cluster, model_dir, torch_hold):
-    with tw.create_sampler(HeldTorchSampler, model_id=model_dir, device_mesh=DeviceMesh.from_sizes(dp_size=2),
-                           remote_group="pair", hold=str(torch_hold.folder)) as s:
+    with tw.create_sampler(
+        HeldTorchSampler,
+        model_id=model_dir,
+        device_mesh=DeviceMesh.from_sizes(dp_size=2),
+        remote_group="pair",
+        hold=str(torch_hold.folder),
+    ) as s:
         yield s
 
 
@@ -291,8 +313,18 @@ def uneven_inputs(local_sampler: Sampler) -> list[Any]:
     """Conversations and token-id prompts of very different lengths, mixed."""
     feats = [local_sampler.template.encode(t) for t in chats()]
     long = InputFeature(input_ids=[t for f in feats[:6] for t in f.input_ids][:300])
-    return [feats[0], chats()[3], long, chats()[1], InputFeature(input_ids=feats[2].input_ids[-5:]),
-            chats()[7], feats[5], chats()[9], long, chats()[0]]
+    return [
+        feats[0],
+        chats()[3],
+        long,
+        chats()[1],
+        InputFeature(input_ids=feats[2].input_ids[-5:]),
+        chats()[7],
+        feats[5],
+        chats()[9],
+        long,
+        chats()[0],
+    ]
 
 
 def tokens(responses: list[SampleResponse]) -> list[list[list[int]]]:
@@ -451,8 +483,10 @@ def test_adapters_and_weights_reach_every_replica(remote, local, model_dir, lora
     got = remote.sample(many, GREEDY)
     assert tokens(got) == updated * 2
     assert {s.weights_version for r in got for s in r.sequences} == {v0 + 2}
-    assert tokens(remote.sample(many, GREEDY, adapter_name="lora")) == tokens(
-        local.sample(chats(), GREEDY, adapter_name="lora")) * 2
+    assert (
+        tokens(remote.sample(many, GREEDY, adapter_name="lora"))
+        == tokens(local.sample(chats(), GREEDY, adapter_name="lora")) * 2
+    )
 
     remote.remove_adapter("lora")
     local.remove_adapter("lora")
@@ -593,13 +627,15 @@ def test_a_rebuilt_replica_carries_the_same_state_and_version(cluster):
 
 def test_lost_replica_is_reported_and_the_others_keep_serving(cluster, tmp_path):
     marker = tmp_path / "gone"
-    with EchoEngine(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="aux",
-                    fail_if_exists=str(marker)) as s:
+    with EchoEngine(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="aux", fail_if_exists=str(marker)) as s:
         s.update_weights({"offset": 3})
         marker.write_text("the model folder went away")
         kill_and_wait(s.actors[0])
-        with pytest.raises(ReplicaLostError, match=r"Replica 0 .* could not be restarted: FileNotFoundError.*"
-                                                   r"the 1 surviving replica\(s\) keep serving") as info:
+        with pytest.raises(
+            ReplicaLostError,
+            match=r"Replica 0 .* could not be restarted: FileNotFoundError.*"
+            r"the 1 surviving replica\(s\) keep serving",
+        ) as info:
             s.sample([InputFeature(input_ids=[i]) for i in range(6)], {"max_tokens": 1})
         assert info.value.replica == 0 and info.value.survivors == 1
         assert s.num_replicas == 1 and [r.alive for r in s.replicas] == [False, True]
@@ -660,8 +696,9 @@ def test_initialize_twice(cluster):
         tw.initialize("ray", num_cpus=3)
     with pytest.raises(ConfigError, match="already initialised in mode 'ray'"):
         tw.initialize("local")
-    more = tw.initialize("ray", groups=[DeviceGroup(name="extra", ranks=1, device_type="cpu", cpus_per_rank=0.1)],
-                         num_cpus=4)
+    more = tw.initialize(
+        "ray", groups=[DeviceGroup(name="extra", ranks=1, device_type="cpu", cpus_per_rank=0.1)], num_cpus=4
+    )
     assert more is cluster and set(cluster.groups) == {"pair", "aux", "extra"}
     with pytest.raises(Exception, match="needs 1 x"):
         tw.initialize("ray", groups=[DeviceGroup(name="gpus", ranks=1, device_type="cuda")], num_cpus=4)
@@ -717,7 +754,8 @@ def test_close_releases_actors_and_devices(cluster):
 def test_a_second_driver_joins_by_address_and_exits_cleanly(cluster, tmp_path):
     """A driver that leaves a remote sampler open still exits at once, and frees what it held."""
     script = tmp_path / "driver.py"
-    script.write_text(textwrap.dedent(f"""
+    script.write_text(
+        textwrap.dedent(f"""
         import sys
         sys.path.insert(0, {str(Path(__file__).parent)!r})
         import ray
@@ -728,7 +766,8 @@ def test_a_second_driver_joins_by_address_and_exits_cleanly(cluster, tmp_path):
                       address={ray.get_runtime_context().gcs_address!r})
         s = test_remote.EchoEngine(remote_group="d")
         print(s.sample(tw.InputFeature(input_ids=[7]), {{"max_tokens": 2}})[0].sequences[0].tokens)
-    """))
+    """)
+    )
     before = ray.available_resources().get("CPU", 0.0)
     # A driver that hangs at exit (the bug this guards against) never ends: the timeout catches it.
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=DEADLINE_S)

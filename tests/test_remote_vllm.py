@@ -42,8 +42,9 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def remote(model_dir):
-    tw.initialize("ray", groups=[DeviceGroup(name="vllm", ranks=1, device_type="cpu")], num_cpus=2,
-                  runtime_env={"env_vars": ENV})
+    tw.initialize(
+        "ray", groups=[DeviceGroup(name="vllm", ranks=1, device_type="cpu")], num_cpus=2, runtime_env={"env_vars": ENV}
+    )
     try:
         from twinkle_vllm.sampler import vLLMSampler
 
@@ -76,7 +77,8 @@ def test_vllm_replica_samples_like_the_torch_engine(remote, local):
     assert tokens(out) == tokens(local.sample(chats(), GREEDY))
     seeded = {"temperature": 1.0, "max_tokens": 16, "seed": 3}
     assert tokens(remote.sample(chats()[:3], seeded, num_samples=2)) == tokens(
-        remote.sample(chats()[:3], seeded, num_samples=2))
+        remote.sample(chats()[:3], seeded, num_samples=2)
+    )
 
 
 def test_update_weights_through_ray(remote, local, model_dir):

@@ -72,7 +72,9 @@ def test_normalize_inputs_accepts_mixed_lists_and_single_items():
     f = InputFeature(input_ids=[1])
     t = Trajectory(messages=[{"role": "user", "content": "hi"}])
     assert normalize_inputs(f) == [f]
-    assert normalize_inputs([t, f, {"input_ids": [2]}, {"messages": [{"role": "user", "content": "x"}]}])[2].input_ids == [2]
+    assert normalize_inputs([t, f, {"input_ids": [2]}, {"messages": [{"role": "user", "content": "x"}]}])[
+        2
+    ].input_ids == [2]
     with pytest.raises(InvalidInputError, match="single chat message"):
         normalize_inputs([{"role": "user", "content": "hi"}])
     with pytest.raises(InvalidInputError, match=r"inputs\[1\]"):
@@ -93,7 +95,9 @@ def test_invalid_token_ids_and_length_checked_before_generation():
     with pytest.raises(InvalidInputError, match="token id 100 outside the vocabulary"):
         eng.sample([InputFeature(input_ids=[1]), InputFeature(input_ids=[100])], {"max_tokens": 1})
     assert eng.calls == []
-    out = eng.sample([InputFeature(input_ids=[1] * 9), InputFeature(input_ids=[1])], {"max_tokens": 1}, on_invalid="skip")
+    out = eng.sample(
+        [InputFeature(input_ids=[1] * 9), InputFeature(input_ids=[1])], {"max_tokens": 1}, on_invalid="skip"
+    )
     assert out[0].error and "at most 7" in out[0].error and out[1].sequences
     # scoring only (max_tokens=0) may use the whole window
     assert eng.sample(InputFeature(input_ids=[1] * 8), {"max_tokens": 0})[0].sequences[0].tokens == []

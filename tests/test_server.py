@@ -15,8 +15,8 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from twinkle_core import ConfigError
-from twinkle_core.server import RunningServer, start_server
+from twinkle_core import ConfigError  # noqa: E402 - after the optional-dependency skips
+from twinkle_core.server import RunningServer, start_server  # noqa: E402
 
 WEATHER = {
     "type": "function",
@@ -30,9 +30,8 @@ WEATHER = {
 
 @pytest.fixture(scope="module")
 def sampler() -> Iterator[Any]:
-    from twinkle_torch.sampler import TorchSampler
-
     from twinkle_core.testing import build_tiny_model
+    from twinkle_torch.sampler import TorchSampler
 
     with TorchSampler(build_tiny_model("llama"), device="cpu") as s:
         yield s
@@ -51,7 +50,9 @@ def client(server: RunningServer) -> Any:
 
 def test_plain_chat_and_logprobs(client: Any, sampler: Any) -> None:
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    r = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=32, logprobs=True, top_logprobs=3)
+    r = client.chat.completions.create(
+        model="tiny", messages=messages, temperature=0, max_tokens=32, logprobs=True, top_logprobs=3
+    )
     choice = r.choices[0]
     direct = sampler.sample({"messages": messages}, {"temperature": 0, "max_tokens": 32, "logprobs": 3})[0].sequences[0]
     assert choice.message.content == direct.text and choice.finish_reason == "stop"
@@ -65,7 +66,11 @@ def test_plain_chat_and_logprobs(client: Any, sampler: Any) -> None:
 
 def test_n_choices_and_base_model_name(client: Any) -> None:
     r = client.chat.completions.create(
-        model="base", messages=[{"role": "user", "content": "Say something about a fox."}], n=3, temperature=2.0, max_tokens=16
+        model="base",
+        messages=[{"role": "user", "content": "Say something about a fox."}],
+        n=3,
+        temperature=2.0,
+        max_tokens=16,
     )
     assert [c.index for c in r.choices] == [0, 1, 2]
     assert len({tuple(c.model_extra["token_ids"]) for c in r.choices}) > 1
@@ -74,9 +79,16 @@ def test_n_choices_and_base_model_name(client: Any) -> None:
 def test_streaming_gives_the_same_text(client: Any) -> None:
     messages = [{"role": "user", "content": "Tell me a story about a duck."}]
     whole = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=30)
-    chunks = list(client.chat.completions.create(
-        model="tiny", messages=messages, temperature=0, max_tokens=30, stream=True, stream_options={"include_usage": True}
-    ))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            temperature=0,
+            max_tokens=30,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert len(chunks) > 3
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -90,7 +102,11 @@ def test_agent_loop_session_export_is_what_was_sampled(client: Any, server: Runn
     sampled: list[list[int]] = []
     for _ in range(4):  # a plain agent loop: call the tool while the model asks for it
         r = client.chat.completions.create(
-            model="tiny", messages=messages, tools=[WEATHER], temperature=0, max_tokens=48,
+            model="tiny",
+            messages=messages,
+            tools=[WEATHER],
+            temperature=0,
+            max_tokens=48,
             extra_headers={"X-Session-Id": "agent-1"},
         )
         msg = r.choices[0].message
@@ -134,7 +150,11 @@ def test_weights_version_follows_updates(client: Any, sampler: Any) -> None:
     before = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=4)
     version = sampler.update_weights({name: tensor.clone()})
     after = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=4)
-    assert after.choices[0].model_extra["weights_version"] == version == before.choices[0].model_extra["weights_version"] + 1
+    assert (
+        after.choices[0].model_extra["weights_version"]
+        == version
+        == before.choices[0].model_extra["weights_version"] + 1
+    )
     assert httpx.get(str(client.base_url).replace("/v1/", "/health")).json()["weights_version"] == version
 
 
@@ -146,9 +166,17 @@ def test_weights_version_follows_updates(client: Any, sampler: Any) -> None:
         ({"model": "tiny", "messages": [{"role": "wizard", "content": "hi"}]}, 400, "role"),
         ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
         ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "best_of": 2}, 400, "best_of"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, 400, "tool_choice"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"},
+            400,
+            "tool_choice",
+        ),
         ({"model": "tiny", "messages": [{"role": "user", "content": "hi " * 600}]}, 400, "prompt tokens"),
-        ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1.0}, 400, "presence_penalty"),
+        (
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "presence_penalty": 1.0},
+            400,
+            "presence_penalty",
+        ),
     ],
 )
 def test_bad_requests_get_openai_errors(server: RunningServer, body: dict[str, Any], status: int, needle: str) -> None:
@@ -160,17 +188,26 @@ def test_bad_requests_get_openai_errors(server: RunningServer, body: dict[str, A
 
 
 def test_malformed_json_and_unknown_route(server: RunningServer) -> None:
-    r = httpx.post(server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and "error" in r.json()
     assert httpx.get(server.url + "/v1/nothing").json()["error"]["code"] == "not_found"
 
 
 def test_client_leaving_mid_stream_leaves_the_server_up(server: RunningServer, client: Any) -> None:
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "Tell me a story about a cow."}], "stream": True, "max_tokens": 40}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Tell me a story about a cow."}],
+        "stream": True,
+        "max_tokens": 40,
+    }
     with httpx.Client() as h, h.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
         first = next(r.iter_lines())
         assert first.startswith("data: ")
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8, temperature=0)
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8, temperature=0
+    )
     assert r.choices[0].message.content
 
 
@@ -199,8 +236,20 @@ def test_twinkle_serve_command(tmp_path: Any) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    cmd = [sys.executable, "-c", "from twinkle_core.cli import main; main()", "serve", "-e", "torch",
-           "-m", str(build_tiny_model("llama")), "--port", str(port), "--model-name", "tiny"]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from twinkle_core.cli import main; main()",
+        "serve",
+        "-e",
+        "torch",
+        "-m",
+        str(build_tiny_model("llama")),
+        "--port",
+        str(port),
+        "--model-name",
+        "tiny",
+    ]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env={**os.environ, "TWINKLE_API_KEY": ""})
     try:
         assert proc.stderr is not None
@@ -210,7 +259,9 @@ def test_twinkle_serve_command(tmp_path: Any) -> None:
         else:
             pytest.fail(f"twinkle serve exited with {proc.wait()}")
         c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
-        r = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello!"}], temperature=0, max_tokens=12)
+        r = c.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hello!"}], temperature=0, max_tokens=12
+        )
         assert r.choices[0].message.content == "Hello! How can I help you today?"
     finally:
         proc.terminate()

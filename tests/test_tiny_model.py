@@ -11,20 +11,21 @@ import hashlib
 import json
 import statistics
 import unicodedata
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-import torch  # noqa: E402
-from tokenizers import Tokenizer  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+import torch
+from tokenizers import Tokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from twinkle_core.testing import tiny_model  # noqa: E402
-from twinkle_core.testing.tiny_model import (  # noqa: E402
+from twinkle_core.testing import tiny_model
+from twinkle_core.testing.tiny_model import (
     TINY_ARCHS,
     TINY_CHAT_PROMPTS,
     TINY_MAX_MODEL_LEN,
@@ -125,9 +126,7 @@ def test_chat_template(loaded: tuple[str, Path, Any, Any]) -> None:
         {
             "role": "assistant",
             "content": "",
-            "tool_calls": [
-                {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
-            ],
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}],
         },
         {"role": "tool", "content": "12 degrees and sunny"},
         {"role": "assistant", "content": [{"type": "text", "text": "It is 12 degrees."}]},
@@ -136,9 +135,7 @@ def test_chat_template(loaded: tuple[str, Path, Any, Any]) -> None:
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_start|>system\nBe brief.\n\nTools:\n{")
-    assert (
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>' in text
-    )
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call><|im_end|>' in text
     assert "<|im_start|>tool\n12 degrees and sunny<|im_end|>\n" in text
     assert "<|im_start|>assistant\nIt is 12 degrees.<|im_end|>\n" in text
     assert text.endswith("<|im_start|>user\nThanks!<|im_end|>\n<|im_start|>assistant\n")
@@ -157,9 +154,7 @@ def test_greedy_generation_is_fluent_and_peaked(loaded: tuple[str, Path, Any, An
     arch, _, tokenizer, model = loaded
     answers, margins = [], []
     for messages in TINY_CHAT_PROMPTS:
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
-        )
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
         out = model.generate(
             **ids, max_new_tokens=40, do_sample=False, output_scores=True, return_dict_in_generate=True
         )

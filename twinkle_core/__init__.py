@@ -38,8 +38,8 @@ from twinkle_core.errors import (
     WeightSyncTimeoutError,
     WeightUpdateError,
 )
-from twinkle_core.hub import resolve_model_id
 from twinkle_core.factory import create_sampler, get_sampler_class, list_samplers, register_sampler
+from twinkle_core.hub import resolve_model_id
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
 from twinkle_core.remote import initialize, remote_class, shutdown
 from twinkle_core.sampler import AdapterInfo, Sampler

@@ -185,8 +185,23 @@ def _json_or_text(text: str) -> Any:
 #: Extra spellings of some sampling options (kept from earlier releases).
 _SHORT_FLAGS = {"num_samples": ["-n"]}
 #: Option names taken by ``twinkle sample`` itself: a field so named is set with --param.
-_RESERVED = {"engine", "model", "prompt", "input", "system", "config", "adapter", "template", "output",
-             "batch_size", "full", "format", "no_progress", "param", "help"}
+_RESERVED = {
+    "engine",
+    "model",
+    "prompt",
+    "input",
+    "system",
+    "config",
+    "adapter",
+    "template",
+    "output",
+    "batch_size",
+    "full",
+    "format",
+    "no_progress",
+    "param",
+    "help",
+}
 _FIELD_DEST = "sp_"
 
 
@@ -221,9 +236,7 @@ def _with_sampling_options(command: click.Command) -> click.Command:
     return command
 
 
-def _params_from(
-    config_params: dict[str, Any], pairs: tuple[str, ...], flags: dict[str, Any]
-) -> SamplingParams:
+def _params_from(config_params: dict[str, Any], pairs: tuple[str, ...], flags: dict[str, Any]) -> SamplingParams:
     """Merge the config file's ``sampling_params``, ``--param`` pairs and the flags (later wins)."""
     merged = dict(config_params)
     from_pairs: dict[str, str] = {}
@@ -239,7 +252,7 @@ def _params_from(
     for dest, value in flags.items():
         if value is None or value == ():
             continue
-        key = dest[len(_FIELD_DEST):]
+        key = dest[len(_FIELD_DEST) :]
         if key in from_pairs:
             flag = "--" + key.replace("_", "-")
             raise click.UsageError(f"{key} is set twice: by {flag} and by --param {from_pairs[key]}.")
@@ -266,20 +279,53 @@ def _finite(value: Any) -> Any:
 @_with_sampling_options
 @cli.command()
 @click.option("--engine", "-e", default=None, help=f"Engine name (default: the config's, else {DEFAULT_ENGINE}).")
-@click.option("--model", "-m", "model_id", default=None, help="Model id: a folder, hf://, ms://, builtin:// (default: the built-in SmolLM2-135M-Instruct).")
+@click.option(
+    "--model",
+    "-m",
+    "model_id",
+    default=None,
+    help="Model id: a folder, hf://, ms://, builtin:// (default: the built-in SmolLM2-135M-Instruct).",
+)
 @click.option("--prompt", "-p", "prompts", multiple=True, help="A user message to sample from (repeatable).")
-@click.option("--input", "-i", "input_file", type=click.File("r"), default=None, help="JSONL inputs ('-' for stdin): {messages}, {prompt}, {input_ids} or plain text lines.")
+@click.option(
+    "--input",
+    "-i",
+    "input_file",
+    type=click.File("r"),
+    default=None,
+    help="JSONL inputs ('-' for stdin): {messages}, {prompt}, {input_ids} or plain text lines.",
+)
 @click.option("--system", default=None, help="A system message put before each --prompt.")
-@click.option("--config", "-c", "config_path", default=None, help="YAML/JSON config: sampler, model_id, sampling_params, and engine options.")
-@click.option("--param", "-P", "param_pairs", multiple=True, metavar="KEY=VALUE",
-              help="Any SamplingParams field, VALUE as JSON (else a string), e.g. -P stop='[\"\\n\"]' (repeatable).")
+@click.option(
+    "--config",
+    "-c",
+    "config_path",
+    default=None,
+    help="YAML/JSON config: sampler, model_id, sampling_params, and engine options.",
+)
+@click.option(
+    "--param",
+    "-P",
+    "param_pairs",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Any SamplingParams field, VALUE as JSON (else a string), e.g. -P stop='[\"\\n\"]' (repeatable).",
+)
 @click.option("--adapter", default=None, help="A PEFT LoRA adapter folder to sample with.")
 @click.option("--template", default=None, help="A registered chat template name (e.g. chatml).")
 @click.option("--output", "-o", type=click.File("w"), default="-", help="Where to write JSONL (default stdout).")
-@click.option("--batch-size", type=int, default=16, show_default=True, help="Inputs per sample() call (progress granularity).")
+@click.option(
+    "--batch-size", type=int, default=16, show_default=True, help="Inputs per sample() call (progress granularity)."
+)
 @click.option("--full", is_flag=True, help="Also write token-level training features (JSONL only).")
-@click.option("--format", "fmt", type=click.Choice(["jsonl", "text"]), default="jsonl", show_default=True,
-              help="jsonl: one JSON record per input; text: each prompt and its completions, for reading.")
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["jsonl", "text"]),
+    default="jsonl",
+    show_default=True,
+    help="jsonl: one JSON record per input; text: each prompt and its completions, for reading.",
+)
 @click.option("--no-progress", is_flag=True, help="Hide the progress bar.")
 def sample(
     engine: str | None,
@@ -360,19 +406,60 @@ def sample(
 
 @cli.command()
 @click.option("--engine", "-e", default=None, help=f"Engine name (default: the config's, else {DEFAULT_ENGINE}).")
-@click.option("--model", "-m", "model_id", default=None, help="Model id: a folder, hf://, ms://, builtin:// (default: the built-in SmolLM2-135M-Instruct).")
-@click.option("--config", "-c", "config_path", default=None, help="YAML/JSON config: sampler, model_id and engine options.")
+@click.option(
+    "--model",
+    "-m",
+    "model_id",
+    default=None,
+    help="Model id: a folder, hf://, ms://, builtin:// (default: the built-in SmolLM2-135M-Instruct).",
+)
+@click.option(
+    "--config", "-c", "config_path", default=None, help="YAML/JSON config: sampler, model_id and engine options."
+)
 @click.option("--template", default=None, help="A registered chat template name (e.g. chatml).")
-@click.option("--adapter", "adapters", multiple=True, metavar="NAME=DIR",
-              help="A PEFT LoRA adapter folder, served as model NAME (repeatable).")
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind; anything but loopback needs an API key.")
+@click.option(
+    "--adapter",
+    "adapters",
+    multiple=True,
+    metavar="NAME=DIR",
+    help="A PEFT LoRA adapter folder, served as model NAME (repeatable).",
+)
+@click.option(
+    "--host", default="127.0.0.1", show_default=True, help="Address to bind; anything but loopback needs an API key."
+)
 @click.option("--port", default=8000, show_default=True, type=int, help="TCP port.")
-@click.option("--api-key", default=None, envvar="TWINKLE_API_KEY", help="Required as 'Authorization: Bearer KEY' (env TWINKLE_API_KEY).")
-@click.option("--model-name", default=None, help="The name the base model is listed under (default: the model id; 'base' always works).")
-@click.option("--tool-parser", default="hermes", show_default=True, help="How tool calls are read from completions (a registered parser).")
-@click.option("--on-template-mismatch", type=click.Choice(["raise", "keep_sampled"]), default="raise", show_default=True,
-              help="What a session does when the chat template is not prefix-preserving.")
-@click.option("--max-tokens", "default_max_tokens", default=256, show_default=True, type=int, help="max_tokens when a request gives none.")
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="TWINKLE_API_KEY",
+    help="Required as 'Authorization: Bearer KEY' (env TWINKLE_API_KEY).",
+)
+@click.option(
+    "--model-name",
+    default=None,
+    help="The name the base model is listed under (default: the model id; 'base' always works).",
+)
+@click.option(
+    "--tool-parser",
+    default="hermes",
+    show_default=True,
+    help="How tool calls are read from completions (a registered parser).",
+)
+@click.option(
+    "--on-template-mismatch",
+    type=click.Choice(["raise", "keep_sampled"]),
+    default="raise",
+    show_default=True,
+    help="What a session does when the chat template is not prefix-preserving.",
+)
+@click.option(
+    "--max-tokens",
+    "default_max_tokens",
+    default=256,
+    show_default=True,
+    type=int,
+    help="max_tokens when a request gives none.",
+)
 def serve(
     engine: str | None,
     model_id: str | None,
@@ -420,8 +507,14 @@ def serve(
         for name, folder in pairs:
             sampler.add_adapter_to_model(name, folder)
         run_server(
-            sampler, host, port, api_key=api_key, model_name=model_name or str(config["model_id"]),
-            tool_parser=tool_parser, on_template_mismatch=on_template_mismatch, default_max_tokens=default_max_tokens,
+            sampler,
+            host,
+            port,
+            api_key=api_key,
+            model_name=model_name or str(config["model_id"]),
+            tool_parser=tool_parser,
+            on_template_mismatch=on_template_mismatch,
+            default_max_tokens=default_max_tokens,
         )
 
 

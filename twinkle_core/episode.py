@@ -358,7 +358,7 @@ class Episode:
         """The text the template puts after the last turn's content that the model did not sample."""
         before = self.messages[:-1]
         prompt = self._render(before, True)
-        rendered = self._render(before + [Message(role="assistant", content=_SENTINEL)], False)
+        rendered = self._render([*before, Message(role="assistant", content=_SENTINEL)], False)
         at = rendered.find(_SENTINEL, len(prompt) if rendered.startswith(prompt) else 0)
         if at < 0:
             raise TemplateError(

@@ -122,7 +122,9 @@ def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
 
             data = yaml.safe_load(text)
     except Exception as exc:
-        raise ConfigError(f"Config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}") from exc
+        raise ConfigError(
+            f"Config file {str(p)!r} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}"
+        ) from exc
     if not isinstance(data, dict):
         raise ConfigError(f"Config file {str(p)!r} must hold a mapping, got {type(data).__name__}.")
     return data

@@ -34,16 +34,17 @@ import re
 import shutil
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from twinkle_core.errors import HubUnavailableError, InvalidModelIdError, ModelNotFoundError
 
 __all__ = [
-    "BuiltinModel",
     "BUILTIN_MODELS",
     "DEFAULT_MODEL",
+    "BuiltinModel",
     "build_cached_folder",
     "cache_root",
     "is_offline",
@@ -234,8 +235,7 @@ def resolve_model_id(model_id: str | os.PathLike[str], *, revision: str | None =
         return _resolve_local(Path(os.fspath(model_id)), str(model_id), revision)
     if not isinstance(model_id, str):
         raise InvalidModelIdError(
-            f"model id must be a string or a path, got {type(model_id).__name__} {model_id!r}; "
-            f"expected {_ACCEPTED}"
+            f"model id must be a string or a path, got {type(model_id).__name__} {model_id!r}; expected {_ACCEPTED}"
         )
     text = model_id.strip()
     if not text:
@@ -256,18 +256,14 @@ def resolve_model_id(model_id: str | os.PathLike[str], *, revision: str | None =
                 f"model id {model_id!r} is malformed: after {scheme + '://'!r} expected 'org/name' "
                 f"(one slash, letters, digits, '.', '_', '-'); accepted forms: {_ACCEPTED}"
             )
-        return (
-            _resolve_hf(rest, revision, model_id) if scheme == "hf" else _resolve_ms(rest, revision, model_id)
-        )
+        return _resolve_hf(rest, revision, model_id) if scheme == "hf" else _resolve_ms(rest, revision, model_id)
 
     path = Path(text).expanduser()
     if path.exists() or _looks_like_path(text):
         return _resolve_local(path, model_id, revision)
     if _REPO_ID.match(text):
         return _resolve_ms(text, revision, model_id)
-    raise InvalidModelIdError(
-        f"model id {model_id!r} is neither an existing folder nor a hub id; expected {_ACCEPTED}"
-    )
+    raise InvalidModelIdError(f"model id {model_id!r} is neither an existing folder nor a hub id; expected {_ACCEPTED}")
 
 
 def _no_revision(model_id: str, revision: str | None) -> None:
@@ -384,9 +380,7 @@ def _resolve_hf(repo_id: str, revision: str | None, model_id: str) -> Path:
             )
         )
     except (RepositoryNotFoundError, RevisionNotFoundError) as error:
-        what = (
-            f"revision {revision!r} of {repo_id!r}" if isinstance(error, RevisionNotFoundError) else repo_id
-        )
+        what = f"revision {revision!r} of {repo_id!r}" if isinstance(error, RevisionNotFoundError) else repo_id
         raise ModelNotFoundError(
             f"{model_id!r}: the Hugging Face Hub has no {what} (or it is private/gated: log in with "
             "`hf auth login`); check the id, or pass a local model folder instead"
@@ -447,9 +441,7 @@ def _resolve_ms(repo_id: str, revision: str | None, model_id: str) -> Path:
     offline = is_offline()
     # modelscope reads its cache folder and endpoint once per process (a default
     # config singleton): pass the environment's current values explicitly.
-    cache = os.path.expanduser(
-        os.environ.get("MODELSCOPE_CACHE") or os.path.join("~", ".cache", "modelscope")
-    )
+    cache = os.path.expanduser(os.environ.get("MODELSCOPE_CACHE") or os.path.join("~", ".cache", "modelscope"))
     options: dict[str, Any] = {"cache_dir": cache}
     if os.environ.get("MODELSCOPE_ENDPOINT"):
         options["endpoint"] = os.environ["MODELSCOPE_ENDPOINT"]
@@ -467,9 +459,7 @@ def _resolve_ms(repo_id: str, revision: str | None, model_id: str) -> Path:
         try:
             return Path(snapshot_download(repo_id, revision=revision, **options))
         except invalid_errors as error:
-            raise InvalidModelIdError(
-                f"model id {model_id!r} is not a valid ModelScope id: {error}"
-            ) from error
+            raise InvalidModelIdError(f"model id {model_id!r} is not a valid ModelScope id: {error}") from error
         except hub_errors as error:
             if not_exist(error):
                 raise ModelNotFoundError(

@@ -8,14 +8,16 @@ import attrs
 
 from twinkle_core.errors import InvalidMeshError
 
-__all__ = ["DeviceGroup", "DeviceMesh", "DEVICE_TYPES"]
+__all__ = ["DEVICE_TYPES", "DeviceGroup", "DeviceMesh"]
 
 DEVICE_TYPES = ("cuda", "cpu")
 
 
 def _positive(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidMeshError(f"{type(inst).__name__}.{attribute.name}={value!r} is invalid: expected an integer >= 1.")
+        raise InvalidMeshError(
+            f"{type(inst).__name__}.{attribute.name}={value!r} is invalid: expected an integer >= 1."
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -71,7 +73,9 @@ def _check_ranks(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None
 
 def _check_device(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value not in DEVICE_TYPES:
-        raise InvalidMeshError(f"DeviceGroup.device_type={value!r} is invalid: expected one of {', '.join(DEVICE_TYPES)}.")
+        raise InvalidMeshError(
+            f"DeviceGroup.device_type={value!r} is invalid: expected one of {', '.join(DEVICE_TYPES)}."
+        )
 
 
 def _check_name(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:

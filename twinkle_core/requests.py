@@ -31,7 +31,7 @@ import attrs
 
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams
 
-__all__ = ["EngineRun", "Finished", "InFlightPolicy", "SampleHandle", "StopSwitch", "IN_FLIGHT_POLICIES"]
+__all__ = ["IN_FLIGHT_POLICIES", "EngineRun", "Finished", "InFlightPolicy", "SampleHandle", "StopSwitch"]
 
 #: What a weight or adapter change does to requests in flight (see ``Sampler.update_weights``).
 IN_FLIGHT_POLICIES = ("wait", "abort", "keep")
@@ -217,9 +217,12 @@ class SampleHandle:
         seen = 0
         while True:
             with self._cond:
-                if seen >= len(self._events) and not self._future.done():
-                    if not self._cond.wait_for(lambda: seen < len(self._events) or self._future.done(), timeout):
-                        raise TimeoutError(f"No sequence finished within {timeout} s.")
+                ready = self._cond.wait_for(
+                    lambda count=seen: count < len(self._events) or self._future.done(),  # type: ignore[misc]
+                    timeout,
+                )
+                if not ready:
+                    raise TimeoutError(f"No sequence finished within {timeout} s.")
                 batch = self._events[seen:]
                 seen += len(batch)
                 finished = self._future.done() and seen >= len(self._events)

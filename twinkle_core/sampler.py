@@ -25,9 +25,9 @@ import attrs
 
 from twinkle_core.data_format import (
     InputFeature,
-    SamplingMask,
     SampledSequence,
     SampleResponse,
+    SamplingMask,
     SamplingParams,
     Trajectory,
     training_feature,
@@ -84,9 +84,7 @@ class AdapterInfo:
     source: str
 
 
-def resolve_params(
-    sampling_params: SamplingParams | dict[str, Any] | None, num_samples: int | None
-) -> SamplingParams:
+def resolve_params(sampling_params: SamplingParams | dict[str, Any] | None, num_samples: int | None) -> SamplingParams:
     """Merge ``sampling_params`` and the ``num_samples`` keyword.
 
     Raises:
@@ -355,9 +353,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         return self.max_model_len - (1 if params.max_tokens > 0 else 0)
 
     @abstractmethod
-    def _generate(
-        self, prompts: list[InputFeature], params: SamplingParams, adapter_name: str
-    ) -> list[SampleResponse]:
+    def _generate(self, prompts: list[InputFeature], params: SamplingParams, adapter_name: str) -> list[SampleResponse]:
         """Generate for already-validated prompts: one response per prompt, in order.
 
         Runs with the lock held shared (see the class docstring). Each
@@ -365,9 +361,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         :meth:`_make_sequence`.
         """
 
-    def _load_adapter(
-        self, name: str, config_or_dir: Any, *, weights: Any = None, version: int, **kwargs: Any
-    ) -> str:
+    def _load_adapter(self, name: str, config_or_dir: Any, *, weights: Any = None, version: int, **kwargs: Any) -> str:
         """Load (or replace) a LoRA adapter; return its source for listings. Lock held exclusively."""
         raise UnsupportedFeatureError(f"The {self._label()} engine has no LoRA support.")
 
@@ -669,9 +663,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         if vocab is not None:
             bad = [t for t in feature.input_ids if t < 0 or t >= vocab]
             if bad:
-                raise InvalidInputError(
-                    f"inputs[{index}] has token id {bad[0]} outside the vocabulary [0, {vocab})."
-                )
+                raise InvalidInputError(f"inputs[{index}] has token id {bad[0]} outside the vocabulary [0, {vocab}).")
         limit = self._max_prompt_len(params)
         if len(feature.input_ids) > limit:
             raise PromptTooLongError(
@@ -754,9 +746,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         on_invalid: OnInvalid = "raise",
     ) -> list[SampleResponse]:
         """``sample()`` for asyncio code: awaits the call without blocking the running event loop."""
-        return await self.submit(
-            inputs, sampling_params, adapter_name, num_samples=num_samples, on_invalid=on_invalid
-        )
+        return await self.submit(inputs, sampling_params, adapter_name, num_samples=num_samples, on_invalid=on_invalid)
 
     def abort_all(self) -> int:
         """Abort every call in flight (see ``SampleHandle.abort``); returns how many were."""
@@ -1061,8 +1051,14 @@ class Sampler(ABC, metaclass=SamplerMeta):
             spec.handle._emit(Finished(i, j, merged))
 
         return EngineRun(
-            prompts, params, adapter_name, sample_base=sample_base, generated=generated,
-            max_tokens=[spec.budgets[k] for k in positions], on_finish=on_continued, stop_event=stop,
+            prompts,
+            params,
+            adapter_name,
+            sample_base=sample_base,
+            generated=generated,
+            max_tokens=[spec.budgets[k] for k in positions],
+            on_finish=on_continued,
+            stop_event=stop,
         )
 
     def _aborted_response(self, prompt: InputFeature, params: SamplingParams, adapter_name: str) -> SampleResponse:
@@ -1090,7 +1086,9 @@ class Sampler(ABC, metaclass=SamplerMeta):
         out: list[SampleResponse | None] = [None] * len(run.prompts)
         for budget in sorted(set(budgets)):
             picked = [k for k, b in enumerate(budgets) if b == budget]
-            got = self._generate([run.prompts[k] for k in picked], run.params.replace(max_tokens=budget), run.adapter_name)
+            got = self._generate(
+                [run.prompts[k] for k in picked], run.params.replace(max_tokens=budget), run.adapter_name
+            )
             for k, response in zip(picked, got):
                 out[k] = response
         return out  # type: ignore[return-value]

@@ -131,7 +131,6 @@ def find_non_finite(named_tensors: Iterable[Any]) -> str | None:
             bad = int((~finite).sum())
             first = value.reshape(-1)[int((~finite).reshape(-1).nonzero()[0])].item()
             return (
-                f"{name!r} holds {bad} non-finite value(s) (first: {first}); pass check_finite=False to skip this"
-                " check"
+                f"{name!r} holds {bad} non-finite value(s) (first: {first}); pass check_finite=False to skip this check"
             )
     return None

@@ -49,8 +49,14 @@ def agent(client: openai.OpenAI, session: str, city: str, degrees: int, max_toke
     seen: list[list[int]] = []
     called = False
     for _ in range(3):
-        r = client.chat.completions.create(model="policy", messages=messages, tools=[WEATHER], temperature=1.0,
-                                           max_tokens=max_tokens, extra_headers={"X-Session-Id": session})
+        r = client.chat.completions.create(
+            model="policy",
+            messages=messages,
+            tools=[WEATHER],
+            temperature=1.0,
+            max_tokens=max_tokens,
+            extra_headers={"X-Session-Id": session},
+        )
         msg = r.choices[0].message
         seen.append(r.choices[0].model_extra["token_ids"])
         messages.append(msg.model_dump(exclude_none=True))
@@ -94,8 +100,12 @@ def main() -> None:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     model_dir = build_tiny_model("llama")
-    lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    lora = LoraConfig(
+        r=8,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    )
     policy = get_peft_model(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32), lora)
     optim = torch.optim.Adam([p for p in policy.parameters() if p.requires_grad], lr=args.lr)
     sampler = create_sampler(args.engine, model_id=str(model_dir))
@@ -114,8 +124,11 @@ def main() -> None:
             def run(k: int, city: str, degrees: int, out: list[dict[str, Any]] = results, step: int = step) -> None:
                 out[k] = agent(client, f"step{step}-{k}", city, degrees, args.max_tokens)
 
-            threads = [threading.Thread(target=run, args=(p * args.group + g, *jobs[p]))
-                       for p in range(args.prompts) for g in range(args.group)]
+            threads = [
+                threading.Thread(target=run, args=(p * args.group + g, *jobs[p]))
+                for p in range(args.prompts)
+                for g in range(args.group)
+            ]
             for t in threads:
                 t.start()
             for t in threads:
@@ -135,7 +148,9 @@ def main() -> None:
                 sampler_lp.append([lp if m else 0.0 for lp, m in zip(feat["extra"]["logprobs"], mask)])
                 httpx.delete(f"{server.url}/v1/sessions/{res['session']}")
             rewards = torch.tensor([r["reward"] for r in results]).view(args.prompts, args.group)
-            adv = ((rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, unbiased=False, keepdim=True) + 1e-4)).view(-1)
+            adv = (
+                (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, unbiased=False, keepdim=True) + 1e-4)
+            ).view(-1)
 
             policy.train()
             new_lp, mask = token_logprobs(policy, ids, labels)
@@ -149,8 +164,17 @@ def main() -> None:
             loss.backward()
             optim.step()
             version = push()
-            print(json.dumps({"step": step, "reward": round(float(rewards.mean()), 3),
-                              "mismatch_max": float(mismatch.max()), "weights_version": version}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "step": step,
+                        "reward": round(float(rewards.mean()), 3),
+                        "mismatch_max": float(mismatch.max()),
+                        "weights_version": version,
+                    }
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -34,12 +34,12 @@ import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from tasks import make_task  # noqa: E402
+from tasks import make_task
 
-from twinkle_core import SamplingParams, Trajectory, create_sampler  # noqa: E402
-from twinkle_core.errors import TwinkleError  # noqa: E402
+from twinkle_core import SamplingParams, Trajectory, create_sampler
+from twinkle_core.errors import TwinkleError
 
-__all__ = ["GRPOConfig", "StalePolicyError", "train", "main"]
+__all__ = ["GRPOConfig", "StalePolicyError", "main", "train"]
 
 
 class StalePolicyError(TwinkleError, RuntimeError):
@@ -187,7 +187,9 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
     if cfg.remote_group:
         from twinkle_core import DeviceGroup, initialize
 
-        initialize("ray", groups=[DeviceGroup(name=cfg.remote_group, ranks=1, device_type="cpu")], num_cpus=cfg.ray_cpus)
+        initialize(
+            "ray", groups=[DeviceGroup(name=cfg.remote_group, ranks=1, device_type="cpu")], num_cpus=cfg.ray_cpus
+        )
     kwargs = dict(cfg.engine_kwargs)
     if cfg.remote_group:
         kwargs["remote_group"] = cfg.remote_group
@@ -211,8 +213,9 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
 
     def evaluate() -> float:
         """Mean reward of ``group_size`` samples per held-out prompt, with a fixed seed."""
-        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                                num_samples=cfg.group_size, seed=cfg.seed)
+        params = SamplingParams(
+            max_tokens=cfg.max_tokens, temperature=cfg.temperature, num_samples=cfg.group_size, seed=cfg.seed
+        )
         responses = sampler.sample([Trajectory(messages=m) for m, _ in held_out], params, adapter_name=adapter)
         scores = [task.reward(s.text, info) for (_, info), r in zip(held_out, responses) for s in r.sequences]
         return sum(scores) / len(scores)
@@ -221,7 +224,9 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
     if held_out:
         summary["eval_before"] = evaluate()
         if cfg.log:
-            print(f"held-out reward before training: {summary['eval_before']:.3f} ({len(held_out)} prompts)", flush=True)
+            print(
+                f"held-out reward before training: {summary['eval_before']:.3f} ({len(held_out)} prompts)", flush=True
+            )
     history: list[dict[str, Any]] = []
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

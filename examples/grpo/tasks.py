@@ -28,7 +28,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Task", "TASKS", "make_task"]
+__all__ = ["TASKS", "Task", "make_task"]
 
 Prompt = list[dict[str, str]]
 

@@ -9,7 +9,7 @@ import attrs
 from twinkle_core.data_format._base import Record
 from twinkle_core.errors import InvalidInputError
 
-__all__ = ["Message", "Tool", "Trajectory", "ROLES"]
+__all__ = ["ROLES", "Message", "Tool", "Trajectory"]
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -40,9 +40,7 @@ def _check_opt_str(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> No
 def _check_content(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     # Multimodal content arrives as a list of parts; text-only as a string.
     if not isinstance(value, (str, list)):
-        raise InvalidInputError(
-            f"Message.content={value!r} is invalid: expected a string or a list of content parts."
-        )
+        raise InvalidInputError(f"Message.content={value!r} is invalid: expected a string or a list of content parts.")
     if isinstance(value, str):
         _check_text("Message.content", value)
 

@@ -9,7 +9,7 @@ import attrs
 from twinkle_core.data_format._base import Record
 from twinkle_core.errors import InvalidInputError
 
-__all__ = ["InputFeature", "IGNORE_INDEX", "training_feature"]
+__all__ = ["IGNORE_INDEX", "InputFeature", "training_feature"]
 
 #: Label of a position that is not trained on (PyTorch's cross-entropy default).
 IGNORE_INDEX = -100

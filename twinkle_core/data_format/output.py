@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any, Literal
 
 import attrs
@@ -10,7 +11,7 @@ from twinkle_core.data_format._base import Record
 from twinkle_core.data_format.feature import InputFeature
 from twinkle_core.errors import InvalidInputError
 
-__all__ = ["SampledSequence", "SampleResponse", "SamplingMask", "StopReason", "TopLogprobs"]
+__all__ = ["SampleResponse", "SampledSequence", "SamplingMask", "StopReason", "TopLogprobs"]
 
 StopReason = Literal["stop", "length", "abort"]
 #: Per position, the top-k ``(token_id, logprob)`` pairs, most likely first.
@@ -50,7 +51,7 @@ def _check_mask(inst: SamplingMask, attribute: attrs.Attribute[Any], value: Any)
         raise InvalidInputError(
             f"SamplingMask(offsets={offsets!r:.60}, token_ids={ids!r:.60}) is invalid: expected two lists of integers."
         )
-    if not offsets or offsets[0] != 0 or offsets[-1] != len(ids) or any(b < a for a, b in zip(offsets, offsets[1:])):
+    if not offsets or offsets[0] != 0 or offsets[-1] != len(ids) or any(b < a for a, b in itertools.pairwise(offsets)):
         raise InvalidInputError(
             f"SamplingMask.offsets={offsets!r:.80} is invalid: expected a non-decreasing list starting at 0 and"
             f" ending at len(token_ids)={len(ids)}."

@@ -10,7 +10,7 @@ import attrs
 from twinkle_core.data_format._base import Record
 from twinkle_core.errors import InvalidSamplingParams
 
-__all__ = ["SamplingParams", "LogprobsMode"]
+__all__ = ["LogprobsMode", "SamplingParams"]
 
 LogprobsMode = Literal["processed", "raw"]
 
@@ -192,6 +192,4 @@ class SamplingParams(Record):
             return value
         if isinstance(value, dict):
             return cls.from_dict(value)
-        raise InvalidSamplingParams(
-            f"sampling_params={value!r} is invalid: expected a SamplingParams, a dict or None."
-        )
+        raise InvalidSamplingParams(f"sampling_params={value!r} is invalid: expected a SamplingParams, a dict or None.")

@@ -22,7 +22,15 @@ from typing import Any, Protocol
 
 import pluggy
 
-__all__ = ["PROJECT", "Register", "hookimpl", "hookspec", "register_samplers", "register_templates", "register_tool_parsers"]
+__all__ = [
+    "PROJECT",
+    "Register",
+    "hookimpl",
+    "hookspec",
+    "register_samplers",
+    "register_templates",
+    "register_tool_parsers",
+]
 
 PROJECT = "twinkle"
 hookspec = pluggy.HookspecMarker(PROJECT)

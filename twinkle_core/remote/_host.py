@@ -102,7 +102,9 @@ class ReplicaHost:
     ``ActorDiedError``).
     """
 
-    def __init__(self, target_cls: type, args: tuple[Any, ...], kwargs: dict[str, Any], context: ReplicaContext) -> None:
+    def __init__(
+        self, target_cls: type, args: tuple[Any, ...], kwargs: dict[str, Any], context: ReplicaContext
+    ) -> None:
         global _current
         _current = context
         os.environ["TWINKLE_REPLICA_INDEX"] = str(context.index)
@@ -152,7 +154,9 @@ class ReplicaHost:
         return getattr(self._target, name)
 
     @_portable_errors
-    def replay(self, ops: list[tuple[str, tuple[Any, ...], dict[str, Any]]], weights_version: int | None = None) -> None:
+    def replay(
+        self, ops: list[tuple[str, tuple[Any, ...], dict[str, Any]]], weights_version: int | None = None
+    ) -> None:
         """Re-apply recorded state changes in order (refs inside them are fetched here).
 
         ``weights_version``: the version the other replicas carry; a rebuilt

@@ -21,7 +21,7 @@ from twinkle_core.remote._host import ReplicaContext, ReplicaHost
 from twinkle_core.remote._runtime import PlacedGroup, current_session, import_ray
 from twinkle_core.remote.errors import RemoteError, RemoteTraceback, ReplicaLostError
 
-__all__ = ["ReplicaInfo", "ReplicaPool", "Op"]
+__all__ = ["Op", "ReplicaInfo", "ReplicaPool"]
 
 #: A recorded state change, replayed on a restarted replica: (method, args, kwargs).
 Op = tuple[str, tuple[Any, ...], dict[str, Any]]
@@ -239,8 +239,9 @@ class ReplicaPool:
 
     def infos(self) -> list[ReplicaInfo]:
         return [
-            ReplicaInfo(r.index, r.actor_id, tuple(r.bundles), r.info.get("pid"), r.info.get("node_id"), r.restarts,
-                        not r.lost)
+            ReplicaInfo(
+                r.index, r.actor_id, tuple(r.bundles), r.info.get("pid"), r.info.get("node_id"), r.restarts, not r.lost
+            )
             for r in self._replicas
         ]
 
@@ -273,7 +274,9 @@ class ReplicaPool:
         self.check_open()
         r = self._replicas[index]
         if r.lost:
-            raise ReplicaLostError(f"{self.where(index)} is out of service.", replica=index, survivors=len(self.alive()))
+            raise ReplicaLostError(
+                f"{self.where(index)} is out of service.", replica=index, survivors=len(self.alive())
+            )
         return r.incarnation, getattr(r.actor, method).remote(*args, **kwargs)
 
     def result(self, index: int, incarnation: int, ref: Any) -> Any:

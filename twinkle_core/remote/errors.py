@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from twinkle_core.errors import TwinkleError
 
-__all__ = ["RemoteError", "ReplicaLostError", "RemoteTraceback", "UnknownGroupError"]
+__all__ = ["RemoteError", "RemoteTraceback", "ReplicaLostError", "UnknownGroupError"]
 
 
 class RemoteError(TwinkleError, RuntimeError):

@@ -140,7 +140,13 @@ class RemoteObject(ReplicaViews):
     """
 
     def __init__(
-        self, target_class: type, args: tuple[Any, ...], kwargs: dict[str, Any], *, placed: PlacedGroup, mesh: DeviceMesh
+        self,
+        target_class: type,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        placed: PlacedGroup,
+        mesh: DeviceMesh,
     ) -> None:
         from twinkle_core.remote._pool import ReplicaPool
 

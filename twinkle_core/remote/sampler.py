@@ -37,10 +37,14 @@ def _coerce_mesh(value: Any) -> DeviceMesh:
         return value
     if isinstance(value, Mapping):
         return DeviceMesh(**value)
-    raise InvalidMeshError(f"device_mesh={value!r} is invalid: expected a DeviceMesh, e.g. DeviceMesh.from_sizes(dp_size=2).")
+    raise InvalidMeshError(
+        f"device_mesh={value!r} is invalid: expected a DeviceMesh, e.g. DeviceMesh.from_sizes(dp_size=2)."
+    )
 
 
-def split_mesh(cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[DeviceMesh, tuple[Any, ...], dict[str, Any]]:
+def split_mesh(
+    cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[DeviceMesh, tuple[Any, ...], dict[str, Any]]:
     """Take the layout out of a constructor call; return it with the arguments each replica gets.
 
     The constructor arguments are checked against the signature here, in the
@@ -221,9 +225,7 @@ class RemoteSampler(ReplicaViews, Sampler):
             except AppliedWithError as applied:
                 raise applied.error from None
 
-    def _load_adapter(
-        self, name: str, config_or_dir: Any, *, weights: Any = None, version: int, **kwargs: Any
-    ) -> str:
+    def _load_adapter(self, name: str, config_or_dir: Any, *, weights: Any = None, version: int, **kwargs: Any) -> str:
         """Load or replace a LoRA adapter on every replica.
 
         A folder must be readable at the same path on every node (a shared
@@ -264,7 +266,9 @@ class RemoteSampler(ReplicaViews, Sampler):
 
         self._apply("update_weights", (ref,), {"version": version, "check_finite": False}, record=record)
 
-    def _apply(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, record: Callable[[], object]) -> None:
+    def _apply(
+        self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, record: Callable[[], object]
+    ) -> None:
         """Make a state change on every replica and record it (for rebuilds), once at least one applied it.
 
         If every replica rejects it (bad input: they all agree), nothing
@@ -288,7 +292,9 @@ class RemoteSampler(ReplicaViews, Sampler):
             except Exception as exc:  # lost: the note below still tells the story
                 add_note(first, str(exc))
         done = f"Replicas {sorted(values)} applied {method}" + (f" (version {version})" if version is not None else "")
-        add_note(first, f"{done}; replicas {out_of_step} failed and were rebuilt with it." if out_of_step else f"{done}.")
+        add_note(
+            first, f"{done}; replicas {out_of_step} failed and were rebuilt with it." if out_of_step else f"{done}."
+        )
         raise AppliedWithError(first)
 
     # -- sampling --------------------------------------------------------------------------

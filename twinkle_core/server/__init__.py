@@ -24,7 +24,16 @@ from typing import Any
 from twinkle_core.errors import ConfigError
 from twinkle_core.server.sessions import Session, SessionStore
 
-__all__ = ["API_KEY_ENV", "RunningServer", "Session", "SessionStore", "create_app", "is_loopback", "serve", "start_server"]
+__all__ = [
+    "API_KEY_ENV",
+    "RunningServer",
+    "Session",
+    "SessionStore",
+    "create_app",
+    "is_loopback",
+    "serve",
+    "start_server",
+]
 
 #: The environment variable read when no ``api_key`` is passed.
 API_KEY_ENV = "TWINKLE_API_KEY"
@@ -58,7 +67,7 @@ def create_app(sampler: Any, **kwargs: Any) -> Any:
         from twinkle_core.server.app import create_app as build
     except ImportError as exc:
         raise ConfigError(
-            f"twinkle serve needs FastAPI and uvicorn ({exc}); install them with: pip install \"twinkle-core[server]\""
+            f'twinkle serve needs FastAPI and uvicorn ({exc}); install them with: pip install "twinkle-core[server]"'
         ) from exc
     return build(sampler, **kwargs)
 
@@ -108,8 +117,13 @@ def serve(
     """
     import uvicorn
 
-    options = {"model_name": model_name, "tool_parser": tool_parser, "on_template_mismatch": on_template_mismatch,
-               "default_max_tokens": default_max_tokens, "sessions": sessions}
+    options = {
+        "model_name": model_name,
+        "tool_parser": tool_parser,
+        "on_template_mismatch": on_template_mismatch,
+        "default_max_tokens": default_max_tokens,
+        "sessions": sessions,
+    }
     uvicorn.Server(_config(sampler, host, port, api_key, log_level, options)).run()
 
 
@@ -129,7 +143,7 @@ class RunningServer:
         self._server.should_exit = True
         self._thread.join()
 
-    def __enter__(self) -> RunningServer:  # noqa: PYI034 - a final class in practice
+    def __enter__(self) -> RunningServer:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -164,7 +178,7 @@ def start_server(
     def run() -> None:
         try:
             server.run(sockets=[sock])
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller, who re-raises it
+        except BaseException as exc:
             failed.append(exc)
         finally:
             started.set()

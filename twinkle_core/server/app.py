@@ -100,8 +100,15 @@ class CompletionRequest(_Request):
 class ApiError(Exception):
     """An OpenAI-style error answer."""
 
-    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
@@ -138,8 +145,11 @@ def _openai_messages(raw: list[dict[str, Any]]) -> list[Message]:
                     try:
                         fn["arguments"] = json.loads(fn["arguments"])
                     except json.JSONDecodeError:
-                        raise ApiError(400, f"messages[{i}].tool_calls: arguments {fn['arguments']!r:.80} are not JSON.",
-                                       param=f"messages[{i}]") from None
+                        raise ApiError(
+                            400,
+                            f"messages[{i}].tool_calls: arguments {fn['arguments']!r:.80} are not JSON.",
+                            param=f"messages[{i}]",
+                        ) from None
                 fixed.append(c)
             m["tool_calls"] = fixed
         try:
@@ -163,8 +173,16 @@ def _openai_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
 class _Server:
     """The state behind the routes: the sampler, the sessions and the options."""
 
-    def __init__(self, sampler: Any, *, model_name: str, tool_parser: Any, on_template_mismatch: OnTemplateMismatch,
-                 default_max_tokens: int, sessions: SessionStore) -> None:
+    def __init__(
+        self,
+        sampler: Any,
+        *,
+        model_name: str,
+        tool_parser: Any,
+        on_template_mismatch: OnTemplateMismatch,
+        default_max_tokens: int,
+        sessions: SessionStore,
+    ) -> None:
         self.sampler = sampler
         self.model_name = model_name
         self.tool_parser = get_tool_parser(tool_parser)
@@ -180,8 +198,9 @@ class _Server:
         if model in self.sampler.adapters:
             return model
         names = ", ".join(["base", self.model_name, *self.sampler.adapters])
-        raise ApiError(404, f"The model {model!r} does not exist: this server has {names}.", param="model",
-                       code="model_not_found")
+        raise ApiError(
+            404, f"The model {model!r} does not exist: this server has {names}.", param="model", code="model_not_found"
+        )
 
     def params(self, req: _Request, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         for name in ("frequency_penalty", "presence_penalty"):
@@ -197,8 +216,11 @@ class _Server:
             fields["stop"] = req.stop
         fields["logprobs"] = logprobs if logprobs is not None else 0
         if req.stream_options is not None and set(req.stream_options) - {"include_usage"}:
-            raise ApiError(400, f"stream_options={req.stream_options!r}: only 'include_usage' is supported.",
-                           param="stream_options")
+            raise ApiError(
+                400,
+                f"stream_options={req.stream_options!r}: only 'include_usage' is supported.",
+                param="stream_options",
+            )
         try:
             return SamplingParams(**fields)
         except TwinkleError as exc:
@@ -212,11 +234,17 @@ class _Server:
         for i, t in enumerate(tokens):
             s = self.token_text(t)
             alts = top[i] if top is not None and i < len(top) else []
-            out.append({
-                "token": s, "logprob": logprobs[i] if logprobs else 0.0, "bytes": list(s.encode()),
-                "top_logprobs": [{"token": self.token_text(a), "logprob": lp, "bytes": list(self.token_text(a).encode())}
-                                 for a, lp in alts],
-            })
+            out.append(
+                {
+                    "token": s,
+                    "logprob": logprobs[i] if logprobs else 0.0,
+                    "bytes": list(s.encode()),
+                    "top_logprobs": [
+                        {"token": self.token_text(a), "logprob": lp, "bytes": list(self.token_text(a).encode())}
+                        for a, lp in alts
+                    ],
+                }
+            )
         return out
 
 
@@ -267,10 +295,14 @@ def create_app(
 
     @app.middleware("http")
     async def check_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if (api_key is not None and request.url.path != "/health"
-                and request.headers.get("authorization", "") != f"Bearer {api_key}"):
-            return ApiError(401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.",
-                            code="invalid_api_key").response()
+        if (
+            api_key is not None
+            and request.url.path != "/health"
+            and request.headers.get("authorization", "") != f"Bearer {api_key}"
+        ):
+            return ApiError(
+                401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"
+            ).response()
         return await call_next(request)
 
     @app.exception_handler(ApiError)
@@ -293,12 +325,16 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None).response()
+        return ApiError(
+            exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None
+        ).response()
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unexpected error on %s", request.url.path)  # the traceback goes to the log, not the client
-        return ApiError(500, f"Internal error ({type(exc).__name__}); the server is still up.", kind="server_error").response()
+        return ApiError(
+            500, f"Internal error ({type(exc).__name__}); the server is still up.", kind="server_error"
+        ).response()
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -307,14 +343,21 @@ def create_app(
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         names = [state.model_name, "base", *sampler.adapters]
-        return {"object": "list", "data": [{"id": n, "object": "model", "created": 0, "owned_by": "twinkle"} for n in names]}
+        return {
+            "object": "list",
+            "data": [{"id": n, "object": "model", "created": 0, "owned_by": "twinkle"} for n in names],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
         adapter = state.adapter(req.model)
         if req.tool_choice not in (None, "auto", "none"):
-            raise ApiError(400, f"tool_choice={req.tool_choice!r} is not supported: use 'auto' or 'none'"
-                           " (twinkle does not constrain decoding to force a call).", param="tool_choice")
+            raise ApiError(
+                400,
+                f"tool_choice={req.tool_choice!r} is not supported: use 'auto' or 'none'"
+                " (twinkle does not constrain decoding to force a call).",
+                param="tool_choice",
+            )
         if req.top_logprobs is not None and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
         params = state.params(req, req.max_completion_tokens or req.max_tokens, req.top_logprobs or 0)
@@ -335,14 +378,22 @@ def create_app(
         prompt_len = turns[0].start if turns and turns[0] is not None else 0
         rid = "chatcmpl-" + uuid.uuid4().hex
         if req.stream:
-            return StreamingResponse(_stream_chat(state, request, rid, req, turns, prompt_len, session_id),
-                                     media_type="text/event-stream")
+            return StreamingResponse(
+                _stream_chat(state, request, rid, req, turns, prompt_len, session_id), media_type="text/event-stream"
+            )
         choices = [_chat_choice(state, i, t, bool(req.logprobs)) for i, t in enumerate(turns) if t is not None]
         completion = sum(len(t.tokens) for t in turns if t is not None)
         body: dict[str, Any] = {
-            "id": rid, "object": "chat.completion", "created": int(time.time()), "model": req.model,
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": req.model,
             "choices": choices,
-            "usage": {"prompt_tokens": prompt_len, "completion_tokens": completion, "total_tokens": prompt_len + completion},
+            "usage": {
+                "prompt_tokens": prompt_len,
+                "completion_tokens": completion,
+                "total_tokens": prompt_len + completion,
+            },
             "session_id": session_id,
         }
         return body
@@ -351,10 +402,17 @@ def create_app(
     async def completions(req: CompletionRequest) -> Any:
         adapter = state.adapter(req.model)
         if req.stream or req.echo:
-            raise ApiError(400, "stream and echo are not supported on /v1/completions; use /v1/chat/completions"
-                           " for streaming.", param="stream" if req.stream else "echo")
+            raise ApiError(
+                400,
+                "stream and echo are not supported on /v1/completions; use /v1/chat/completions for streaming.",
+                param="stream" if req.stream else "echo",
+            )
         params = state.params(req, req.max_tokens or 16, req.logprobs)
-        prompts = req.prompt if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str) else [req.prompt]
+        prompts = (
+            req.prompt
+            if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str)
+            else [req.prompt]
+        )
         features = []
         for p in prompts:
             ids = p if isinstance(p, list) else sampler.template.tokenizer.encode(p, add_special_tokens=False)
@@ -369,16 +427,35 @@ def create_app(
                 used += len(seq.tokens)
                 lp = None
                 if req.logprobs is not None:
-                    lp = {"tokens": [state.token_text(t) for t in seq.tokens], "token_logprobs": seq.logprobs,
-                          "top_logprobs": [{state.token_text(a): v for a, v in pos} for pos in seq.top_logprobs]
-                          if seq.top_logprobs else None, "text_offset": None}
-                choices.append({"index": len(choices), "text": seq.text, "finish_reason": _finish(seq, False),
-                                "logprobs": lp, "token_ids": seq.tokens, "sampled_logprobs": seq.logprobs,
-                                "weights_version": seq.weights_version, "adapter_name": seq.adapter_name})
+                    lp = {
+                        "tokens": [state.token_text(t) for t in seq.tokens],
+                        "token_logprobs": seq.logprobs,
+                        "top_logprobs": [{state.token_text(a): v for a, v in pos} for pos in seq.top_logprobs]
+                        if seq.top_logprobs
+                        else None,
+                        "text_offset": None,
+                    }
+                choices.append(
+                    {
+                        "index": len(choices),
+                        "text": seq.text,
+                        "finish_reason": _finish(seq, False),
+                        "logprobs": lp,
+                        "token_ids": seq.tokens,
+                        "sampled_logprobs": seq.logprobs,
+                        "weights_version": seq.weights_version,
+                        "adapter_name": seq.adapter_name,
+                    }
+                )
         prompt_tokens = sum(len(f.input_ids) for f in features)
-        return {"id": "cmpl-" + uuid.uuid4().hex, "object": "text_completion", "created": int(time.time()),
-                "model": req.model, "choices": choices,
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used}}
+        return {
+            "id": "cmpl-" + uuid.uuid4().hex,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": req.model,
+            "choices": choices,
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used},
+        }
 
     @app.get("/v1/sessions")
     async def list_sessions() -> dict[str, Any]:
@@ -414,8 +491,9 @@ def create_app(
     return app
 
 
-async def _run(state: _Server, session: Session | None, trajectory: Trajectory, parser: Any,
-               params: SamplingParams, adapter: str) -> list[Episode]:
+async def _run(
+    state: _Server, session: Session | None, trajectory: Trajectory, parser: Any, params: SamplingParams, adapter: str
+) -> list[Episode]:
     """Find or start the episode, sample one turn (forking for ``n > 1``), record it in the session."""
     episode: Episode | None = None
     found = session.match(trajectory.messages) if session is not None else None
@@ -426,8 +504,9 @@ async def _run(state: _Server, session: Session | None, trajectory: Trajectory, 
             target.tool_parser = parser
             target.add_messages(new)
         else:
-            target = Episode(state.sampler, trajectory, tool_parser=parser,
-                             on_template_mismatch=state.on_template_mismatch)
+            target = Episode(
+                state.sampler, trajectory, tool_parser=parser, on_template_mismatch=state.on_template_mismatch
+            )
         [episodes] = await asample_episodes(state.sampler, [target], params, adapter)
     except UnsupportedFeatureError as exc:
         raise ApiError(400, str(exc)) from None
@@ -444,31 +523,59 @@ async def _run(state: _Server, session: Session | None, trajectory: Trajectory, 
 
 def _message(turn: Turn) -> dict[str, Any]:
     calls = turn.tool_calls
-    return {"role": "assistant", "content": (turn.message.content or None) if calls else turn.message.content,
-            "tool_calls": _openai_calls(calls) if calls else None}
+    return {
+        "role": "assistant",
+        "content": (turn.message.content or None) if calls else turn.message.content,
+        "tool_calls": _openai_calls(calls) if calls else None,
+    }
 
 
 def _extras(turn: Turn) -> dict[str, Any]:
-    return {"token_ids": turn.tokens, "sampled_logprobs": turn.logprobs, "weights_version": turn.weights_version,
-            "adapter_name": turn.adapter_name, "tool_call_errors": turn.tool_call_errors}
+    return {
+        "token_ids": turn.tokens,
+        "sampled_logprobs": turn.logprobs,
+        "weights_version": turn.weights_version,
+        "adapter_name": turn.adapter_name,
+        "tool_call_errors": turn.tool_call_errors,
+    }
 
 
 def _chat_choice(state: _Server, index: int, turn: Turn, logprobs: bool) -> dict[str, Any]:
     lp = None
     if logprobs:
         lp = {"content": state.logprobs_content(turn.tokens, turn.logprobs, turn.top_logprobs)}
-    return {"index": index, "message": _message(turn), "finish_reason": _finish(turn, bool(turn.tool_calls)),
-            "logprobs": lp, **_extras(turn)}
+    return {
+        "index": index,
+        "message": _message(turn),
+        "finish_reason": _finish(turn, bool(turn.tool_calls)),
+        "logprobs": lp,
+        **_extras(turn),
+    }
 
 
-async def _stream_chat(state: _Server, request: Request, rid: str, req: ChatRequest, turns: list[Turn | None],
-                       prompt_len: int, session_id: str | None) -> AsyncIterator[str]:
+async def _stream_chat(
+    state: _Server,
+    request: Request,
+    rid: str,
+    req: ChatRequest,
+    turns: list[Turn | None],
+    prompt_len: int,
+    session_id: str | None,
+) -> AsyncIterator[str]:
     """Replay finished turns as OpenAI chunks; stop as soon as the client goes away."""
     created = int(time.time())
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-        return _sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                     "choices": choices, **extra})
+        return _sse(
+            {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": req.model,
+                "choices": choices,
+                **extra,
+            }
+        )
 
     tokenizer_decode = state.sampler.template.decode
     for index, turn in enumerate(turns):
@@ -476,7 +583,9 @@ async def _stream_chat(state: _Server, request: Request, rid: str, req: ChatRequ
             continue
         yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
         if turn.tool_calls:
-            pieces: list[tuple[str, int]] = [(str(turn.message.content), len(turn.tokens))] if turn.message.content else []
+            pieces: list[tuple[str, int]] = (
+                [(str(turn.message.content), len(turn.tokens))] if turn.message.content else []
+            )
         else:
             # One chunk per token: the decoded text grows by each token's share (cut at a stop string).
             pieces, shown = [], 0
@@ -495,14 +604,23 @@ async def _stream_chat(state: _Server, request: Request, rid: str, req: ChatRequ
         if turn.tool_calls:
             calls = [{"index": k, **c} for k, c in enumerate(_openai_calls(turn.tool_calls))]
             yield chunk([{"index": index, "delta": {"tool_calls": calls}, "finish_reason": None}])
-        final: dict[str, Any] = {"index": index, "delta": {}, "finish_reason": _finish(turn, bool(turn.tool_calls)),
-                                 **_extras(turn)}
+        final: dict[str, Any] = {
+            "index": index,
+            "delta": {},
+            "finish_reason": _finish(turn, bool(turn.tool_calls)),
+            **_extras(turn),
+        }
         if req.logprobs:
             final["logprobs"] = {"content": state.logprobs_content(turn.tokens, turn.logprobs, turn.top_logprobs)}
         yield chunk([final], session_id=session_id)
     if req.stream_options and req.stream_options.get("include_usage"):
         completion = sum(len(t.tokens) for t in turns if t is not None)
-        yield chunk([], usage={"prompt_tokens": prompt_len, "completion_tokens": completion,
-                               "total_tokens": prompt_len + completion})
+        yield chunk(
+            [],
+            usage={
+                "prompt_tokens": prompt_len,
+                "completion_tokens": completion,
+                "total_tokens": prompt_len + completion,
+            },
+        )
     yield "data: [DONE]\n\n"
-

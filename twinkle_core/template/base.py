@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 from twinkle_core.data_format import InputFeature, Trajectory, training_feature
 from twinkle_core.errors import InvalidInputError, TemplateError
 
-__all__ = ["Template", "ChatMLTemplate", "CHATML_JINJA", "load_tokenizer"]
+__all__ = ["CHATML_JINJA", "ChatMLTemplate", "Template", "load_tokenizer"]
 
 #: A plain ChatML template (system/user/assistant/tool), usable with any tokenizer.
 CHATML_JINJA = (

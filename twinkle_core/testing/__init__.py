@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from twinkle_core.testing.contract import CONTRACT_PROMPTS, SamplerContractTests
     from twinkle_core.testing.tiny_model import TINY_CHAT_PROMPTS, build_tiny_model
 
-__all__ = ["SamplerContractTests", "CONTRACT_PROMPTS", "build_tiny_model", "TINY_CHAT_PROMPTS"]
+__all__ = ["CONTRACT_PROMPTS", "TINY_CHAT_PROMPTS", "SamplerContractTests", "build_tiny_model"]
 
 
 def __getattr__(name: str) -> Any:

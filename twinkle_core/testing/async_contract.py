@@ -138,7 +138,7 @@ class AsyncContractTests:
 
     def test_abort_keeps_an_exact_prefix(self, sampler: Sampler) -> None:
         params = _greedy(logprobs=0)
-        handle, short, long_, params = self.run_until_short_finishes(sampler, params, lambda h: h.abort())
+        handle, _short, long_, params = self.run_until_short_finishes(sampler, params, lambda h: h.abort())
         out = handle.result()
         seq = out[1].sequences[0]
         full = sampler.sample(long_, params)[0].sequences[0]
@@ -158,7 +158,7 @@ class AsyncContractTests:
 
     def test_resume_continues_an_aborted_sequence(self, sampler: Sampler) -> None:
         params = SamplingParams(temperature=1.0, max_tokens=LONG, ignore_eos=True, seed=17, logprobs=0)
-        handle, short, long_, params = self.run_until_short_finishes(sampler, params, lambda h: h.abort())
+        handle, _short, long_, params = self.run_until_short_finishes(sampler, params, lambda h: h.abort())
         partial = handle.result()[1].sequences[0]
         assert partial.stop_reason == "abort" and len(partial.tokens) >= 3
         resumed = handle.resume().result(timeout=300)[1].sequences[0]
@@ -184,7 +184,7 @@ class AsyncContractTests:
             sampler.update_weights(dict(weights_b), in_flight=policy)
             updated.set()
 
-        handle, short, long_, params = self.run_until_short_finishes(sampler, _greedy(logprobs=0), change)
+        handle, _short, long_, params = self.run_until_short_finishes(sampler, _greedy(logprobs=0), change)
         assert updated.is_set()
         new = sampler.weights_version
         assert new == old + 1
@@ -204,6 +204,12 @@ class AsyncContractTests:
             with_a = sampler.sample(long_, params)[0].sequences[0].tokens
             assert seq.tokens[:switch] == with_a[:switch]
             sampler.update_weights(dict(weights_b))
-            rest = sampler.sample(InputFeature(input_ids=[*long_.input_ids, *seq.tokens[:switch]]),
-                                  params.replace(max_tokens=LONG - switch))[0].sequences[0].tokens
+            rest = (
+                sampler.sample(
+                    InputFeature(input_ids=[*long_.input_ids, *seq.tokens[:switch]]),
+                    params.replace(max_tokens=LONG - switch),
+                )[0]
+                .sequences[0]
+                .tokens
+            )
             assert seq.tokens[switch:] == rest

@@ -30,7 +30,6 @@ with ``UnsupportedFeatureError`` instead.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import attrs
@@ -55,7 +54,7 @@ from twinkle_core.testing.reference import (
     reference_error,
 )
 
-__all__ = ["SamplerContractTests", "CONTRACT_PROMPTS"]
+__all__ = ["CONTRACT_PROMPTS", "SamplerContractTests"]
 
 #: Short, varied conversations (different lengths, so order mix-ups show).
 CONTRACT_PROMPTS: list[list[dict[str, str]]] = [
@@ -248,7 +247,9 @@ class SamplerContractTests:
                     continue
                 for tok, value in sorted(observed.items()):
                     if reference_error(ref, {tok: value}) > self.reference_atol:
-                        problems.append(f"{where}: token {tok} has processed log-prob {value:.5f}, reference {ref[tok]:.5f}")
+                        problems.append(
+                            f"{where}: token {tok} has processed log-prob {value:.5f}, reference {ref[tok]:.5f}"
+                        )
                 want = sorted(ref, reverse=True)[:k]
                 got = [v for _, v in top]
                 if len(got) != len(want) or reference_error(want, dict(enumerate(got))) > self.reference_atol:
@@ -349,7 +350,9 @@ class SamplerContractTests:
             seq = r.sequences[0]
             if seq.stop_reason == "length":
                 assert len(seq.tokens) == 48
-        ignored = sampler.sample([_traj(i) for i in range(4)], SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
+        ignored = sampler.sample(
+            [_traj(i) for i in range(4)], SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+        )
         assert all(len(r.sequences[0].tokens) == 48 and r.sequences[0].stop_reason == "length" for r in ignored)
         for a, b in zip(outs, ignored):
             n = len(a.sequences[0].tokens)

@@ -238,8 +238,10 @@ def run_soak(
     threads = [
         threading.Thread(target=guarded(functools.partial(sample_loop, o)), daemon=True) for o in range(sample_threads)
     ]
-    threads += [threading.Thread(target=guarded(update_loop), daemon=True),
-                threading.Thread(target=guarded(swap_loop), daemon=True)]
+    threads += [
+        threading.Thread(target=guarded(update_loop), daemon=True),
+        threading.Thread(target=guarded(swap_loop), daemon=True),
+    ]
     started = time.monotonic()
     for t in threads:
         t.start()

@@ -37,6 +37,7 @@ engine's numbers as lists of floats.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -143,7 +144,10 @@ def ambiguous_tokens(
     # Fewer survivors: a smaller nucleus, a higher floor; more survivors: the opposite.
     top_p, min_p = params.top_p, params.min_p
     tight = _truncated(
-        scores, params.top_k, top_p if top_p >= 1.0 else max(top_p - slack, slack), min(min_p + slack, 1.0) if min_p else 0.0
+        scores,
+        params.top_k,
+        top_p if top_p >= 1.0 else max(top_p - slack, slack),
+        min(min_p + slack, 1.0) if min_p else 0.0,
     )
     loose = _truncated(scores, params.top_k, min(top_p + slack, 1.0), max(min_p - slack, 0.0))
     return frozenset(i for i, (a, b) in enumerate(zip(tight, loose)) if (a == NEG_INF) != (b == NEG_INF))
@@ -221,7 +225,7 @@ def fit_logit_offset(
     # (inside a stretch the error is smooth in c).
     breaks = sorted({-raw_logprobs[t] for t in seen})
     edges = [breaks[0] - 10.0, *breaks, breaks[-1] + 10.0]
-    stretches = sorted(zip(edges, edges[1:]), key=lambda pair: error((pair[0] + pair[1]) / 2))
+    stretches = sorted(itertools.pairwise(edges), key=lambda pair: error((pair[0] + pair[1]) / 2))
     for lo, hi in stretches[:3]:
         for _ in range(40):
             m1, m2 = lo + (hi - lo) / 3, hi - (hi - lo) / 3

@@ -30,8 +30,9 @@ import math
 import os
 import random
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from twinkle_core.hub import build_cached_folder, cache_root
 
@@ -39,16 +40,16 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from tokenizers import Tokenizer
 
 __all__ = [
-    "TINY_MODEL_VERSION",
     "TINY_ARCHS",
-    "TINY_MAX_MODEL_LEN",
     "TINY_CHAT_PROMPTS",
     "TINY_CHAT_TEMPLATE",
+    "TINY_MAX_MODEL_LEN",
+    "TINY_MODEL_VERSION",
     "TINY_SPECIAL_TOKENS",
     "build_tiny_model",
-    "write_tiny_model",
-    "train_tiny_tokenizer",
     "tiny_corpus",
+    "train_tiny_tokenizer",
+    "write_tiny_model",
 ]
 
 #: Bump whenever anything that changes the built files changes (corpus,
@@ -736,9 +737,7 @@ def _hf_greedy(
     completions: list[list[int]] = []
     margins: list[float] = []
     for messages in prompts:
-        ids = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
         out = model.generate(
             torch.tensor([ids]),

@@ -216,15 +216,22 @@ def check_samples(seqs: list[list[dict[str, Any]]], n_inputs: int, n_samples: in
 
 def test_vllm_example_with_lora_and_four_samples(tiny_model: Path, workdir: Path):
     pytest.importorskip("twinkle_vllm")
-    code = adapt(VLLM_LORA_SNIPPET, [
-        ("'ms://Qwen/Qwen3.5-4B'", repr(str(tiny_model))),
-        ("sampler.set_template('Qwen3_5Template')", "sampler.set_template('chatml')"),
-        ("# Perform sampling\n", "# Perform sampling\nsampler.add_adapter_to_model('my_lora', 'path/to/lora')\n"),
-        ("    adapter_path='path/to/lora',  # Saved LoRA checkpoint (rank <= max_lora_rank)\n",
-         "    adapter_name='my_lora',\n"),
-    ])
+    code = adapt(
+        VLLM_LORA_SNIPPET,
+        [
+            ("'ms://Qwen/Qwen3.5-4B'", repr(str(tiny_model))),
+            ("sampler.set_template('Qwen3_5Template')", "sampler.set_template('chatml')"),
+            ("# Perform sampling\n", "# Perform sampling\nsampler.add_adapter_to_model('my_lora', 'path/to/lora')\n"),
+            (
+                "    adapter_path='path/to/lora',  # Saved LoRA checkpoint (rank <= max_lora_rank)\n",
+                "    adapter_name='my_lora',\n",
+            ),
+        ],
+    )
     # The adapter must really be in use: greedy completions with and without it differ.
-    epilogue = REPORT + """
+    epilogue = (
+        REPORT
+        + """
 greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 with_lora = sampler.sample(trajectories, sampling_params=greedy, adapter_name='my_lora')[0].sequences[0].tokens
 base = sampler.sample(trajectories, sampling_params=greedy)[0].sequences[0].tokens
@@ -232,6 +239,7 @@ json.dump({'seqs': _seqs(responses), 'adapters': sorted(sampler.adapters), 'lora
            'engine': type(sampler).__module__}, open('result.json', 'w'))
 sampler.close()
 """
+    )
     out = run_snippet(code + epilogue, workdir)
     assert out["engine"].startswith("twinkle_vllm")
     assert out["adapters"] == ["my_lora"]
@@ -244,18 +252,24 @@ sampler.close()
 def test_vllm_ray_example_on_two_cpu_replicas(tiny_model: Path, workdir: Path):
     pytest.importorskip("ray")
     pytest.importorskip("twinkle_vllm")
-    code = PAGE_PRELUDE + adapt(VLLM_RAY_SNIPPET, [
-        ("'ms://Qwen/Qwen3.5-4B'", repr(str(tiny_model))),
-        ("ranks=4, device_type='cuda'", "ranks=2, device_type='cpu'"),
-        ("dp_size=4", "dp_size=2"),
-    ])
-    epilogue = REPORT + """
+    code = PAGE_PRELUDE + adapt(
+        VLLM_RAY_SNIPPET,
+        [
+            ("'ms://Qwen/Qwen3.5-4B'", repr(str(tiny_model))),
+            ("ranks=4, device_type='cuda'", "ranks=2, device_type='cpu'"),
+            ("dp_size=4", "dp_size=2"),
+        ],
+    )
+    epilogue = (
+        REPORT
+        + """
 replicas = sampler.replicas
 json.dump({'seqs': _seqs(responses), 'num_replicas': sampler.num_replicas, 'pids': [r.pid for r in replicas],
            'driver_pid': os.getpid(), 'front_end': type(sampler).__name__}, open('result.json', 'w'))
 sampler.close()
 twinkle.shutdown()
 """
+    )
     out = run_snippet(code + epilogue, workdir)
     assert out["front_end"] == "RemoteSampler"
     assert out["num_replicas"] == 2
@@ -267,23 +281,32 @@ twinkle.shutdown()
 def test_torch_example(tiny_model: Path, workdir: Path):
     pytest.importorskip("twinkle_torch")
     code = PAGE_PRELUDE + adapt(TORCH_SNIPPET, [("'ms://Qwen/Qwen2.5-7B-Instruct'", repr(str(tiny_model)))])
-    epilogue = REPORT + """
+    epilogue = (
+        REPORT
+        + """
 json.dump({'seqs': _seqs(response), 'engine': type(sampler).__module__}, open('result.json', 'w'))
 sampler.close()
 """
+    )
     out = run_snippet(code + epilogue, workdir)
     assert out["engine"].startswith("twinkle_torch")
     check_samples(out["seqs"], n_inputs=1, n_samples=4)
 
 
-@pytest.mark.xfail(raises=TypeError, strict=True,
-                   reason="the core's sample() has no adapter_path= (the reference's current vLLM example uses it);"
-                   " when it lands, use the verbatim line in test_vllm_example_with_lora_and_four_samples")
+@pytest.mark.xfail(
+    raises=TypeError,
+    strict=True,
+    reason="the core's sample() has no adapter_path= (the reference's current vLLM example uses it);"
+    " when it lands, use the verbatim line in test_vllm_example_with_lora_and_four_samples",
+)
 def test_sample_has_no_adapter_path_yet(tiny_model: Path, workdir: Path):
     pytest.importorskip("twinkle_torch")
     from twinkle.data_format import SamplingParams, Trajectory
     from twinkle.sampler import TorchSampler
 
     with TorchSampler(model_id=str(tiny_model)) as sampler:
-        sampler.sample([Trajectory(messages=[{"role": "user", "content": "What is 2 + 3?"}])],
-                       sampling_params=SamplingParams(max_tokens=4), adapter_path=str(workdir / "path/to/lora"))
+        sampler.sample(
+            [Trajectory(messages=[{"role": "user", "content": "What is 2 + 3?"}])],
+            sampling_params=SamplingParams(max_tokens=4),
+            adapter_path=str(workdir / "path/to/lora"),
+        )

@@ -26,10 +26,9 @@ attribute.
 from __future__ import annotations
 
 import twinkle_core as _core
-from twinkle_core import *  # noqa: F403  (the alias is the core's public API, by definition)
-
 from twinkle import data_format, sampler, template  # noqa: F401  (so twinkle.sampler etc. resolve; not in __all__)
 from twinkle._alias import forwarder
+from twinkle_core import *  # noqa: F403  (the alias is the core's public API, by definition)
 
 #: The version of ``twinkle_core`` this alias stands for. Its presence is how a
 #: program tells this ``twinkle`` from another project's top-level ``twinkle``:

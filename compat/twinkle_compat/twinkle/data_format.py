@@ -1,12 +1,10 @@
-"""``twinkle.data_format``: the objects of :mod:`twinkle_core.data_format`, under the reference docs' name.
-"""
+"""``twinkle.data_format``: the objects of :mod:`twinkle_core.data_format`, under the reference docs' name."""
 
 from __future__ import annotations
 
 import twinkle_core.data_format as _core
-from twinkle_core.data_format import *  # noqa: F403
-
 from twinkle._alias import forwarder
+from twinkle_core.data_format import *  # noqa: F403
 
 __all__: list[str] = []
 __all__ += _core.__all__

@@ -9,9 +9,8 @@ importing one never imports the others.
 from __future__ import annotations
 
 import twinkle_core.sampler as _core
-from twinkle_core.sampler import *  # noqa: F403
-
 from twinkle._alias import forwarder
+from twinkle_core.sampler import *  # noqa: F403
 
 __all__: list[str] = []
 __all__ += _core.__all__

@@ -10,10 +10,9 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from twinkle_core import InputFeature, SampledSequence, SampleResponse, Sampler, SamplingParams
+from twinkle_core import InputFeature, SampledSequence, Sampler, SampleResponse, SamplingParams
 from twinkle_core.data_format import TopLogprobs
 from twinkle_core.errors import ConfigError
-
 from twinkle_echo.model import EchoModel
 from twinkle_echo.processing import choose, log_softmax, top_alternatives
 from twinkle_echo.tokenizer import NUM_BYTES, SPECIAL_TOKENS, EchoTokenizer
@@ -107,9 +106,7 @@ class EchoSampler(Sampler):
         """Number of token ids the model accepts."""
         return self._vocab_size
 
-    def _generate(
-        self, prompts: list[InputFeature], params: SamplingParams, adapter_name: str
-    ) -> list[SampleResponse]:
+    def _generate(self, prompts: list[InputFeature], params: SamplingParams, adapter_name: str) -> list[SampleResponse]:
         responses = []
         for prompt in prompts:
             ids = list(prompt.input_ids)
@@ -126,9 +123,7 @@ class EchoSampler(Sampler):
         return responses
 
     # -- decoding ------------------------------------------------------------------------
-    def _complete(
-        self, prompt: list[int], params: SamplingParams, adapter_name: str, index: int
-    ) -> SampledSequence:
+    def _complete(self, prompt: list[int], params: SamplingParams, adapter_name: str, index: int) -> SampledSequence:
         """Decode one completion: sample ``index`` of its request."""
         # A string seed: random.Random(int) would give seeds -s and s one stream.
         rng = random.Random(f"{params.seed + index}") if params.seed is not None else random.Random()
@@ -186,9 +181,7 @@ class EchoSampler(Sampler):
             return None
         return best[1], text[: best[0]]
 
-    def _score_prompt(
-        self, ids: list[int], k: int | None
-    ) -> tuple[list[float | None] | None, TopLogprobs | None]:
+    def _score_prompt(self, ids: list[int], k: int | None) -> tuple[list[float | None] | None, TopLogprobs | None]:
         """Log-prob of each prompt token given those before it (raw logits)."""
         if k is None:
             return None, None

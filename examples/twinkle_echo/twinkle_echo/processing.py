@@ -88,7 +88,7 @@ class Choice:
         logprobs: the whole log-prob row in that mode (for top-k alternatives).
     """
 
-    __slots__ = ("token", "logprob", "logprobs")
+    __slots__ = ("logprob", "logprobs", "token")
 
     def __init__(self, token: int, logprobs: list[float]) -> None:
         self.token = token
@@ -96,9 +96,7 @@ class Choice:
         self.logprob = logprobs[token]
 
 
-def choose(
-    logits: Sequence[float], params: SamplingParams, context: Sequence[int], rng: random.Random
-) -> Choice:
+def choose(logits: Sequence[float], params: SamplingParams, context: Sequence[int], rng: random.Random) -> Choice:
     """Pick the next token from ``logits`` as ``params`` say.
 
     Args:

@@ -24,8 +24,9 @@ def _states(model_dir: Path) -> list[dict[str, torch.Tensor]]:
     return [state, {**state, key: swapped}]
 
 
-def test_refused_weights_and_adapters_change_nothing(tiny_llama: Path, chat_prompts: list[Trajectory],
-                                                     lora_dirs: dict[str, Path]) -> None:
+def test_refused_weights_and_adapters_change_nothing(
+    tiny_llama: Path, chat_prompts: list[Trajectory], lora_dirs: dict[str, Path]
+) -> None:
     with TorchSampler(tiny_llama, device="cpu") as s:
         check_refused_changes(s, chat_prompts[:3], _states(tiny_llama)[0], lora_dirs["a"])
 
@@ -52,8 +53,16 @@ def test_one_bad_input_does_not_lose_the_batch(tiny_llama: Path, chat_prompts: l
 
 @pytest.mark.parametrize(
     "params",
-    [{"logprobs": 10**9}, {"logprobs": 769}, {"prompt_logprobs": 10**6}, {"temperature": 1e-300},
-     {"stop_token_ids": [2**70]}, {"stop_token_ids": [768]}, {"num_samples": 10**6}, {"max_tokens": 2**64}],
+    [
+        {"logprobs": 10**9},
+        {"logprobs": 769},
+        {"prompt_logprobs": 10**6},
+        {"temperature": 1e-300},
+        {"stop_token_ids": [2**70]},
+        {"stop_token_ids": [768]},
+        {"num_samples": 10**6},
+        {"max_tokens": 2**64},
+    ],
     ids=lambda p: next(iter(p)),
 )
 def test_values_beyond_limits_are_refused_before_any_allocation(tiny_llama: Path, params: dict) -> None:
@@ -70,9 +79,11 @@ def test_logprobs_up_to_the_vocabulary_work(tiny_llama: Path) -> None:
 
 
 @pytest.mark.soak
-def test_soak_every_sequence_matches_its_weights_and_adapter(tiny_llama: Path, chat_prompts: list[Trajectory],
-                                                              lora_dirs: dict[str, Path]) -> None:
+def test_soak_every_sequence_matches_its_weights_and_adapter(
+    tiny_llama: Path, chat_prompts: list[Trajectory], lora_dirs: dict[str, Path]
+) -> None:
     with TorchSampler(tiny_llama, device="cpu") as s:
-        report = run_soak(s, chat_prompts[:3], _states(tiny_llama), {"a": lora_dirs["a"], "b": lora_dirs["b"]},
-                          seconds=soak_seconds())
+        report = run_soak(
+            s, chat_prompts[:3], _states(tiny_llama), {"a": lora_dirs["a"], "b": lora_dirs["b"]}, seconds=soak_seconds()
+        )
     assert report.sequences > 0 and report.updates > 0 and report.swaps > 0, report

@@ -158,8 +158,11 @@ def test_update_weights_while_merged_keeps_the_merge_right(
     reference, merging = pair
     weights = state(merging)
     gen = torch.Generator().manual_seed(0)
-    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.v_proj.weight",
-             "model.layers.0.mlp.up_proj.weight"]  # the first two are targets of adapter "a"
+    names = [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.self_attn.v_proj.weight",
+        "model.layers.0.mlp.up_proj.weight",
+    ]  # the first two are targets of adapter "a"
     update = {n: weights[n] + 0.05 * torch.randn(weights[n].shape, generator=gen) for n in names}
     try:
         reference.add_adapter_to_model("a", lora_dirs["a"])
@@ -202,8 +205,11 @@ def test_merge_from_config_and_tensors_in_memory(
     ],
 )
 def test_bad_merges_are_refused_and_change_nothing(
-    pair: tuple[TorchSampler, TorchSampler], lora_dirs: dict[str, Path], chat_prompts: list[Trajectory],
-    change: dict[str, Any], match: str,
+    pair: tuple[TorchSampler, TorchSampler],
+    lora_dirs: dict[str, Path],
+    chat_prompts: list[Trajectory],
+    change: dict[str, Any],
+    match: str,
 ) -> None:
     from safetensors.torch import load_file
 

@@ -11,12 +11,11 @@ from typing import Any
 
 import pytest
 import torch
+from torch_helpers import hf_greedy
 
 from twinkle_core import DeviceMesh, SamplingParams, Trajectory
 from twinkle_core.errors import AdapterError, ConfigError, InvalidMeshError, UnknownAdapterError, WeightUpdateError
 from twinkle_torch.sampler import TorchSampler
-
-from torch_helpers import hf_greedy
 
 
 @pytest.fixture(scope="module")
@@ -348,7 +347,7 @@ def test_concurrent_calls_with_different_adapters_never_mix(
                 got = adapted.sample(chat_prompts[:5], greedy(16, logprobs=0), adapter_name=name)
                 assert same(outputs_of(got), expected[name])
                 assert all(r.sequences[0].adapter_name == name for r in got)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=worker, args=(n,)) for n in names * 2]

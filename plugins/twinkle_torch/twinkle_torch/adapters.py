@@ -71,9 +71,7 @@ def _load_weights(folder: Path, device: torch.device) -> dict[str, torch.Tensor]
     from peft.utils import load_peft_weights
 
     if not any((folder / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
-        raise AdapterError(
-            f"Adapter folder {str(folder)!r} has no adapter_model.safetensors (or adapter_model.bin)."
-        )
+        raise AdapterError(f"Adapter folder {str(folder)!r} has no adapter_model.safetensors (or adapter_model.bin).")
     try:
         weights = dict(load_peft_weights(str(folder), device=str(device)))
     except Exception as exc:

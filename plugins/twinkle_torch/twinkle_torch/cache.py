@@ -118,9 +118,7 @@ def make_cache(config: Any, capacity: int) -> DynamicCache:
     """
     cache = DynamicCache(config=config)
     if cache.layers:
-        cache.layers = [
-            PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers
-        ]
+        cache.layers = [PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
     else:  # a config transformers could not read: every layer is plain attention
         cache.layer_class_to_replicate = None
         decoder = config.get_text_config(decoder=True)

@@ -25,7 +25,6 @@ import attrs
 import torch
 
 from twinkle_core.data_format import SamplingMask, SamplingParams
-
 from twinkle_torch.cache import PreallocatedLayer, make_cache, select_rows
 from twinkle_torch.sampling import RowRandomness, TokenSampler, derive_seed
 from twinkle_torch.stopping import StopStringMatcher
@@ -177,7 +176,7 @@ def run_with_split(
     """
     try:
         return run(units)
-    except BaseException as exc:  # noqa: BLE001 - re-raised unless it is an OOM we can split
+    except BaseException as exc:
         halves = split_batch(units) if is_oom(exc) else None
         if halves is None:
             raise
@@ -259,10 +258,14 @@ class Decoder:
         control = control if control is not None else RunControl.plain(len(prompts), params)
         n = params.num_samples
         lengths = [len(p) for p in prompts]
-        max_new = max(
-            (min(budget, self.max_model_len - length) for budget, length in zip(control.max_tokens, lengths)),
-            default=0,
-        ) if params.max_tokens else 0
+        max_new = (
+            max(
+                (min(budget, self.max_model_len - length) for budget, length in zip(control.max_tokens, lengths)),
+                default=0,
+            )
+            if params.max_tokens
+            else 0
+        )
         if max_new == 0 and params.prompt_logprobs is None:
             batches: list[list[WorkUnit]] = []  # nothing to generate, nothing to score
         else:
@@ -354,8 +357,17 @@ class Decoder:
             for _ in range(u.count)
         ]
         return results | self._decode(
-            cache, last, prompt_mask[source], input_ids[source], row_prompt, row_sample, row_length, limits,
-            max_new, params, control,
+            cache,
+            last,
+            prompt_mask[source],
+            input_ids[source],
+            row_prompt,
+            row_sample,
+            row_length,
+            limits,
+            max_new,
+            params,
+            control,
         )
 
     def _prompt_scores(self, logits: torch.Tensor, ids: torch.Tensor, top: int) -> PromptScores:
@@ -436,9 +448,21 @@ class Decoder:
             if control.on_finish is None or not rows_done:
                 return
             for row in rows_done:
-                control.on_finish(row_prompt[row], row_sample[row], self._row_result(
-                    row, finished[row], out_tokens, out_lp, out_top_ids, out_top_lp, matcher, stop_text_end, kept_rows
-                ))
+                control.on_finish(
+                    row_prompt[row],
+                    row_sample[row],
+                    self._row_result(
+                        row,
+                        finished[row],
+                        out_tokens,
+                        out_lp,
+                        out_top_ids,
+                        out_top_lp,
+                        matcher,
+                        stop_text_end,
+                        kept_rows,
+                    ),
+                )
 
         while True:
             if control.stopped():

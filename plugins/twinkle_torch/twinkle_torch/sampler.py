@@ -29,14 +29,13 @@ from twinkle_core.merge import MergedLoRA, check_merge_flag, lora_deltas, read_a
 from twinkle_core.mesh import DeviceMesh
 from twinkle_core.requests import EngineRun
 from twinkle_core.sampler import Sampler
-
 from twinkle_torch.adapters import AdapterSet
 from twinkle_torch.attention import ATTN_IMPLEMENTATION
 from twinkle_torch.attention import register as register_attention
 from twinkle_torch.decoding import Decoder, RunControl, SequenceResult
 from twinkle_torch.weights import WeightTable
 
-__all__ = ["TorchSampler", "DEFAULT_MAX_BATCH_TOKENS"]
+__all__ = ["DEFAULT_MAX_BATCH_TOKENS", "TorchSampler"]
 
 #: Default KV-cache budget of one batch, in tokens (rows x (prompt + max_tokens)).
 DEFAULT_MAX_BATCH_TOKENS = 65536
@@ -286,14 +285,17 @@ class TorchSampler(Sampler):
         )
         merged = self._merged.name
         if merged is not None and adapter_name != merged:
+            asked = "the base model" if not adapter_name else repr(adapter_name)
             raise MergedAdapterError(
-                f"Adapter {merged!r} is merged into the weights, so"
-                f" {'the base model' if not adapter_name else repr(adapter_name)} cannot be sampled: use adapter_name={merged!r}, or remove_adapter({merged!r}) first."
+                f"Adapter {merged!r} is merged into the weights, so {asked} cannot be sampled:"
+                f" use adapter_name={merged!r}, or remove_adapter({merged!r}) first."
             )
         with torch.inference_mode():
             # A merged adapter runs on the plain modules: its sequences still carry its name.
             self._adapter_set.activate("" if adapter_name == merged else adapter_name)
-            sequences, scores = self._decoder.run(ids_of, params, max_batch_tokens=self.max_batch_tokens, control=control)
+            sequences, scores = self._decoder.run(
+                ids_of, params, max_batch_tokens=self.max_batch_tokens, control=control
+            )
         return [
             SampleResponse(
                 prompt_token_ids=ids_of[p],

@@ -21,7 +21,7 @@ _REPLACEMENT = "\ufffd"
 class _RowText:
     """The decoded text of one row, grown a few tokens at a time."""
 
-    __slots__ = ("tokens", "text", "prefix", "read")
+    __slots__ = ("prefix", "read", "text", "tokens")
 
     def __init__(self) -> None:
         self.tokens: list[int] = []

@@ -71,8 +71,13 @@ def adapters(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     return {name: make_peft_adapter(tiny_model, root / name, seed) for name, seed in (("a", 1), ("b", 2))}
 
 
-def hf_logprobs(model_dir: Path, prompt: list[int], completion: list[int], adapter: Path | None = None,
-                state_dict: dict[str, Any] | None = None) -> list[float]:
+def hf_logprobs(
+    model_dir: Path,
+    prompt: list[int],
+    completion: list[int],
+    adapter: Path | None = None,
+    state_dict: dict[str, Any] | None = None,
+) -> list[float]:
     """Raw log-probs of ``completion`` after ``prompt`` under transformers (optionally + a PEFT adapter)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -92,8 +97,9 @@ def hf_logprobs(model_dir: Path, prompt: list[int], completion: list[int], adapt
     return [float(lps[len(prompt) + i - 1, tok]) for i, tok in enumerate(completion)]
 
 
-def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
-              state_dict: dict[str, Any] | None = None) -> list[list[int]]:
+def hf_greedy(
+    model_dir: Path, prompts: list[list[int]], max_new_tokens: int, state_dict: dict[str, Any] | None = None
+) -> list[list[int]]:
     """Greedy continuations under transformers (``ignore_eos``-style: exactly ``max_new_tokens``)."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -106,14 +112,21 @@ def hf_greedy(model_dir: Path, prompts: list[list[int]], max_new_tokens: int,
     for prompt in prompts:
         ids = torch.tensor([prompt])
         with torch.no_grad():
-            gen = model.generate(ids, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-        out.append(gen[0, len(prompt):].tolist())
+            gen = model.generate(
+                ids,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        out.append(gen[0, len(prompt) :].tolist())
     return out
 
 
-def perturbed_state(state: dict[str, Any], seed: int, swap: tuple[int, int] | None = None,
-                    scale: float = 0.02) -> dict[str, Any]:
+def perturbed_state(
+    state: dict[str, Any], seed: int, swap: tuple[int, int] | None = None, scale: float = 0.02
+) -> dict[str, Any]:
     """New weights for sync tests: every tensor gets mild noise, and optionally two
     rows of ``lm_head`` are swapped.
 

@@ -8,13 +8,14 @@ import pytest
 
 from twinkle_core.errors import ConfigError, UnsupportedFeatureError
 from twinkle_core.mesh import DeviceMesh
-
 from twinkle_vllm import IPC_TIMEOUT_ENV
 from twinkle_vllm._engine_args import DEFAULT_IPC_TIMEOUT_S, build_engine_args, read_ipc_timeout
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "abc", "nan", "inf", "-0.5"])
-def test_invalid_ipc_timeout_fails_at_construction(value: str, monkeypatch: pytest.MonkeyPatch, tiny_model: Path) -> None:
+def test_invalid_ipc_timeout_fails_at_construction(
+    value: str, monkeypatch: pytest.MonkeyPatch, tiny_model: Path
+) -> None:
     from twinkle_vllm.sampler import vLLMSampler
 
     monkeypatch.setenv(IPC_TIMEOUT_ENV, value)

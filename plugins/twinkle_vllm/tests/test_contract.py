@@ -64,7 +64,9 @@ def test_concurrent_callers_share_the_engine(engine: Any) -> None:
 def test_greedy_num_samples_are_copies(engine: Any) -> None:
     out = engine.sample(PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8, logprobs=2), num_samples=3)[0]
     assert len(out.sequences) == 3
-    assert all(s.tokens == out.sequences[0].tokens and s.top_logprobs == out.sequences[0].top_logprobs for s in out.sequences)
+    assert all(
+        s.tokens == out.sequences[0].tokens and s.top_logprobs == out.sequences[0].top_logprobs for s in out.sequences
+    )
     assert out.sequences[1] is not out.sequences[0]
 
 
@@ -174,4 +176,3 @@ def test_close_is_final_and_idempotent(engine: Any) -> None:
         engine.sample(PROMPTS[0], {"max_tokens": 2})
     with pytest.raises(SamplerClosedError):
         engine.update_weights({"x": None})
-

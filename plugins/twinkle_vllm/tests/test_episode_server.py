@@ -41,7 +41,9 @@ def server(sampler: Any) -> Iterator[RunningServer]:
 
 
 def test_episode_tool_loop_is_token_exact(sampler: Any) -> None:
-    ep = Episode(sampler, {"messages": [{"role": "user", "content": "What is the weather in Oslo?"}], "tools": [WEATHER]})
+    ep = Episode(
+        sampler, {"messages": [{"role": "user", "content": "What is the weather in Oslo?"}], "tools": [WEATHER]}
+    )
     params = SamplingParams(temperature=0.0, max_tokens=48)
     ep.sample(sampler, params)
     assert ep.last_turn.tool_calls[0]["function"]["arguments"] == {"city": "Oslo"}  # type: ignore[union-attr]
@@ -50,7 +52,9 @@ def test_episode_tool_loop_is_token_exact(sampler: Any) -> None:
     assert len(forks) == 3 and all(f.tokens[: forks[0].turns[1].start] == ep.tokens[: ep.turns[1].start] for f in forks)
     feature = ep.training_feature()
     assert feature.input_ids == [t for s in ep.segments for t in s.tokens]
-    assert [t for t, m in zip(feature.input_ids, feature.extra["loss_mask"]) if m] == ep.turns[0].tokens + ep.turns[1].tokens
+    assert [t for t, m in zip(feature.input_ids, feature.extra["loss_mask"]) if m] == ep.turns[0].tokens + ep.turns[
+        1
+    ].tokens
     assert all(lp is not None for lp, m in zip(feature.extra["logprobs"], feature.extra["loss_mask"]) if m)
 
 
@@ -59,11 +63,20 @@ def test_server_agent_loop_and_streaming(server: RunningServer, sampler: Any) ->
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Lima?"}]
     sampled = []
     for _ in range(4):
-        r = client.chat.completions.create(model="tiny", messages=messages, tools=[WEATHER], temperature=0,
-                                           max_tokens=48, user="v-agent", logprobs=True)
+        r = client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            tools=[WEATHER],
+            temperature=0,
+            max_tokens=48,
+            user="v-agent",
+            logprobs=True,
+        )
         msg = r.choices[0].message
         sampled.append(r.choices[0].model_extra["token_ids"])
-        assert [t.logprob for t in r.choices[0].logprobs.content] == pytest.approx(r.choices[0].model_extra["sampled_logprobs"])
+        assert [t.logprob for t in r.choices[0].logprobs.content] == pytest.approx(
+            r.choices[0].model_extra["sampled_logprobs"]
+        )
         messages.append(msg.model_dump(exclude_none=True))
         if not msg.tool_calls:
             break
@@ -73,8 +86,13 @@ def test_server_agent_loop_and_streaming(server: RunningServer, sampler: Any) ->
     feature = json.loads(httpx.get(server.url + "/v1/sessions/v-agent/export").text.splitlines()[0])["feature"]
     assert [t for t, m in zip(feature["input_ids"], feature["extra"]["loss_mask"]) if m] == sampled[0] + sampled[1]
 
-    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello!"}], n=2, temperature=0, max_tokens=12)
+    r = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello!"}], n=2, temperature=0, max_tokens=12
+    )
     assert [c.message.content for c in r.choices] == ["Hello! How can I help you today?"] * 2
-    chunks = list(client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello!"}],
-                                                 temperature=0, max_tokens=12, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Hello!"}], temperature=0, max_tokens=12, stream=True
+        )
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content

@@ -83,7 +83,9 @@ def test_in_memory_adapter_from_a_live_peft_model(clean: Any, tiny_model: Path, 
     from transformers import AutoModelForCausalLM
 
     sampler = clean
-    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), adapters["b"])
+    model = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32), adapters["b"]
+    )
     weights = {k: v for k, v in model.state_dict().items() if "lora_" in k}
     assert any(".default." in k for k in weights)
     sampler.add_adapter_to_model("live", model.peft_config["default"], weights=weights)

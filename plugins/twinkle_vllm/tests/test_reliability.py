@@ -52,7 +52,7 @@ def test_a_removed_adapter_never_serves_the_base_model(engine: Any, adapters: di
         started = threading.Event()
         results: list[Any] = []
 
-        def sample() -> None:
+        def sample(started: threading.Event = started, results: list[Any] = results) -> None:
             started.set()
             try:
                 results.append(engine.sample(PROMPTS, params, adapter_name="c"))
@@ -90,8 +90,13 @@ def test_one_bad_input_does_not_lose_the_batch(engine: Any) -> None:
 
 @pytest.mark.parametrize(
     "params",
-    [{"logprobs": 10**9}, {"temperature": 1e-300}, {"stop_token_ids": [2**70]}, {"num_samples": 10**6},
-     {"max_tokens": 2**64}],
+    [
+        {"logprobs": 10**9},
+        {"temperature": 1e-300},
+        {"stop_token_ids": [2**70]},
+        {"num_samples": 10**6},
+        {"max_tokens": 2**64},
+    ],
     ids=lambda p: next(iter(p)),
 )
 def test_values_beyond_limits_are_typed_errors(engine: Any, params: dict) -> None:
@@ -101,14 +106,17 @@ def test_values_beyond_limits_are_typed_errors(engine: Any, params: dict) -> Non
 
 
 def test_a_huge_max_tokens_within_bounds_stops_at_the_context(engine: Any) -> None:
-    seq = engine.sample(InputFeature(input_ids=[1, 2, 3]), {"max_tokens": 2**31 - 1, "ignore_eos": True,
-                                                              "temperature": 0})[0].sequences[0]
+    seq = engine.sample(
+        InputFeature(input_ids=[1, 2, 3]), {"max_tokens": 2**31 - 1, "ignore_eos": True, "temperature": 0}
+    )[0].sequences[0]
     assert seq.stop_reason == "length" and len(seq.tokens) == engine.max_model_len - 3
 
 
 @pytest.mark.soak
-def test_soak_every_sequence_matches_its_weights_and_adapter(engine: Any, tiny_model: Path,
-                                                              adapters: dict[str, Path]) -> None:
-    report = run_soak(engine, PROMPTS, _states(tiny_model), {"a": adapters["a"], "b": adapters["b"]},
-                      seconds=soak_seconds())
+def test_soak_every_sequence_matches_its_weights_and_adapter(
+    engine: Any, tiny_model: Path, adapters: dict[str, Path]
+) -> None:
+    report = run_soak(
+        engine, PROMPTS, _states(tiny_model), {"a": adapters["a"], "b": adapters["b"]}, seconds=soak_seconds()
+    )
     assert report.sequences > 0 and report.updates > 0 and report.swaps > 0, report

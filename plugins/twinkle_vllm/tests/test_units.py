@@ -10,7 +10,6 @@ import torch
 
 from twinkle_core.data_format import SamplingParams
 from twinkle_core.errors import InvalidSamplingParams, UnsupportedFeatureError, WeightUpdateError
-
 from twinkle_vllm._convert import SEED_MODULUS, make_plan
 from twinkle_vllm._loop import LoopThread
 from twinkle_vllm._sync import plan_buckets
@@ -68,7 +67,7 @@ def _spec(tied: bool = False) -> WeightSpec:
     }
     return WeightSpec(
         shapes,
-        {k: "float32" for k in shapes},
+        dict.fromkeys(shapes, "float32"),
         "float32",
         {"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
         tied_embeddings=tied,
@@ -113,8 +112,19 @@ def test_spec_from_a_model_folder(tiny_model: Path) -> None:
 
 def test_plan_maps_every_field() -> None:
     params = SamplingParams(
-        temperature=0.7, top_p=0.9, top_k=5, min_p=0.1, repetition_penalty=1.2, seed=-3, stop=["x"],
-        stop_token_ids=[7], ignore_eos=True, logprobs=2, prompt_logprobs=1, num_samples=3, max_tokens=9,
+        temperature=0.7,
+        top_p=0.9,
+        top_k=5,
+        min_p=0.1,
+        repetition_penalty=1.2,
+        seed=-3,
+        stop=["x"],
+        stop_token_ids=[7],
+        ignore_eos=True,
+        logprobs=2,
+        prompt_logprobs=1,
+        num_samples=3,
+        max_tokens=9,
     )
     plan = make_plan(params, max_logprobs=20, vocab_size=100, temperature_processor=True)
     kw = plan.vllm
@@ -132,8 +142,9 @@ def test_plan_maps_every_field() -> None:
     assert greedy.vllm["n"] == 1 and greedy.copies == 3
     scoring = make_plan(SamplingParams(max_tokens=0), max_logprobs=20, vocab_size=100, temperature_processor=True)
     assert scoring.scoring and scoring.vllm["max_tokens"] == 1
-    scoring = make_plan(SamplingParams(max_tokens=0, num_samples=3), max_logprobs=20, vocab_size=100,
-                        temperature_processor=True)
+    scoring = make_plan(
+        SamplingParams(max_tokens=0, num_samples=3), max_logprobs=20, vocab_size=100, temperature_processor=True
+    )
     assert scoring.vllm["n"] == 1 and scoring.copies == 3
     raw = make_plan(params.replace(logprobs_mode="raw"), max_logprobs=20, vocab_size=100, temperature_processor=True)
     assert raw.rescore_raw and raw.vllm["logprobs"] is None
@@ -143,8 +154,9 @@ def test_plan_maps_every_field() -> None:
     hot = make_plan(params.replace(temperature=3.0), max_logprobs=20, vocab_size=100, temperature_processor=True)
     assert hot.vllm["temperature"] == 1.0 and hot.vllm["min_p"] == 0.0
     assert hot.vllm["extra_args"] == {"twinkle_temperature": [3.0, 0.1, 5, 0.9]}
-    hot = make_plan(params.replace(temperature=3.0, top_p=1.0), max_logprobs=20, vocab_size=100,
-                    temperature_processor=True)
+    hot = make_plan(
+        params.replace(temperature=3.0, top_p=1.0), max_logprobs=20, vocab_size=100, temperature_processor=True
+    )
     assert hot.vllm["extra_args"] == {"twinkle_temperature": [3.0, 0.1]} and hot.vllm["top_k"] == 5
     with pytest.raises(UnsupportedFeatureError, match="min_p"):
         make_plan(params, max_logprobs=20, vocab_size=100, temperature_processor=False)
@@ -168,23 +180,46 @@ def test_temperature_processor_tracks_batch_rows() -> None:
     logits = torch.ones(3, 5)
     out = proc.apply(logits.clone())
     assert torch.equal(out[0], logits[0]) and torch.allclose(out[2], logits[2] / 4)
-    proc.update_state(BatchUpdate(batch_size=3, removed=[], added=[], moved=[(2, 1, MoveDirectionality.UNIDIRECTIONAL)]))
+    proc.update_state(
+        BatchUpdate(batch_size=3, removed=[], added=[], moved=[(2, 1, MoveDirectionality.UNIDIRECTIONAL)])
+    )
     out = proc.apply(logits.clone())
     assert torch.allclose(out[1], logits[1] / 4) and torch.equal(out[2], logits[2])
     proc.update_state(BatchUpdate(batch_size=2, removed=[1], added=[], moved=[]))
     assert torch.equal(proc.apply(logits.clone()), logits)
     # min-p after the temperature: only tokens within min_p of the best survive
-    proc.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, SimpleNamespace(extra_args={EXTRA_ARG: [1.0, 0.5]}), None, [])], moved=[]))
+    proc.update_state(
+        BatchUpdate(
+            batch_size=1,
+            removed=[],
+            added=[(0, SimpleNamespace(extra_args={EXTRA_ARG: [1.0, 0.5]}), None, [])],
+            moved=[],
+        )
+    )
     out = proc.apply(torch.tensor([[0.0, -0.1, -5.0]]))
     assert out[0, 2] == float("-inf") and torch.isfinite(out[0, :2]).all()
     # with top-p, min-p comes after it: the nucleus is measured before min-p removes anything
     probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
-    proc.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, SimpleNamespace(extra_args={EXTRA_ARG: [1.0, 0.3, 0, 0.75]}), None, [])], moved=[]))
+    proc.update_state(
+        BatchUpdate(
+            batch_size=1,
+            removed=[],
+            added=[(0, SimpleNamespace(extra_args={EXTRA_ARG: [1.0, 0.3, 0, 0.75]}), None, [])],
+            moved=[],
+        )
+    )
     out = proc.apply(probs.log())
     # top-p 0.75 keeps 0.4, 0.3, 0.2 (the mass above 0.1 is 0.9), and min-p 0.3 x 0.4 keeps those;
     # min-p first (vLLM's order) would drop 0.1, and the nucleus of the rest would drop 0.2
     assert torch.isfinite(out[0, :3]).all() and out[0, 3] == float("-inf")
-    proc.update_state(BatchUpdate(batch_size=1, removed=[], added=[(0, SimpleNamespace(extra_args={EXTRA_ARG: [1.0, 0.0, 1, 1.0]}), None, [])], moved=[]))
+    proc.update_state(
+        BatchUpdate(
+            batch_size=1,
+            removed=[],
+            added=[(0, SimpleNamespace(extra_args={EXTRA_ARG: [1.0, 0.0, 1, 1.0]}), None, [])],
+            moved=[],
+        )
+    )
     out = proc.apply(probs.log())
     assert torch.isfinite(out[0, 0]) and (out[0, 1:] == float("-inf")).all()
 
@@ -194,6 +229,7 @@ def test_loop_thread_runs_and_cancels() -> None:
 
     loop = LoopThread()
     try:
+
         async def add(a: int, b: int) -> int:
             await asyncio.sleep(0)
             return a + b
@@ -228,4 +264,3 @@ def test_cpu_engines_default_to_whole_prompt_prefills(tiny_model: Path) -> None:
         pytest.skip("vLLM's GPU backends keep chunked prefill")
     assert build_engine_args(tiny_model, 1, {}).enable_chunked_prefill is False
     assert build_engine_args(tiny_model, 1, {"enable_chunked_prefill": True}).enable_chunked_prefill is True
-

@@ -14,7 +14,6 @@ import torch
 
 from twinkle_core.data_format import SamplingParams, Trajectory
 from twinkle_core.errors import WeightSyncTimeoutError, WeightUpdateError
-
 from twinkle_vllm import IPC_TIMEOUT_ENV
 
 from .conftest import hf_greedy, make_sampler, perturbed_state
@@ -153,7 +152,9 @@ def test_stalled_worker_times_out_and_the_next_sync_works(
     assert greedy(sampler) == before
 
 
-def test_lora_adapters_survive_a_base_sync(restore: Any, adapters: dict[str, Path], original: dict[str, torch.Tensor]) -> None:
+def test_lora_adapters_survive_a_base_sync(
+    restore: Any, adapters: dict[str, Path], original: dict[str, torch.Tensor]
+) -> None:
     sampler = restore
     sampler.add_adapter_to_model("a", adapters["a"])
     try:
@@ -206,7 +207,9 @@ def test_samples_in_flight_never_mix_versions(
             # Updates go before waiting samples, so back-to-back updates could starve them: wait
             # until a sample has run under this version (the deadline only stops a hang).
             with progress:
-                ran = progress.wait_for(lambda: errors or any(v == version for v, _ in seen), timeout=300)
+                ran = progress.wait_for(
+                    lambda version=version: errors or any(v == version for v, _ in seen), timeout=300
+                )
             assert ran and not errors, errors or f"no sample ran under version {version}"
     finally:
         stop.set()

