@@ -194,7 +194,7 @@ def main():
     for p in [me, *procs]:
         paths |= {c.laddr for c in p.net_connections(kind="unix") if isinstance(c.laddr, str) and c.laddr}
         paths |= {m.path for m in p.memory_maps() if m.path.startswith("/dev/shm/")}
-    print(json.dumps({"pids": [[p.pid, p.create_time()] for p in procs], "paths": sorted(paths)}), flush=True)
+    print("REPORT", json.dumps({"pids": [[p.pid, p.create_time()] for p in procs], "paths": sorted(paths)}), flush=True)
     time.sleep(3600)
 
 if __name__ == "__main__":
@@ -212,9 +212,11 @@ def test_killed_driver_leaves_no_process_and_no_file(tiny_model: Path, tmp_path:
     )
     try:
         assert driver.stdout is not None
-        line = driver.stdout.readline()
+        line = "-"
+        while line and not line.startswith("REPORT "):  # vLLM logs on stdout too
+            line = driver.stdout.readline()
         assert line, "the driver died before its engine started"
-        report = json.loads(line)
+        report = json.loads(line.removeprefix("REPORT "))
         procs = [psutil.Process(pid) for pid, _ in report["pids"]]
         paths = report["paths"]
         assert any("EngineCore" in p.name() for p in procs) and any("Worker" in p.name() for p in procs)
