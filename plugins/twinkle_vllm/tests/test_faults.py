@@ -57,9 +57,9 @@ def alive(proc: psutil.Process) -> bool:
         return False
 
 
-def workers(pid: int) -> list[psutil.Process]:
-    """vLLM's worker processes under process ``pid``."""
-    return [p for p in psutil.Process(pid).children(recursive=True) if "Worker" in p.name()]
+def engine_processes(pid: int, kind: str = "Worker") -> list[psutil.Process]:
+    """vLLM's processes of one ``kind`` (``"Worker"``, ``"EngineCore"``) under process ``pid``."""
+    return [p for p in psutil.Process(pid).children(recursive=True) if kind in p.name()]
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +73,17 @@ def original(tiny_model: Path) -> dict[str, torch.Tensor]:
 def sampler(tiny_model: Path) -> Iterator[Any]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(IPC_TIMEOUT_ENV, str(TIMEOUT_S))
-        s = make_sampler(tiny_model, enable_lora=True, max_lora_rank=8)
+        s = make_sampler(tiny_model, enable_lora=True, max_lora_rank=8, max_loras=2, max_cpu_loras=2)
     with s:
         yield s
+
+
+def memory_adapter(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A PEFT folder as (config, tensors): an adapter given in memory."""
+    from safetensors.torch import load_file
+
+    config = json.loads((folder / "adapter_config.json").read_text())
+    return config, load_file(str(folder / "adapter_model.safetensors"))
 
 
 def greedy(sampler: Any, adapter: str = "") -> list[list[int]]:
@@ -89,12 +97,17 @@ def state(sampler: Any, original: dict[str, torch.Tensor], adapters: dict[str, P
     new = perturbed_state(original, seed=7, swap=(first, first + 1))
     sampler.update_weights(new)
     sampler.add_adapter_to_model("a", adapters["a"])
-    expected = {"": greedy(sampler), "a": greedy(sampler, "a")}
-    assert expected[""] != expected["a"]  # the adapter shows in the outputs
+    config, tensors = memory_adapter(adapters["b"])
+    sampler.add_adapter_to_model("m", config, weights=tensors)
+    expected = {name: greedy(sampler, name) for name in ("", "a", "m")}
+    assert len({str(v) for v in expected.values()}) == 3  # each adapter shows in the outputs
     return {"weights": new, "expected": expected, "first": first}
 
 
-def test_killed_worker_during_sample_is_a_typed_error_and_the_engine_comes_back(sampler: Any, state: dict[str, Any]) -> None:
+@pytest.mark.parametrize("victim", ["Worker", "EngineCore"])
+def test_killed_engine_process_during_sample_is_a_typed_error_and_the_engine_comes_back(
+    sampler: Any, state: dict[str, Any], victim: str
+) -> None:
     version, restarts = sampler.weights_version, sampler.restarts
     errors: list[BaseException] = []
     started = threading.Event()
@@ -111,7 +124,7 @@ def test_killed_worker_during_sample_is_a_typed_error_and_the_engine_comes_back(
     started.wait()
     # The requests are in the engine once it reports them unfinished.
     wait_for(lambda: sampler._engine.output_processor.get_num_unfinished_requests() > 0, "the requests to start")
-    victims = workers(os.getpid())
+    victims = engine_processes(os.getpid(), victim)
     assert victims
     for proc in victims:
         proc.send_signal(signal.SIGKILL)
@@ -123,8 +136,7 @@ def test_killed_worker_during_sample_is_a_typed_error_and_the_engine_comes_back(
     assert sampler.restarts == restarts + 1
     assert not any(alive(p) for p in victims)
     # The restarted engine has the updated weights and the adapter back, under the same version.
-    assert greedy(sampler) == state["expected"][""]
-    assert greedy(sampler, "a") == state["expected"]["a"]
+    assert {name: greedy(sampler, name) for name in ("", "a", "m")} == state["expected"]
     assert [r.sequences[0].weights_version for r in sampler.sample(PROMPTS, GREEDY)] == [version] * len(PROMPTS)
 
 
@@ -149,7 +161,7 @@ def test_killed_worker_during_update_weights_changes_nothing(
     thread = threading.Thread(target=update)
     thread.start()
     wait_for(lambda: any(p.startswith(root) and os.path.isdir(p) for p in driver_files(os.getpid())), "the sync session")
-    for proc in workers(os.getpid()):
+    for proc in engine_processes(os.getpid()):
         proc.send_signal(signal.SIGKILL)
     thread.join(TIMEOUT_S * 10)
     assert not thread.is_alive(), "update_weights() hung after its engine died"
@@ -157,8 +169,7 @@ def test_killed_worker_during_update_weights_changes_nothing(
     assert "update_weights()" in str(errors[0]) and "restarted" in str(errors[0])
     # Not applied: same version, same outputs as before the call.
     assert sampler.weights_version == version
-    assert greedy(sampler) == state["expected"][""]
-    assert greedy(sampler, "a") == state["expected"]["a"]
+    assert {name: greedy(sampler, name) for name in ("", "a", "m")} == state["expected"]
     # And the engine takes the update when it is pushed again.
     sampler.update_weights(newer)
     assert greedy(sampler) != state["expected"][""]
@@ -251,3 +262,51 @@ def test_restart_options_are_checked(tiny_model: Path) -> None:
         vLLMSampler(tiny_model, engine_args=TEST_ENGINE_ARGS, auto_restart=1)
     with pytest.raises(ConfigError, match="replay_weights='no'"):
         vLLMSampler(tiny_model, engine_args=TEST_ENGINE_ARGS, replay_weights="no")
+
+
+def test_without_auto_restart_or_weight_replay_the_user_restarts_and_repushes(
+    tiny_model: Path, original: dict[str, torch.Tensor]
+) -> None:
+    from twinkle_vllm.sampler import vLLMSampler
+
+    with vLLMSampler(tiny_model, engine_args=TEST_ENGINE_ARGS, auto_restart=False, replay_weights=False) as s:
+        before = greedy(s)
+        new = perturbed_state(original, seed=3, swap=(before[0][0], before[0][0] + 1))
+        s.update_weights(new)
+        updated = greedy(s)
+        assert updated != before
+        for proc in engine_processes(os.getpid()):
+            if proc.pid in s._reaper.pids:
+                proc.send_signal(signal.SIGKILL)
+        wait_for(lambda: s._engine.errored, "vLLM to notice its worker died")
+        with pytest.raises(EngineDeadError, match=r"sampler\.restart\(\)"):
+            s.sample(PROMPTS, GREEDY)
+        assert s.restarts == 0  # auto_restart=False: nothing restarted behind the user's back
+        s.restart()
+        assert s.restarts == 1
+        # The new engine runs the checkpoint's weights: no sample may carry version 1 until they are pushed again.
+        with pytest.raises(EngineDeadError, match="update_weights"):
+            s.sample(PROMPTS, GREEDY)
+        s.update_weights(new)
+        assert greedy(s) == updated
+
+
+def test_files_of_dead_drivers_are_swept_and_live_ones_kept(tmp_path: Path) -> None:
+    from twinkle_vllm._files import PREFIX, driver_files, session_root, shm_dir, sweep_stale
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # reaped: its pid names no process now
+    dead = [os.path.join(shm_dir(), f"{PREFIX}{gone.pid}-stage"), os.path.join(session_root(), f"{PREFIX}{gone.pid}-sess")]
+    live = [os.path.join(shm_dir(), f"{PREFIX}{os.getpid()}-stage-test")]
+    Path(dead[0]).write_bytes(b"x")
+    os.mkdir(dead[1], 0o700)
+    Path(dead[1], "w0.sock").write_bytes(b"")
+    Path(live[0]).write_bytes(b"x")
+    try:
+        removed = sweep_stale()
+        assert set(dead) <= set(removed)
+        assert not any(os.path.exists(p) for p in dead)
+        assert os.path.exists(live[0]) and live[0] in driver_files(os.getpid())
+    finally:
+        for p in live:
+            os.unlink(p)
