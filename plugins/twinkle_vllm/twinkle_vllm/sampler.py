@@ -36,6 +36,7 @@ from twinkle_core.data_format import InputFeature, SampledSequence, SampleRespon
 from twinkle_core.errors import (
     AdapterError,
     ConfigError,
+    EngineDeadError,
     InvalidMeshError,
     SamplerClosedError,
     TwinkleError,
@@ -249,9 +250,9 @@ class vLLMSampler(EngineRecovery, Sampler):  # noqa: N801 - the seed's spelling
             temperature_processor=self._temperature_processor,
             seeds_crash=self._seeds_crash,
         )
-        generation = self._generation
         died: BaseException | None = None
         with self._state.read():
+            generation = self._generation  # read under the lock: no restart runs while we hold it
             if self._asleep:
                 raise TwinkleError("The vLLM engine is asleep: call wake_up() before sampling.")
             self._check_weights_present()
@@ -481,14 +482,27 @@ class vLLMSampler(EngineRecovery, Sampler):  # noqa: N801 - the seed's spelling
 
     def _remove_adapter(self, name: str) -> None:
         request = self._loras.pop(name, None)
+        how = self._replay_adapters.get(name)
         self._record_adapter(name, None)
-        if request is not None:
+        if request is None:
+            return
+        try:
+            self._rpc("twinkle_remove_lora", request.lora_int_id)
+        except Exception as exc:
+            generation = self._generation
             try:
-                self._rpc("twinkle_remove_lora", request.lora_int_id)
-            except Exception as exc:
-                # Dead engine: the restarted one never gets the adapter, so the removal holds.
                 self._guard_state_change(f"remove_adapter({name!r})", exc)
+            except EngineDeadError:
+                if self._generation != generation and not self._engine_dead():
+                    return  # restarted without the adapter: the removal holds
                 raise
+            finally:
+                if self._generation == generation:
+                    # Not removed: keep the sampler's tables in step with the engine (and with
+                    # the base's adapter table, which keeps the name when this raises).
+                    self._loras[name] = request
+                    self._record_adapter(name, how)
+            raise
 
     # -- weights --------------------------------------------------------------------------
     def update_weights(
