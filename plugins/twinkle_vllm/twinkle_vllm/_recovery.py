@@ -90,8 +90,11 @@ class EngineRecovery:
 
     # -- detection ------------------------------------------------------------------------
     def _engine_dead(self) -> bool:
+        """Whether vLLM marked the engine dead, or a restart failed and left none."""
+        if self.closed:
+            return False
         engine = self._engine
-        return engine is not None and bool(getattr(engine, "errored", False))
+        return engine is None or bool(getattr(engine, "errored", False))
 
     def _dead_while(self, during: str, cause: BaseException, generation: int, *, locked: bool) -> EngineDeadError:
         """The error for a call that found the engine dead, after restarting it if that is on.

@@ -40,6 +40,7 @@ from twinkle_core.errors import (
     InvalidMeshError,
     SamplerClosedError,
     TwinkleError,
+    UnknownAdapterError,
     UnsupportedFeatureError,
     WeightUpdateError,
 )
@@ -257,6 +258,9 @@ class vLLMSampler(EngineRecovery, Sampler):  # noqa: N801 - the seed's spelling
                 raise TwinkleError("The vLLM engine is asleep: call wake_up() before sampling.")
             self._check_weights_present()
             lora = self._loras.get(adapter_name) if adapter_name else None
+            if adapter_name and lora is None:
+                # Never run the base model under an adapter's name (say, one a failed restart lost).
+                raise UnknownAdapterError(f"Adapter {adapter_name!r} is not loaded in the vLLM engine.")
             version = self._weights_version
             try:
                 outputs = self._loop.run(self._run_all([p.input_ids for p in prompts], plan, lora))
@@ -497,7 +501,7 @@ class vLLMSampler(EngineRecovery, Sampler):  # noqa: N801 - the seed's spelling
                     return  # restarted without the adapter: the removal holds
                 raise
             finally:
-                if self._generation == generation:
+                if self._generation == generation or self._engine_dead():
                     # Not removed: keep the sampler's tables in step with the engine (and with
                     # the base's adapter table, which keeps the name when this raises).
                     self._loras[name] = request
