@@ -63,13 +63,18 @@ class EngineRecovery:
         self._replay_weights = bool(replay_weights)
         #: The latest tensor of every name a successful update_weights pushed (host copies).
         self._replay_tensors: dict[str, torch.Tensor] = {}
-        #: How to load each adapter again: ("folder", path) or ("memory", config, tensors, lora_id).
+        #: How to load each adapter again: ("folder", path) or ("memory", config, tensors).
         self._replay_adapters: dict[str, tuple[Any, ...]] = {}
         self._weights_pushed = False
         #: Set when a restart could not restore the weights (replay_weights=False): sampling is refused.
         self._weights_lost = ""
         self._generation = 0
-        self.restarts = 0
+        self._restarts = 0
+
+    @property
+    def restarts(self) -> int:
+        """How many times the engine was restarted (after dying, or by :meth:`restart`)."""
+        return self._restarts
 
     # -- recording ----------------------------------------------------------------------
     def _record_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -169,7 +174,7 @@ class EngineRecovery:
         self._generation += 1
         self._stop_engine()
         self._boot()
-        self.restarts += 1
+        self._restarts += 1
         if self._replay_tensors:
             self._replay_weight_tensors(list(self._replay_tensors.items()))
         elif self._weights_pushed:

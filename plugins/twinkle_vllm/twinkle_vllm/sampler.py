@@ -443,7 +443,8 @@ class vLLMSampler(EngineRecovery, Sampler):  # noqa: N801 - the seed's spelling
             else:
                 config = _lora_config_dict(name, config_or_dir)
                 tensors = _lora_tensors(name, weights)
-                how = ("memory", config, tensors)
+                # Copies for a restart: the caller's tensors may change in place after this call.
+                how = ("memory", config, [(key, t.clone()) for key, t in tensors])
                 path, source = self._load_lora_memory(name, lora_id, config, tensors, replaces), _MEMORY_SOURCE
         except Exception as exc:
             self._guard_state_change(f"add_adapter_to_model({name!r})", exc)
