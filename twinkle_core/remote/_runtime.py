@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ipaddress
 import os
 import threading
 import weakref
@@ -376,6 +377,11 @@ def initialize(
                     if _starts_local_cluster(address) and "_node_ip_address" not in kwargs:
                         with _loopback_only(ray):
                             ray.init(address=address, namespace=namespace, _node_ip_address=LOOPBACK, **kwargs)
+                    elif _is_loopback(address):
+                        # Joining a loopback cluster (one started above, by another driver):
+                        # Ray would otherwise dial the machine's public address, where nothing listens.
+                        with _loopback_only(ray):
+                            ray.init(address=address, namespace=namespace, **kwargs)
                     else:
                         ray.init(address=address, namespace=namespace, **kwargs)
                     session.owns_ray = True
@@ -414,6 +420,19 @@ _RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 def _starts_local_cluster(address: str | None) -> bool:
     """Whether ``ray.init(address=address)`` starts a new cluster rather than joining one."""
     return address is None and not os.environ.get("RAY_ADDRESS")
+
+
+def _is_loopback(address: str | None) -> bool:
+    """Whether a ``host:port`` cluster address names this machine's loopback."""
+    if not address or "://" in address:
+        return False
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @contextlib.contextmanager

@@ -205,7 +205,9 @@ def main():
     for p in [me, *procs]:
         paths |= {c.laddr for c in p.net_connections(kind="unix") if isinstance(c.laddr, str) and c.laddr}
         paths |= {m.path for m in p.memory_maps() if m.path.startswith("/dev/shm/")}
-    print("REPORT", json.dumps({"pids": [[p.pid, p.create_time()] for p in procs], "paths": sorted(paths)}), flush=True)
+    report = {"pids": [[p.pid, p.create_time()] for p in procs if p.pid != sampler._reaper.pid],
+              "paths": sorted(paths), "reaper": sampler._reaper.pid}
+    print("REPORT", json.dumps(report), flush=True)
     time.sleep(3600)
 
 if __name__ == "__main__":
@@ -213,7 +215,8 @@ if __name__ == "__main__":
 """
 
 
-def test_killed_driver_leaves_no_process_and_no_file(tiny_model: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("reaper", ["alive", "killed too"])
+def test_killed_driver_leaves_no_process_and_no_file(tiny_model: Path, tmp_path: Path, reaper: str) -> None:
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -233,9 +236,20 @@ def test_killed_driver_leaves_no_process_and_no_file(tiny_model: Path, tmp_path:
         assert any("EngineCore" in p.name() for p in procs) and any("Worker" in p.name() for p in procs)
         assert any(os.path.basename(p).startswith(f"twinkle-vllm-{driver.pid}-") for p in paths)  # the staging file
         assert any(os.path.basename(p).startswith("psm_") for p in paths)  # vLLM's own segments
+        if reaper == "killed too":
+            # Then the engine's own watch on the driver must still stop it.
+            watcher = psutil.Process(report["reaper"])
+            watcher.kill()
+            watcher.wait()
         driver.send_signal(signal.SIGKILL)
         driver.wait()
         wait_for(lambda: not any(alive(p) for p in procs), "the engine's processes to exit")
+        if reaper == "killed too":
+            # No reaper removed the files; the next sampler's sweep finds twinkle's by their dead pid.
+            from twinkle_vllm._files import sweep_stale
+
+            sweep_stale()
+            paths = [p for p in paths if os.path.basename(p).startswith(f"twinkle-vllm-{driver.pid}-")]
         wait_for(lambda: not any(os.path.exists(p) for p in paths), "the engine's files to be removed")
         assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"twinkle-vllm-{driver.pid}-")]
     finally:

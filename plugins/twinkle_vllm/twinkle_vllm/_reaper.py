@@ -22,6 +22,12 @@ So each engine gets a reaper, started right after the engine:
   behind), segments that are left, and twinkle's own staging buffer and
   session folders of that driver (see :mod:`twinkle_vllm._files`).
 
+A second, independent line: every worker also watches the driver
+(:func:`watch_driver`, started through the worker extension) and sends
+``SIGTERM`` to its ``EngineCore`` when the driver dies, so the engine stops
+even if the reaper was killed too (its files are then swept by the next
+sampler, see :mod:`twinkle_vllm._files`).
+
 The driver tells the reaper which processes are the engine's by comparing its
 children before and after the engine starts (:func:`snapshot`, then
 :meth:`Reaper.start`); the processes are identified by pid *and* start time,
@@ -44,7 +50,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Reaper", "Snapshot", "snapshot"]
+__all__ = ["Reaper", "Snapshot", "snapshot", "watch_driver"]
 
 #: How long the engine may take to exit after SIGTERM before it is killed.
 DEFAULT_GRACE_S = 10.0
@@ -155,6 +161,51 @@ class Reaper:
 def _package_root(name: str) -> str:
     module = sys.modules[name]
     return os.path.dirname(os.path.dirname(os.path.abspath(module.__file__ or "")))
+
+
+# -- the watch inside the engine's processes --------------------------------------------------
+def _parent(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[-1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def watch_driver(driver: int) -> bool:
+    """In an engine process: on the driver's death, send ``SIGTERM`` to the driver's child on our line.
+
+    That child is ``EngineCore`` (this process itself when the worker runs inside
+    it); its own handler then stops the workers. Nothing is watched when the
+    driver is not an ancestor of this process (vLLM's Ray executor, a worker
+    inside the driver), or without pidfds.
+
+    Returns:
+        Whether a watch was started.
+    """
+    me = os.getpid()
+    chain = [me]
+    while chain[-1] > 1 and len(chain) < 64:
+        chain.append(_parent(chain[-1]))
+    if driver == me or driver not in chain:
+        return False
+    core = chain[chain.index(driver) - 1]
+    try:
+        pidfd = os.pidfd_open(driver)
+    except (AttributeError, OSError):
+        return False
+
+    def wait() -> None:
+        select.select([pidfd], [], [])
+        try:
+            os.kill(core, signal.SIGTERM)
+        except OSError:
+            pass
+
+    import threading
+
+    threading.Thread(target=wait, name="twinkle-driver-watch", daemon=True).start()
+    return True
 
 
 # -- the reaper process ------------------------------------------------------------------------

@@ -193,6 +193,8 @@ class vLLMSampler(EngineRecovery, Sampler):  # noqa: N801 - the seed's spelling
             else ""
         )
         self._workers = self._rpc("twinkle_describe")
+        # A second line behind the reaper: the workers stop the engine if this process dies.
+        self._rpc("twinkle_watch_driver", os.getpid())
 
     @staticmethod
     def _merge_options(engine_args: Mapping[str, Any] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
