@@ -240,7 +240,8 @@ def test_killed_driver_leaves_no_process_and_no_file(tiny_model: Path, tmp_path:
             # Then the engine's own watch on the driver must still stop it.
             watcher = psutil.Process(report["reaper"])
             watcher.kill()
-            watcher.wait()
+            # Not psutil's wait(): the reaper is the driver's child, a zombie nobody reaps until the driver dies.
+            wait_for(lambda: not alive(watcher), "the reaper to die")
         driver.send_signal(signal.SIGKILL)
         driver.wait()
         wait_for(lambda: not any(alive(p) for p in procs), "the engine's processes to exit")
