@@ -66,7 +66,9 @@ def test_local_cluster_listens_on_loopback_unless_asked() -> None:
     default = out["default"]
     assert default["node"] == "127.0.0.1"
     assert default["listen"], "no listening socket found: the probe saw nothing of Ray's servers"
-    exposed = [(name, ip) for name, ip in default["listen"] if not ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback]
+    exposed = [
+        (name, ip) for name, ip in default["listen"] if not ipaddress.ip_address(ip.removeprefix("::ffff:")).is_loopback
+    ]
     assert not exposed, f"Ray servers listening beyond loopback: {exposed}"
 
     if public is not None:  # the user's own address is honoured

@@ -253,8 +253,11 @@ def _place(ray: Any, group: DeviceGroup, strategy: str, timeout_s: float) -> Pla
             + (", use device_type='cpu'," if "GPU" in short else "")
             + " or connect to a larger cluster."
         )
-    pg = placement_group([dict(bundle) for _ in range(group.size)], strategy=strategy,
-                         name=f"twinkle:{group.name}:{uuid.uuid4().hex[:8]}")
+    pg = placement_group(
+        [dict(bundle) for _ in range(group.size)],
+        strategy=strategy,
+        name=f"twinkle:{group.name}:{uuid.uuid4().hex[:8]}",
+    )
     ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
     if not ready:
         remove_placement_group(pg)
@@ -334,9 +337,17 @@ def initialize(
     if replica_niceness is not None and (
         isinstance(replica_niceness, bool) or not isinstance(replica_niceness, int) or not -20 <= replica_niceness <= 19
     ):
-        raise ConfigError(f"replica_niceness={replica_niceness!r} is invalid: expected an integer in [-20, 19] or None.")
-    options = {"address": address, "namespace": namespace, "num_cpus": num_cpus, "strategy": placement_strategy,
-               "replica_niceness": replica_niceness, **ray_init_kwargs}
+        raise ConfigError(
+            f"replica_niceness={replica_niceness!r} is invalid: expected an integer in [-20, 19] or None."
+        )
+    options = {
+        "address": address,
+        "namespace": namespace,
+        "num_cpus": num_cpus,
+        "strategy": placement_strategy,
+        "replica_niceness": replica_niceness,
+        **ray_init_kwargs,
+    }
     with _lock:
         session = _session
         if session is not None:
@@ -346,8 +357,11 @@ def initialize(
                     f" initialize(mode={mode!r})."
                 )
             if session._init_options != options:
-                changed = sorted(k for k in set(options) | set(session._init_options)
-                                 if options.get(k) != session._init_options.get(k))
+                changed = sorted(
+                    k
+                    for k in set(options) | set(session._init_options)
+                    if options.get(k) != session._init_options.get(k)
+                )
                 raise ConfigError(
                     f"twinkle is already initialised with other options ({', '.join(changed)} differ); call"
                     " twinkle_core.shutdown() first to change them, or call initialize() with the same options."
@@ -360,8 +374,14 @@ def initialize(
                         f" {g!r} while the session lives. Use another name, or call twinkle_core.shutdown() first."
                     )
         else:
-            session = RemoteSession(mode, address=address, namespace=namespace, init_options=options,
-                                    strategy=placement_strategy, replica_niceness=replica_niceness)
+            session = RemoteSession(
+                mode,
+                address=address,
+                namespace=namespace,
+                init_options=options,
+                strategy=placement_strategy,
+                replica_niceness=replica_niceness,
+            )
             if mode == "ray":
                 ray = import_ray()
                 if ray.is_initialized():

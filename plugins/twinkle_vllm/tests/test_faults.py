@@ -160,7 +160,9 @@ def test_killed_worker_during_update_weights_changes_nothing(
     root = session_root()
     thread = threading.Thread(target=update)
     thread.start()
-    wait_for(lambda: any(p.startswith(root) and os.path.isdir(p) for p in driver_files(os.getpid())), "the sync session")
+    wait_for(
+        lambda: any(p.startswith(root) and os.path.isdir(p) for p in driver_files(os.getpid())), "the sync session"
+    )
     for proc in engine_processes(os.getpid()):
         proc.send_signal(signal.SIGKILL)
     thread.join(TIMEOUT_S * 10)
@@ -177,8 +179,9 @@ def test_killed_worker_during_update_weights_changes_nothing(
     assert greedy(sampler) == state["expected"][""]
 
 
-def test_sync_works_under_a_long_tmpdir(sampler: Any, state: dict[str, Any], tmp_path: Path,
-                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sync_works_under_a_long_tmpdir(
+    sampler: Any, state: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     long_dir = tmp_path / ("d" * 60) / ("e" * 60)
     long_dir.mkdir(parents=True)
     monkeypatch.setenv("TMPDIR", str(long_dir))
@@ -222,7 +225,9 @@ def test_killed_driver_leaves_no_process_and_no_file(tiny_model: Path, tmp_path:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     driver = subprocess.Popen(
         [sys.executable, str(script), str(tiny_model), json.dumps(TEST_ENGINE_ARGS)],
-        stdout=subprocess.PIPE, env=env, text=True,
+        stdout=subprocess.PIPE,
+        env=env,
+        text=True,
     )
     try:
         assert driver.stdout is not None
@@ -258,7 +263,7 @@ def test_killed_driver_leaves_no_process_and_no_file(tiny_model: Path, tmp_path:
             driver.kill()
             driver.wait()
         # Whatever is left after a failure: ours to stop.
-        for pid, created in (report["pids"] if "report" in locals() else []):
+        for pid, created in report["pids"] if "report" in locals() else []:
             try:
                 p = psutil.Process(pid)
                 if abs(p.create_time() - created) < 0.01:
@@ -311,7 +316,10 @@ def test_files_of_dead_drivers_are_swept_and_live_ones_kept(tmp_path: Path) -> N
 
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()  # reaped: its pid names no process now
-    dead = [os.path.join(shm_dir(), f"{PREFIX}{gone.pid}-stage"), os.path.join(session_root(), f"{PREFIX}{gone.pid}-sess")]
+    dead = [
+        os.path.join(shm_dir(), f"{PREFIX}{gone.pid}-stage"),
+        os.path.join(session_root(), f"{PREFIX}{gone.pid}-sess"),
+    ]
     live = [os.path.join(shm_dir(), f"{PREFIX}{os.getpid()}-stage-test")]
     Path(dead[0]).write_bytes(b"x")
     os.mkdir(dead[1], 0o700)

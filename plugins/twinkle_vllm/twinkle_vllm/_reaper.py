@@ -68,7 +68,9 @@ class Snapshot:
 
 def _bound_sockets(proc: Any) -> set[str]:
     try:
-        return {c.laddr for c in proc.net_connections(kind="unix") if isinstance(c.laddr, str) and c.laddr.startswith("/")}
+        return {
+            c.laddr for c in proc.net_connections(kind="unix") if isinstance(c.laddr, str) and c.laddr.startswith("/")
+        }
     except Exception:  # noqa: BLE001 - gone, or not allowed: nothing to record
         return set()
 

@@ -390,9 +390,7 @@ class TwinkleWorkerExtension:
         if replaces is not None and replaces in manager.list_adapters():
             manager.remove_adapter(replaces)  # vLLM's cache unpins what it deletes
         if len(adapter_manager) >= adapter_manager.capacity:
-            raise RuntimeError(
-                f"all {adapter_manager.capacity} adapter slots are taken (engine option max_cpu_loras)"
-            )
+            raise RuntimeError(f"all {adapter_manager.capacity} adapter slots are taken (engine option max_cpu_loras)")
         adapter_manager.add_adapter(lora)
         registered.pin(lora.id)
 
@@ -457,8 +455,14 @@ def _fix_cpu_lora_ops() -> bool:
 
 
 def _zero_rows_without_lora(op: Any) -> Any:
-    def wrapper(inputs: torch.Tensor, weights: torch.Tensor, output: torch.Tensor,
-                indices: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    def wrapper(
+        inputs: torch.Tensor,
+        weights: torch.Tensor,
+        output: torch.Tensor,
+        indices: torch.Tensor,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
         no_lora = indices < 0
         if inputs.shape[0] == indices.shape[0] and bool(no_lora.any()):
             inputs = inputs.masked_fill(no_lora.view(-1, *([1] * (inputs.dim() - 1))), 0)

@@ -463,7 +463,11 @@ class vLLMSampler(EngineRecovery, Sampler):  # noqa: N801 - the seed's spelling
         return folder
 
     def _load_lora_memory(
-        self, name: str, lora_id: int, config: dict[str, Any], tensors: list[tuple[str, torch.Tensor]],
+        self,
+        name: str,
+        lora_id: int,
+        config: dict[str, Any],
+        tensors: list[tuple[str, torch.Tensor]],
         replaces: int | None,
     ) -> str:
         assert self._channel is not None
@@ -674,7 +678,9 @@ def _lora_config_dict(name: str, config: Any) -> dict[str, Any]:
             f"add_adapter_to_model({name!r}, ..., weights=...): the config must be a peft.LoraConfig or a dict,"
             f" got {type(config).__name__}."
         )
-    data = json.loads(json.dumps(dict(config), default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o)))
+    data = json.loads(
+        json.dumps(dict(config), default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o))
+    )
     for key in ("r", "lora_alpha", "target_modules"):
         if key not in data:
             raise AdapterError(f"Adapter {name!r}: the LoRA config has no {key!r}.")
