@@ -41,6 +41,7 @@ HOOKS = {
     "_remove_adapter",
     "_update_weights",
     "_close",
+    "_after_engine_death",
     "_on_template_changed",
 }
 #: What an engine may call besides the public API.

@@ -34,6 +34,7 @@ from twinkle_core.data_format import (
 )
 from twinkle_core.errors import (
     AdapterError,
+    EngineDeadError,
     InvalidInputError,
     InvalidSamplingParams,
     PromptTooLongError,
@@ -282,6 +283,9 @@ class Sampler(ABC, metaclass=SamplerMeta):
       non-empty list of ``(str, value)`` pairs; validate them (see
       ``twinkle_core.weights.check_update``) and apply all or nothing.
     * ``_close()``: release the engine's resources (called once).
+    * ``_after_engine_death(error)``: called with no lock held when ``_run``
+      raised ``EngineDeadError``; an engine that can restart itself does it
+      here (taking ``_exclusive()``) and returns the error the call raises.
     * ``_on_template_changed()``: after ``set_template`` (engines caching
       tokenizer data refresh it).
 
@@ -375,6 +379,13 @@ class Sampler(ABC, metaclass=SamplerMeta):
 
     def _close(self) -> None:
         """Release the engine's resources. Called once, by ``close()``."""
+
+    def _after_engine_death(self, error: EngineDeadError) -> BaseException:
+        """Called with no lock held when a run raised ``EngineDeadError``; returns what the call raises.
+
+        An engine that can restart itself does it here (it may take ``_exclusive()``).
+        """
+        return error
 
     def _on_template_changed(self) -> None:
         """Called after ``set_template``, lock held exclusively (engines caching template data override it)."""
@@ -959,11 +970,17 @@ class Sampler(ABC, metaclass=SamplerMeta):
         no sequence is labelled with an adapter that was removed or replaced
         meanwhile. A Ray replica serving a share of a call enters here.
         """
-        with self._lock.read():
-            self._check_open()
-            if adapter_name:
-                self._require_adapter(adapter_name)
-            return self._process(items, params, adapter_name, on_invalid, indices, handle, spec)
+        try:
+            with self._lock.read():
+                self._check_open()
+                if adapter_name:
+                    self._require_adapter(adapter_name)
+                return self._process(items, params, adapter_name, on_invalid, indices, handle, spec)
+        except EngineDeadError as exc:
+            error = self._after_engine_death(exc)  # no lock held: the engine may restart itself
+            if error is exc:
+                raise
+            raise error from exc.__cause__
 
     def _process(
         self,

@@ -7,9 +7,12 @@ stay slim, and ``mode="local"`` never needs Ray at all.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import ipaddress
+import os
 import threading
 import weakref
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Literal, Protocol
 
 import attrs
@@ -300,7 +303,10 @@ def initialize(
         mode: ``"local"`` or ``"ray"``.
         groups: the device groups samplers may be placed on.
         address: a Ray cluster address (``"auto"``, ``"ray://host:10001"``);
-            ``None`` starts a local cluster.
+            ``None`` starts a local cluster. A local cluster started here listens
+            on loopback (127.0.0.1) only, so nothing outside this machine can reach
+            it; to let other machines join it, pass ``_node_ip_address=<this
+            machine's address>`` (a ``ray.init`` option).
         namespace: the Ray namespace.
         num_cpus: CPUs of a local cluster started here.
         placement_strategy: Ray placement strategy of each group
@@ -389,7 +395,16 @@ def initialize(
                     kwargs = {"include_dashboard": False, "log_to_driver": True, **ray_init_kwargs}
                     if num_cpus is not None:
                         kwargs["num_cpus"] = num_cpus
-                    ray.init(address=address, namespace=namespace, **kwargs)
+                    if _starts_local_cluster(address) and "_node_ip_address" not in kwargs:
+                        with _loopback_only(ray):
+                            ray.init(address=address, namespace=namespace, _node_ip_address=LOOPBACK, **kwargs)
+                    elif _is_loopback(address):
+                        # Joining a loopback cluster (one started above, by another driver):
+                        # Ray would otherwise dial the machine's public address, where nothing listens.
+                        with _loopback_only(ray):
+                            ray.init(address=address, namespace=namespace, **kwargs)
+                    else:
+                        ray.init(address=address, namespace=namespace, **kwargs)
                     session.owns_ray = True
             if not _atexit_registered:
                 atexit.register(shutdown)
@@ -414,6 +429,58 @@ def initialize(
             raise
         _session = session
         return session
+
+
+#: Where a local cluster started by initialize() listens, unless the user says otherwise.
+LOOPBACK = "127.0.0.1"
+#: Ray reads it at import; false makes it keep a loopback node address instead of
+#: swapping in the machine's public one (what it does on macOS and Windows).
+_RAY_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def _starts_local_cluster(address: str | None) -> bool:
+    """Whether ``ray.init(address=address)`` starts a new cluster rather than joining one."""
+    return address is None and not os.environ.get("RAY_ADDRESS")
+
+
+def _is_loopback(address: str | None) -> bool:
+    """Whether a ``host:port`` cluster address names this machine's loopback."""
+    if not address or "://" in address:
+        return False
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@contextlib.contextmanager
+def _loopback_only(ray: Any) -> Iterator[None]:
+    """Make the cluster ``ray.init`` starts listen on loopback only.
+
+    Ray binds its servers (GCS, raylet, workers, agents) to the node's address,
+    but replaces a loopback node address by the machine's public one unless
+    multi-node clusters are off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``). The
+    switch is read once at ``import ray``, so it is set on Ray's constants for
+    this process and in the environment of the processes Ray starts, only while
+    the cluster starts.
+    """
+    from ray._private import ray_constants
+
+    old_flag = ray_constants.ENABLE_RAY_CLUSTER
+    old_env = os.environ.get(_RAY_CLUSTER_ENV)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    os.environ[_RAY_CLUSTER_ENV] = "0"
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = old_flag
+        if old_env is None:
+            os.environ.pop(_RAY_CLUSTER_ENV, None)
+        else:
+            os.environ[_RAY_CLUSTER_ENV] = old_env
 
 
 def _remove_pg(placed: PlacedGroup) -> None:

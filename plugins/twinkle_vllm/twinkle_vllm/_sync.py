@@ -28,6 +28,7 @@ import zmq
 
 from twinkle_core.errors import WeightSyncTimeoutError, WeightUpdateError
 from twinkle_vllm import IPC_TIMEOUT_ENV
+from twinkle_vllm._files import PREFIX, session_root, staging_name
 from twinkle_vllm._wire import (
     ALIGN,
     CANCEL_FILE,
@@ -157,7 +158,8 @@ class SyncChannel:
         buckets = plan_buckets(tensors, self.bucket_bytes)
         slot = max((it.offset + it.nbytes for b in buckets for it in b), default=ALIGN)
         slot = -(-slot // ALIGN) * ALIGN
-        folder = tempfile.mkdtemp(prefix="twinkle-vllm-")  # 0700: nobody else can talk to our sockets
+        # 0700: nobody else can talk to our sockets; a short root: socket paths are limited (see _files).
+        folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=session_root())
         session_id = uuid.uuid4().hex
         sockets: list[zmq.Socket[bytes]] = []
         rpc: concurrent.futures.Future[list[Any]] | None = None
@@ -224,6 +226,10 @@ class SyncChannel:
             self.last_stats[f"worker_{key}"] = float(value)
         return results
 
+    def reset(self) -> None:
+        """Forget the RPC of a cancelled session: its engine was replaced (the staging buffer is kept)."""
+        self._pending = None
+
     def close(self) -> None:
         """Free the staging buffer and close the ZMQ context."""
         if self._buffer is not None:
@@ -255,8 +261,8 @@ class SyncChannel:
         if cuda_device is not None:  # pragma: no cover - needs CUDA
             buffer: StagingBuffer = CudaIpcBuffer(size, cuda_device)
         else:
-            name = f"twinkle-vllm-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-            buffer = ShmBuffer(os.path.join(ShmBuffer.default_dir(), name), size, create=True)
+            # The driver's pid in the name: its reaper, or a later sampler, can clean up after it (see _files).
+            buffer = ShmBuffer(staging_name(os.getpid(), uuid.uuid4().hex[:12]), size, create=True)
         self._buffer = buffer
         return buffer
 

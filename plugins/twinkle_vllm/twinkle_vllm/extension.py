@@ -116,6 +116,12 @@ class TwinkleWorkerExtension:
             "cpu_lora_fix": lora_fix,
         }
 
+    def twinkle_watch_driver(self, driver_pid: int) -> bool:
+        """Stop this engine if the driver process dies (see :func:`twinkle_vllm._reaper.watch_driver`)."""
+        from twinkle_vllm._reaper import watch_driver
+
+        return watch_driver(int(driver_pid))
+
     def twinkle_debug_stall_next_sync(self, seconds: float) -> bool:
         """Test hook: make the next sync stall ``seconds`` before answering its first bucket.
 

