@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 "step": step,
                 "success": round(float(torch.tensor([r["success"] for r in results]).mean()), 4),
                 "shaped": round(float(torch.tensor([r["shaped"] for r in results]).mean()), 4),
-                "kl": float(kl),
+                "kl": float(kl.detach()),
                 "mismatch_max": float(mismatch.max()),
                 "lr": optim.param_groups[0]["lr"],
                 "weights_version": version,
