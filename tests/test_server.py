@@ -195,20 +195,56 @@ def test_malformed_json_and_unknown_route(server: RunningServer) -> None:
     assert httpx.get(server.url + "/v1/nothing").json()["error"]["code"] == "not_found"
 
 
-def test_client_leaving_mid_stream_leaves_the_server_up(server: RunningServer, client: Any) -> None:
+def test_client_leaving_mid_stream_aborts_the_engine_call(server: RunningServer, client: Any) -> None:
+    max_tokens = 400
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "Tell me a story about a cow."}],
         "stream": True,
-        "max_tokens": 40,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,  # without an abort the engine would generate all of them
     }
-    with httpx.Client() as h, h.stream("POST", server.url + "/v1/chat/completions", json=body) as r:
+    headers = {"X-Session-Id": "leaver"}
+    with httpx.Client() as h, h.stream("POST", server.url + "/v1/chat/completions", json=body, headers=headers) as r:
         first = next(r.iter_lines())
-        assert first.startswith("data: ")
+        assert first.startswith("data: ")  # the role chunk: the engine call is running
+    # The session's next call waits until the aborted one is recorded, so no polling is needed.
     r = client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": "Hello!"}], max_tokens=8, temperature=0
+        model="tiny",
+        messages=[{"role": "user", "content": "Hello!"}],
+        max_tokens=8,
+        temperature=0,
+        extra_headers=headers,
     )
-    assert r.choices[0].message.content
+    assert r.choices[0].message.content  # the server is still up and serving
+    aborted = httpx.get(server.url + "/v1/sessions/leaver").json()["data"][0]["feature"]
+    [turn] = aborted["extra"]["turns"]
+    assert turn["stop_reason"] == "abort"
+    kept = turn["end"] - turn["start"]
+    assert 0 < kept < max_tokens  # what was sampled before the abort is kept, and generation stopped early
+    assert aborted["extra"]["loss_mask"][turn["start"] : turn["end"]] == [1] * kept
+
+
+def test_n_choices_stream_as_each_finishes(client: Any) -> None:
+    request = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Say something about a fox."}],
+        "n": 3,
+        "temperature": 1.0,
+        "seed": 5,
+        "max_tokens": 24,
+    }
+    whole = client.chat.completions.create(**request)
+    chunks = list(client.chat.completions.create(**request, stream=True))
+    finals = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(f.index for f in finals) == [0, 1, 2]  # each choice finishes exactly once
+    for choice in whole.choices:
+        text = "".join(
+            c.choices[0].delta.content or "" for c in chunks if c.choices and c.choices[0].index == choice.index
+        )
+        final = next(f for f in finals if f.index == choice.index)
+        assert text == choice.message.content
+        assert final.model_extra["token_ids"] == choice.model_extra["token_ids"]
 
 
 def test_api_key(sampler: Any, monkeypatch: pytest.MonkeyPatch) -> None:

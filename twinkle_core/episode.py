@@ -36,10 +36,11 @@ actually saw and sampled) and encodes the new messages against a minimal
 one-message context, recording the choice on the episode
 (``Episode.template_mismatches``). Neither ever re-tokenizes earlier turns.
 
-Sampling goes through :func:`_sample_turn`, the one place this module calls
-the engine. It uses the synchronous, thread-safe ``Sampler.sample`` today;
-the asynchronous variants run it in a worker thread. When
-``Sampler.submit()`` / ``asample()`` land, only that function changes.
+Sampling goes through :func:`_sample_turn` (``Sampler.sample``) and
+:func:`_asample_turn` (``Sampler.asample``, which never blocks the event
+loop), the only places this module calls the engine. Code that drives the
+engine itself (the rollout server submits ``episode.prompt()`` to get an
+abortable handle) appends the result with :meth:`Episode.append_sampled`.
 """
 
 from __future__ import annotations
@@ -265,7 +266,25 @@ class Episode:
         """:meth:`sample` for asyncio: many episodes can be in flight, each turn sent when it is ready."""
         return (await asample_episodes(sampler, [self], sampling_params, adapter_name, num_samples=num_samples))[0]
 
-    def _append_turn(self, seq: SampledSequence) -> Turn:
+    def append_sampled(self, seq: SampledSequence) -> Turn:
+        """Append a turn sampled outside :meth:`sample` (e.g. ``sampler.submit([episode.prompt()])``).
+
+        The tokens are kept exactly as sampled, with their log-probs and
+        version; the text is parsed for tool calls (malformed ones go to
+        ``Turn.tool_call_errors``). An aborted sequence is kept too, as a turn
+        with ``stop_reason="abort"``.
+
+        Returns:
+            The new turn.
+
+        Raises:
+            InvalidInputError: the episode ends with a sampled turn (append a message first).
+        """
+        if not self._awaiting:
+            raise InvalidInputError(
+                "This episode already ends with a sampled turn: add a tool result or a user message before"
+                " appending another sampled turn."
+            )
         parsed = self.tool_parser.parse(seq.text)
         message = Message(role="assistant", content=parsed.content, tool_calls=parsed.tool_calls or None)
         turn = Turn(
@@ -487,7 +506,7 @@ def _extend(episodes: list[Episode], responses: list[SampleResponse]) -> list[li
     for episode, response in zip(episodes, responses):
         forks = [episode] + [episode.fork() for _ in response.sequences[1:]]  # fork before extending
         for fork, seq in zip(forks, response.sequences):
-            fork._append_turn(seq)
+            fork.append_sampled(seq)
         out.append(forks)
     return out
 

@@ -1,43 +1,45 @@
 """The FastAPI application of ``twinkle serve``: OpenAI routes over episodes.
 
 The server is a thin layer: a chat call becomes an :class:`~twinkle_core.episode.Episode`
-(new, or the session's episode it continues), one turn is sampled through
-``asample_episodes`` (which runs the thread-safe ``Sampler.sample`` in a worker
-thread; concurrent calls are batched by engines that batch), and the reply is
-built from the turn. Each choice carries, besides the OpenAI fields, the
-sampled ``token_ids``, their ``sampled_logprobs``, the ``weights_version`` and
-``adapter_name`` that produced them, and ``tool_call_errors``.
+(new, or the session's episode it continues), one turn is submitted to the
+engine with ``Sampler.submit()`` (concurrent calls are batched by engines
+that batch), and the reply is built from the turn. Each choice carries,
+besides the OpenAI fields, the sampled ``token_ids``, their
+``sampled_logprobs``, the ``weights_version`` and ``adapter_name`` that
+produced them, and ``tool_call_errors``.
 
-Streaming replays a finished completion as server-sent events. With the
-synchronous ``sample()`` the tokens exist only once the turn is done, so a
-client that disconnects mid-stream stops the stream (the rest is dropped)
-but cannot stop the engine; a true abort needs ``Sampler.submit()`` handles.
+Every call is a :class:`_Call`: the engine's handle plus a task that, once
+the handle is done, extends the episode and records it in the session (and
+only then lets the session's next call in). A client that goes away, while
+it waits for a whole reply or mid-stream, aborts the handle: the engine
+stops generating, and the turn is still recorded, with what was sampled up
+to then and ``stop_reason="abort"``. Streaming sends each choice as soon as
+the engine finishes it (``async for`` over the handle), as one chunk per
+token of its text. A sampler without ``submit()`` (the Ray front end today)
+runs ``sample()`` in a worker thread instead; its calls cannot be aborted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import (
-    JSONResponse,
-    PlainTextResponse,
-    Response,
-    StreamingResponse,
-)
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from twinkle_core.data_format import InputFeature, Message, SamplingParams, Trajectory
-from twinkle_core.episode import Episode, OnTemplateMismatch, Turn, asample_episodes
+from twinkle_core.data_format import InputFeature, Message, SampleResponse, SamplingParams, Trajectory
+from twinkle_core.episode import Episode, OnTemplateMismatch, Turn, _extend, _prepare
 from twinkle_core.errors import (
     EngineDeadError,
     SamplerClosedError,
@@ -45,6 +47,7 @@ from twinkle_core.errors import (
     UnknownAdapterError,
     UnsupportedFeatureError,
 )
+from twinkle_core.requests import Finished, SampleHandle
 from twinkle_core.server.sessions import Session, SessionStore
 from twinkle_core.tools import get_tool_parser
 
@@ -248,6 +251,134 @@ class _Server:
         return out
 
 
+class _KeyCheck:
+    """Pure ASGI middleware checking the API key (no ``BaseHTTPMiddleware``: it would wrap
+    ``receive`` and hide a client's disconnect from the streaming routes)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app, self.expected = app, f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            auth = dict(scope["headers"]).get(b"authorization", b"")
+            if auth != self.expected:
+                response = ApiError(
+                    401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"
+                ).response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _client_gone(request: Request) -> None:
+    """Return when the client disconnects (the body has been read, so only a disconnect comes next)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _Pending:
+    """One engine call: a ``submit()`` handle, or ``sample()`` in a worker thread where there is none."""
+
+    def __init__(self, sampler: Any, prompts: list[InputFeature], params: SamplingParams, adapter: str) -> None:
+        submit = getattr(sampler, "submit", None)
+        self.handle: SampleHandle | None = None
+        self._thread: asyncio.Future[list[SampleResponse]] | None = None
+        if submit is not None:
+            self.handle = submit(prompts, params, adapter)
+        else:
+            self._thread = asyncio.ensure_future(asyncio.to_thread(sampler.sample, prompts, params, adapter))
+
+    async def responses(self) -> list[SampleResponse]:
+        """What ``sample()`` returns; awaiting it from a cancelled task never cancels the engine call."""
+        if self.handle is not None:
+            return list(await asyncio.shield(self.handle))
+        assert self._thread is not None
+        return list(await asyncio.shield(self._thread))
+
+    async def finished(self) -> AsyncIterator[Finished]:
+        """Each sequence as the engine finishes it (all at the end without a handle)."""
+        if self.handle is not None:
+            async for item in self.handle:
+                yield item
+            return
+        for p, response in enumerate(await self.responses()):
+            for k, seq in enumerate(response.sequences):
+                yield Finished(input_index=p, sample_index=k, sequence=seq)
+
+    def abort(self) -> bool:
+        """Stop the engine call (its unfinished sequences end with ``stop_reason="abort"``); whether it ran."""
+        if self.handle is None or self.handle.done():
+            return False
+        self.handle.abort()
+        return True
+
+    async def until_done_or_gone(self, request: Request) -> list[SampleResponse]:
+        """The responses; aborts the call first if the client disconnects while it runs."""
+        result = asyncio.ensure_future(self.responses())
+        gone = asyncio.ensure_future(_client_gone(request))
+        try:
+            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not result.done() and self.abort():
+                log.info("client left before its reply; the engine call was aborted")
+            return await result
+        finally:
+            gone.cancel()
+
+
+class _Call:
+    """A chat call in flight: the engine call, and the task that records its episodes.
+
+    The task extends the episode with the sampled turn (aborted ones too)
+    and records it in the session, then releases the session's lock, which
+    the route took before matching the call to an episode: the session's
+    next call sees this one's turn, whatever became of the client.
+    """
+
+    def __init__(
+        self,
+        sampler: Any,
+        session: Session | None,
+        base: Episode | None,
+        target: Episode,
+        params: SamplingParams,
+        adapter: str,
+    ) -> None:
+        prompts, params = _prepare(sampler, [target], params, None)
+        self.pending = _Pending(sampler, prompts, params, adapter)
+        self.session, self.base, self.target, self.n = session, base, target, params.num_samples
+        self.episodes: asyncio.Future[list[Episode]] = asyncio.get_running_loop().create_future()
+        # Retrieved here so that a stream whose client left never logs "exception never retrieved".
+        self.episodes.add_done_callback(lambda f: f.cancelled() or f.exception())
+        self._recorder = asyncio.ensure_future(self._record())
+
+    async def _record(self) -> None:
+        try:
+            responses = await self.pending.responses()
+            [episodes] = _extend([self.target], responses)
+            if self.session is not None:
+                stored = self.session.episodes
+                if self.base is not None and self.base in stored:
+                    stored[stored.index(self.base)] = episodes[0]
+                    stored.extend(episodes[1:])
+                else:
+                    stored.extend(episodes)
+            self.episodes.set_result(episodes)
+        except asyncio.CancelledError:  # the server is shutting down
+            self.episodes.cancel()
+            raise
+        except Exception as exc:  # handed to whoever awaits the call (the route turns it into an error body)
+            self.episodes.set_exception(exc)
+        finally:
+            if self.session is not None:
+                self.session.lock.release()
+
+    def turn(self, item: Finished) -> Turn:
+        """The turn a finished sequence makes (on a throwaway fork: the recorder keeps the real one)."""
+        return self.target.fork().append_sampled(item.sequence)
+
+
 def _finish(turn_or_seq: Any, has_calls: bool) -> str:
     if has_calls:
         return "tool_calls"
@@ -281,10 +412,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        import asyncio
-
-        # Each in-flight call holds a worker thread inside sample(); the default pool (a handful of
-        # threads on a small machine) would cap how many calls an engine can batch together.
+        # A sampler without submit() holds a worker thread inside sample() per call in flight; the default
+        # pool (a handful of threads on a small machine) would cap how many calls an engine can batch.
         pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="twinkle-serve")
         asyncio.get_running_loop().set_default_executor(pool)
         yield
@@ -293,17 +422,8 @@ def create_app(
     app = FastAPI(title="twinkle rollout server", lifespan=lifespan)
     app.state.twinkle = state
 
-    @app.middleware("http")
-    async def check_key(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if (
-            api_key is not None
-            and request.url.path != "/health"
-            and request.headers.get("authorization", "") != f"Bearer {api_key}"
-        ):
-            return ApiError(
-                401, "Missing or wrong API key: send 'Authorization: Bearer <key>'.", code="invalid_api_key"
-            ).response()
-        return await call_next(request)
+    if api_key is not None:
+        app.add_middleware(_KeyCheck, api_key=api_key)
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -368,21 +488,18 @@ def create_app(
             raise ApiError(400, str(exc), param="tools") from None
         parser = state.no_parser if req.tool_choice == "none" else state.tool_parser
         session_id = request.headers.get(SESSION_HEADER) or req.user
-        session = state.sessions.get_or_create(session_id) if session_id else None
-        if session is None:
-            episodes = await _run(state, None, trajectory, parser, params, adapter)
-        else:
-            async with session.lock:
-                episodes = await _run(state, session, trajectory, parser, params, adapter)
-        turns = [e.last_turn for e in episodes]
-        prompt_len = turns[0].start if turns and turns[0] is not None else 0
+        call = await _start(state, session_id, trajectory, parser, params, adapter)
         rid = "chatcmpl-" + uuid.uuid4().hex
+        prompt_len = len(call.target.tokens)
         if req.stream:
             return StreamingResponse(
-                _stream_chat(state, request, rid, req, turns, prompt_len, session_id), media_type="text/event-stream"
+                _stream_chat(state, rid, req, call, prompt_len, session_id), media_type="text/event-stream"
             )
-        choices = [_chat_choice(state, i, t, bool(req.logprobs)) for i, t in enumerate(turns) if t is not None]
-        completion = sum(len(t.tokens) for t in turns if t is not None)
+        await call.pending.until_done_or_gone(request)
+        episodes = await call.episodes
+        turns = [t for t in (e.last_turn for e in episodes) if t is not None]
+        choices = [_chat_choice(state, i, t, bool(req.logprobs)) for i, t in enumerate(turns)]
+        completion = sum(len(t.tokens) for t in turns)
         body: dict[str, Any] = {
             "id": rid,
             "object": "chat.completion",
@@ -399,7 +516,7 @@ def create_app(
         return body
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest) -> Any:
+    async def completions(req: CompletionRequest, request: Request) -> Any:
         adapter = state.adapter(req.model)
         if req.stream or req.echo:
             raise ApiError(
@@ -417,9 +534,11 @@ def create_app(
         for p in prompts:
             ids = p if isinstance(p, list) else sampler.template.tokenizer.encode(p, add_special_tokens=False)
             features.append(InputFeature(input_ids=list(ids)))
-        import asyncio
-
-        responses = await asyncio.to_thread(sampler.sample, features, params, adapter)
+        try:
+            pending = _Pending(sampler, features, params, adapter)
+        except UnsupportedFeatureError as exc:
+            raise ApiError(400, str(exc)) from None
+        responses = await pending.until_done_or_gone(request)
         choices: list[dict[str, Any]] = []
         used = 0
         for resp in responses:
@@ -491,34 +610,43 @@ def create_app(
     return app
 
 
-async def _run(
-    state: _Server, session: Session | None, trajectory: Trajectory, parser: Any, params: SamplingParams, adapter: str
-) -> list[Episode]:
-    """Find or start the episode, sample one turn (forking for ``n > 1``), record it in the session."""
-    episode: Episode | None = None
-    found = session.match(trajectory.messages) if session is not None else None
+async def _start(
+    state: _Server,
+    session_id: str | None,
+    trajectory: Trajectory,
+    parser: Any,
+    params: SamplingParams,
+    adapter: str,
+) -> _Call:
+    """Find or start the episode and submit its next turn (``n > 1`` forks it).
+
+    A session's calls run one at a time: its lock is taken here and released
+    by the call's recorder once the turn is in the session.
+    """
+    session = state.sessions.get_or_create(session_id) if session_id else None
+    if session is not None:
+        await session.lock.acquire()
     try:
+        found = session.match(trajectory.messages) if session is not None else None
+        base: Episode | None = None
         if found is not None:
-            episode, new = found
-            target = episode.fork()  # extend a copy: a failed call leaves the session as it was
+            base, new = found
+            target = base.fork()  # extend a copy: a failed call leaves the session as it was
             target.tool_parser = parser
             target.add_messages(new)
         else:
             target = Episode(
                 state.sampler, trajectory, tool_parser=parser, on_template_mismatch=state.on_template_mismatch
             )
-        [episodes] = await asample_episodes(state.sampler, [target], params, adapter)
-    except UnsupportedFeatureError as exc:
-        raise ApiError(400, str(exc)) from None
-    except UnknownAdapterError as exc:
-        raise ApiError(404, str(exc), param="model", code="model_not_found") from None
-    if session is not None:
-        if episode is not None:
-            session.episodes[session.episodes.index(episode)] = episodes[0]
-            session.episodes.extend(episodes[1:])
-        else:
-            session.episodes.extend(episodes)
-    return episodes
+        return _Call(state.sampler, session, base, target, params, adapter)
+    except BaseException as exc:
+        if session is not None:
+            session.lock.release()
+        if isinstance(exc, UnsupportedFeatureError):
+            raise ApiError(400, str(exc)) from None
+        if isinstance(exc, UnknownAdapterError):
+            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+        raise
 
 
 def _message(turn: Turn) -> dict[str, Any]:
@@ -555,14 +683,18 @@ def _chat_choice(state: _Server, index: int, turn: Turn, logprobs: bool) -> dict
 
 async def _stream_chat(
     state: _Server,
-    request: Request,
     rid: str,
     req: ChatRequest,
-    turns: list[Turn | None],
+    call: _Call,
     prompt_len: int,
     session_id: str | None,
 ) -> AsyncIterator[str]:
-    """Replay finished turns as OpenAI chunks; stop as soon as the client goes away."""
+    """Send each choice as OpenAI chunks as soon as the engine finishes it.
+
+    Starlette cancels this generator when the client disconnects; the
+    ``finally`` then aborts the engine call (the recorder still keeps the
+    aborted turn in the session).
+    """
     created = int(time.time())
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
@@ -577,50 +709,53 @@ async def _stream_chat(
             }
         )
 
-    tokenizer_decode = state.sampler.template.decode
-    for index, turn in enumerate(turns):
-        if turn is None:
-            continue
-        yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-        if turn.tool_calls:
-            pieces: list[tuple[str, int]] = (
-                [(str(turn.message.content), len(turn.tokens))] if turn.message.content else []
-            )
-        else:
-            # One chunk per token: the decoded text grows by each token's share (cut at a stop string).
-            pieces, shown = [], 0
-            for i in range(1, len(turn.tokens) + 1):
-                text = tokenizer_decode(turn.tokens[:i])[: len(turn.text)]
-                if len(text) > shown and turn.text.startswith(text):
-                    pieces.append((text[shown:], i))
-                    shown = len(text)
-            if shown < len(turn.text):
-                pieces.append((turn.text[shown:], len(turn.tokens)))
-        for text, _ in pieces:
-            if await request.is_disconnected():
-                log.info("client left mid-stream; dropping the rest of %s", rid)
-                return
-            yield chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}])
-        if turn.tool_calls:
-            calls = [{"index": k, **c} for k, c in enumerate(_openai_calls(turn.tool_calls))]
-            yield chunk([{"index": index, "delta": {"tool_calls": calls}, "finish_reason": None}])
-        final: dict[str, Any] = {
-            "index": index,
-            "delta": {},
-            "finish_reason": _finish(turn, bool(turn.tool_calls)),
-            **_extras(turn),
-        }
-        if req.logprobs:
-            final["logprobs"] = {"content": state.logprobs_content(turn.tokens, turn.logprobs, turn.top_logprobs)}
-        yield chunk([final], session_id=session_id)
-    if req.stream_options and req.stream_options.get("include_usage"):
-        completion = sum(len(t.tokens) for t in turns if t is not None)
-        yield chunk(
-            [],
-            usage={
+    decode = state.sampler.template.decode
+    completion = 0
+    complete = False
+    try:
+        # The role chunks go out at once: the client sees the stream open before any choice is done.
+        for index in range(call.n):
+            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+        async for item in call.pending.finished():
+            index = item.input_index * call.n + item.sample_index
+            turn = call.turn(item)
+            completion += len(turn.tokens)
+            pieces: list[str] = []
+            if turn.tool_calls:
+                pieces = [str(turn.message.content)] if turn.message.content else []
+            else:
+                # One chunk per token: the decoded text grows by each token's share (cut at a stop string).
+                shown = 0
+                for i in range(1, len(turn.tokens) + 1):
+                    text = decode(turn.tokens[:i])[: len(turn.text)]
+                    if len(text) > shown and turn.text.startswith(text):
+                        pieces.append(text[shown:])
+                        shown = len(text)
+                if shown < len(turn.text):
+                    pieces.append(turn.text[shown:])
+            for text in pieces:
+                yield chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}])
+            if turn.tool_calls:
+                calls = [{"index": k, **c} for k, c in enumerate(_openai_calls(turn.tool_calls))]
+                yield chunk([{"index": index, "delta": {"tool_calls": calls}, "finish_reason": None}])
+            final: dict[str, Any] = {
+                "index": index,
+                "delta": {},
+                "finish_reason": _finish(turn, bool(turn.tool_calls)),
+                **_extras(turn),
+            }
+            if req.logprobs:
+                final["logprobs"] = {"content": state.logprobs_content(turn.tokens, turn.logprobs, turn.top_logprobs)}
+            yield chunk([final], session_id=session_id)
+        if req.stream_options and req.stream_options.get("include_usage"):
+            usage = {
                 "prompt_tokens": prompt_len,
                 "completion_tokens": completion,
                 "total_tokens": prompt_len + completion,
-            },
-        )
-    yield "data: [DONE]\n\n"
+            }
+            yield chunk([], usage=usage)
+        yield "data: [DONE]\n\n"
+        complete = True
+    finally:
+        if not complete and call.pending.abort():
+            log.info("client left mid-stream; aborted the engine call of %s", rid)
