@@ -116,9 +116,9 @@ class HeldTorchSampler(TorchSampler):
         super().__init__(model_id, device_mesh, **kwargs)
         self.hold = hold
 
-    def _generate(self, prompts, params, adapter_name):  # type: ignore[no-untyped-def]
+    def _run(self, run):  # type: ignore[no-untyped-def]
         hold_here(self.hold)
-        return super()._generate(prompts, params, adapter_name)
+        return super()._run(run)
 
 
 # -- a small real engine for the failure paths ------------------------------------------------
