@@ -117,11 +117,11 @@ def abort_latency(sampler: Any, work: list[tuple[Any, int]], capacity: int, tria
         t0 = time.perf_counter()
         sampler.abort_all()
 
-        def wait(k: int) -> None:
-            handles[k].result()
+        def wait(handle: Any, k: int, done_at: list[float]) -> None:
+            handle.result()
             done_at[k] = time.perf_counter()
 
-        threads = [threading.Thread(target=wait, args=(k,)) for k in range(len(handles))]
+        threads = [threading.Thread(target=wait, args=(h, k, done_at)) for k, h in enumerate(handles)]
         for t in threads:
             t.start()
         for t in threads:
