@@ -158,6 +158,7 @@ def vllm_sampler(model_id: str) -> Any:
     return vLLMSampler(
         model_id,
         engine_args={
+            "dtype": "float32",  # as bench_vllm.py; the swap trials push the checkpoint's float32 tensors
             "enforce_eager": True,
             "kv_cache_memory_bytes": 2 << 30,
             "max_num_seqs": 256,
@@ -192,6 +193,7 @@ def vllm_bench(model: str, capacity: int, trials: int) -> dict[str, Any]:
             seconds = time.perf_counter() - t0
             results[name] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
         results["stream_over_batch"] = results["stream"]["tokens_per_s"] / results["batch"]["tokens_per_s"]
+        print(json.dumps(results), flush=True)  # the throughput numbers, before the abort and swap trials
         waits = abort_latency(sampler, work, capacity, trials)
         results["abort_all_to_done_s"] = {"p50": _percentile(waits, 0.5), "p95": _percentile(waits, 0.95)}
         results["swap"] = swap_times(sampler, vllm_weights(model_id), work, capacity, trials)
