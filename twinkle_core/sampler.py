@@ -167,14 +167,18 @@ class _Call:
 
 @attrs.frozen
 class _RunSpec:
-    """A continuation run: per prompt, where its sequence sits in ``responses`` and how far it got."""
+    """A continuation run: per prompt, where its sequence sits in ``responses`` and how far it got.
+
+    ``responses=None``: report each continuation as it is, under its prompt's
+    index (a Ray replica running its share; the driver merges).
+    """
 
     handle: SampleHandle
     sample_base: list[int]
     generated: list[int]
     budgets: list[int]
     slots: list[tuple[int, int]]
-    responses: list[SampleResponse]
+    responses: list[SampleResponse] | None
 
 
 #: Set by ``twinkle_core.remote`` when it is imported (``initialize`` does): builds a
@@ -1061,9 +1065,12 @@ class Sampler(ABC, metaclass=SamplerMeta):
         generated = [spec.generated[k] for k in positions]
 
         def on_continued(p: int, s: int, seq: SampledSequence) -> None:
-            i, j = spec.slots[positions[p]]
             if seq.stop_reason == "abort" and spec.handle._suspended:
                 return  # continued again after the next change
+            if spec.responses is None:
+                spec.handle._emit(Finished(positions[p], s, seq))
+                return
+            i, j = spec.slots[positions[p]]
             merged = self._merge(spec.responses[i].prompt_token_ids, spec.responses[i].sequences[j], seq)
             spec.handle._emit(Finished(i, j, merged))
 

@@ -78,6 +78,10 @@ class GRPOConfig:
     remote_group: str | None = None  # run the sampler as Ray actors in this group
     ray_cpus: int = 2
     skip_sync: bool = False  # deliberately lose the weight push (to prove the version check)
+    # asynchronous mode: step k+1's rollouts are generated while step k trains; the push keeps them in
+    # flight (in_flight="keep"), and the loss is corrected with truncated IS on the recorded log-probs
+    async_rollout: bool = False
+    max_staleness: int = 1  # async: samples may be this many versions behind the trainer's (oldest token)
     out_dir: str = "out/grpo"
     plot: bool = True
     log: bool = True
@@ -195,15 +199,19 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
         kwargs["remote_group"] = cfg.remote_group
     sampler = create_sampler(cfg.engine, model_id=str(model_dir), **kwargs)
 
+    # async: the next step's rollouts are in flight during a push; they continue under the new weights
+    in_flight = "keep" if cfg.async_rollout else "wait"
+
     def push() -> tuple[int, float]:
         t = time.perf_counter()
         if lora_config is not None:
             from peft import get_peft_model_state_dict
 
             weights = {k: v.detach().clone() for k, v in get_peft_model_state_dict(policy).items()}
-            version = sampler.add_adapter_to_model("policy", lora_config, weights=weights)
+            version = sampler.add_adapter_to_model("policy", lora_config, weights=weights, in_flight=in_flight)
         else:
-            version = sampler.update_weights([(k, v.detach()) for k, v in policy.state_dict().items()])
+            named = [(k, v.detach().clone()) for k, v in policy.state_dict().items()]
+            version = sampler.update_weights(named, in_flight=in_flight)
         return version, time.perf_counter() - t
 
     adapter = "policy" if lora_config is not None else ""
@@ -231,7 +239,9 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
     out_dir = Path(cfg.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     try:
-        for step in range(cfg.steps):
+
+        def rollout() -> tuple[list[Any], SamplingParams, Any]:
+            """Draw a step's prompts and submit their sampling; returns the batch, params and handle."""
             batch = task.batch(rng, cfg.prompts_per_step)
             params = SamplingParams(
                 max_tokens=cfg.max_tokens,
@@ -244,17 +254,34 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
                 seed=rng.randrange(2**31),
                 return_sampling_mask=cfg.replay_mask,
             )
+            handle = sampler.submit([Trajectory(messages=m) for m, _ in batch], params, adapter_name=adapter)
+            return batch, params, handle
+
+        # async: how far a sample's oldest token may lag the trainer's version, and the correction it needs
+        staleness = cfg.max_staleness if cfg.async_rollout else 0
+        correction = "tis" if cfg.async_rollout and cfg.is_correction == "none" else cfg.is_correction
+        pending = rollout()
+        for step in range(cfg.steps):
+            t_step = time.perf_counter()
+            batch, params, handle = pending
             t0 = time.perf_counter()
-            responses = sampler.sample([Trajectory(messages=m) for m, _ in batch], params, adapter_name=adapter)
-            t_sample = time.perf_counter() - t0
+            responses = handle.result()
+            t_sample = time.perf_counter() - t0  # async: only the wait left after the previous step
+            if cfg.async_rollout and step + 1 < cfg.steps:
+                pending = rollout()  # generated while this step trains; the push below keeps it in flight
             seqs, rewards = [], []
+            lag = 0
             for (_, info), resp in zip(batch, responses):
                 for seq in resp.sequences:
-                    if seq.weights_version != expected_version:
+                    behind = expected_version - seq.weights_version
+                    if not 0 <= behind <= staleness:
                         raise StalePolicyError(
                             f"step {step}: a sample carries weights_version {seq.weights_version} but the trainer"
-                            f" pushed version {expected_version}: the sampler is not running the current policy."
+                            f" pushed version {expected_version}"
+                            + (f" (allowed lag: {staleness})" if staleness else "")
+                            + ": the sampler is not running the current policy."
                         )
+                    lag = max(lag, behind)
                     seqs.append(seq)
                     rewards.append(task.reward(seq.text, info))
             n_tokens = sum(len(s.tokens) for s in seqs)
@@ -276,11 +303,11 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
             a = adv.unsqueeze(1)
             objective = torch.minimum(ratio * a, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * a)
             is_share = 0.0
-            if cfg.is_correction != "none":
+            if correction != "none":
                 from twinkle_core.rl import masked_is, truncated_is
 
                 level: Any = cfg.is_level
-                if cfg.is_correction == "tis":
+                if correction == "tis":
                     corr = truncated_is(old_lp, sampler_lp, mask, cap=cfg.is_cap, level=level)
                 else:
                     corr = masked_is(old_lp, sampler_lp, mask, low=cfg.is_low, high=cfg.is_high, level=level)
@@ -297,6 +324,8 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
                 t_sync = 0.0
             else:
                 expected_version, t_sync = push()
+            if not cfg.async_rollout and step + 1 < cfg.steps:
+                pending = rollout()
             row = {
                 "step": step,
                 "reward": sum(rewards) / len(rewards),
@@ -311,6 +340,8 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
                 "train_s": t_train,
                 "sync_s": t_sync,
                 "sample_tokens_per_s": n_tokens / t_sample if t_sample > 0 else math.inf,
+                "step_s": time.perf_counter() - t_step,
+                "staleness_max": lag,  # versions the oldest sampled token lagged the trainer
                 "weights_version": expected_version,
             }
             history.append(row)
@@ -320,7 +351,8 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
                     f" max {row['mismatch_max']:.2e}  ratio [{row['is_ratio_min']:.4f}, {row['is_ratio_max']:.4f}]"
                     f"  sample {t_sample:.2f}s ({row['sample_tokens_per_s']:.0f} tok/s)  train {t_train:.2f}s"
                     f"  sync {t_sync * 1000:.0f}ms"
-                    + (f"  {cfg.is_correction} share {is_share:.3f}" if cfg.is_correction != "none" else ""),
+                    + (f"  {correction} share {is_share:.3f}" if correction != "none" else "")
+                    + (f"  lag {lag}" if cfg.async_rollout else ""),
                     flush=True,
                 )
         if held_out:

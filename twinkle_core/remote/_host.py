@@ -11,13 +11,14 @@ import copyreg
 import functools
 import os
 import pickle
+import threading
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import attrs
 
-from twinkle_core.data_format import InputFeature, SampleResponse, SamplingParams, Trajectory
+from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams, Trajectory
 
 __all__ = ["ReplicaContext", "ReplicaHost", "current_replica"]
 
@@ -49,6 +50,8 @@ class ReplicaContext:
 
 
 _current: ReplicaContext | None = None
+#: How many aborts of shares not started yet a replica remembers (an abort can overtake its share).
+_EARLY_ABORTS_KEPT = 4096
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -113,6 +116,10 @@ class ReplicaHost:
             os.environ.setdefault("VLLM_RAY_BUNDLE_INDICES", ",".join(map(str, context.bundle_indices)))
         self._error: BaseException | None = None
         self._target: Any = None
+        # shares of calls in flight (stream_shard), by the driver's id, so abort_shard can stop them
+        self._shards: dict[str, Any] = {}
+        self._early_aborts: dict[str, None] = {}
+        self._shards_lock = threading.Lock()
         try:
             self._target = target_cls(*args, **kwargs)
         except BaseException as exc:  # re-raised by ready()
@@ -188,6 +195,70 @@ class ReplicaHost:
         # the driver checked the arguments as sample() does; each input is named by its place in the whole call
         responses: list[SampleResponse] = self._target._sample(items, params, adapter_name, on_invalid, indices)
         return responses
+
+    @_portable_errors
+    def abort_shard(self, shard_id: str) -> None:
+        """Stop a share started by :meth:`stream_shard` (harmless if it finished, or has not started yet)."""
+        with self._shards_lock:
+            handle = self._shards.get(shard_id)
+            if handle is None:
+                # it has not started here yet (calls on a threaded actor run in any order): abort it when it does
+                self._early_aborts[shard_id] = None
+                while len(self._early_aborts) > _EARLY_ABORTS_KEPT:
+                    del self._early_aborts[next(iter(self._early_aborts))]
+                return
+        handle.abort()
+
+    def stream_shard(
+        self,
+        shard_id: str,
+        items: list[Any],
+        indices: list[int],
+        params: SamplingParams,
+        adapter_name: str,
+        on_invalid: str,
+        cont: tuple[list[int], list[int], list[int]] | None,
+    ) -> Iterator[tuple[int, int, SampledSequence] | list[SampleResponse]]:
+        """Run this replica's share of a call, yielding each sequence as it finishes, then the responses.
+
+        A Ray streaming generator: the driver reads ``(input, sample,
+        sequence)`` items (``input`` counts within ``items``) while the engine
+        runs, and then the list of responses. ``cont``: the share is a
+        continuation; per item, its sample index, the tokens it generated
+        before, and its token budget (the driver merges each with its first
+        part). :meth:`abort_shard` stops it.
+        """
+        from twinkle_core.requests import SampleHandle
+        from twinkle_core.sampler import _RunSpec
+
+        handle = SampleHandle(len(items), params.num_samples)
+        with self._shards_lock:
+            self._shards[shard_id] = handle
+            if shard_id in self._early_aborts:
+                del self._early_aborts[shard_id]
+                handle.abort()
+        target = self._target
+        spec = None if cont is None else _RunSpec(handle, cont[0], cont[1], cont[2], [], None)
+
+        def work() -> None:
+            try:
+                responses = target._sample(items, params, adapter_name, on_invalid, indices, handle, spec)
+            except BaseException as exc:
+                handle._settle(None, exc)
+            else:
+                handle._settle(responses, None)
+
+        threading.Thread(target=work, name=f"twinkle-shard-{shard_id}", daemon=True).start()
+        try:
+            for item in handle.as_completed():
+                yield item.input_index, item.sample_index, item.sequence
+            yield handle.result()
+        except BaseException as exc:
+            _make_picklable(exc)
+            raise
+        finally:
+            with self._shards_lock:
+                self._shards.pop(shard_id, None)
 
     def close(self) -> None:
         """Close the target (if it has ``close()``) and drop it; errors are printed, not raised: the actor dies next."""

@@ -279,6 +279,29 @@ class ReplicaPool:
             )
         return r.incarnation, getattr(r.actor, method).remote(*args, **kwargs)
 
+    def stream(self, index: int, method: str, *args: Any) -> tuple[int, Any]:
+        """Start a generator method of the host on a replica; returns (incarnation, Ray object-ref generator).
+
+        Read each item with :meth:`result` (``next`` on the generator may itself raise what ``result`` does).
+        """
+        self.check_open()
+        r = self._replicas[index]
+        if r.lost:
+            raise ReplicaLostError(
+                f"{self.where(index)} is out of service.", replica=index, survivors=len(self.alive())
+            )
+        return r.incarnation, getattr(r.actor, method).options(num_returns="streaming").remote(*args)
+
+    def call_nowait(self, index: int, method: str, *args: Any) -> None:
+        """Send ``host.method(*args)`` to a replica without waiting (a lost or dead replica is skipped)."""
+        r = self._replicas[index]
+        if r.lost or r.actor is None:
+            return
+        try:
+            getattr(r.actor, method).remote(*args)
+        except Exception:  # the actor is gone: nothing to stop there
+            pass
+
     def result(self, index: int, incarnation: int, ref: Any) -> Any:
         """The value of a submitted call.
 
@@ -309,7 +332,7 @@ class ReplicaPool:
         try:
             return self.result(index, *retry)
         except _Died as again:
-            raise self._died_twice(again) from again.cause
+            raise self.died_twice(again) from again.cause
 
     def _get(self, r: _Replica, ref: Any, *, what: str, timeout: float | None = None) -> Any:
         ray = import_ray()
@@ -436,7 +459,8 @@ class ReplicaPool:
         """
         self.recover(_Died(index, self._replicas[index].incarnation, reason))
 
-    def _died_twice(self, died: _Died) -> RemoteError:
+    def died_twice(self, died: _Died) -> RemoteError:
+        """The error for a call whose replica died again on its retry (the replica is restarted once more)."""
         try:
             self.recover(died)  # leave the pool healthy for the next call
         except ReplicaLostError as lost:

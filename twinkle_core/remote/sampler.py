@@ -12,22 +12,27 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Callable, Mapping
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
-from twinkle_core.data_format import InputFeature, SampleResponse, SamplingParams, Trajectory
-from twinkle_core.errors import InvalidMeshError, UnsupportedFeatureError
+from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams, Trajectory
+from twinkle_core.errors import InvalidMeshError
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
 from twinkle_core.remote._balance import estimate_prompt_tokens, item_cost, split_by_cost, trajectory_chars
-from twinkle_core.remote._pool import Op, ReplicaPool, add_note
+from twinkle_core.remote._pool import Op, ReplicaPool, _Died, add_note
 from twinkle_core.remote._runtime import PlacedGroup, current_session, get_group, import_ray, register_owner
 from twinkle_core.remote.errors import ReplicaLostError
 from twinkle_core.remote.remote_class import ReplicaViews
-from twinkle_core.requests import SampleHandle
+from twinkle_core.requests import EngineRun, Finished, SampleHandle
 from twinkle_core.sampler import AppliedWithError, OnInvalid, Sampler
 from twinkle_core.template import Template
 
 __all__ = ["RemoteSampler", "build_remote"]
+
+#: Calls a replica's actor serves at once (shares of concurrent calls, aborts, state changes).
+_REPLICA_THREADS = 64
 
 
 def _coerce_mesh(value: Any) -> DeviceMesh:
@@ -152,6 +157,8 @@ class RemoteSampler(ReplicaViews, Sampler):
         self._template_fetch = threading.Lock()
         self._chars = 0
         self._tokens = 0
+        # the in_flight policy of the state change the current thread is making (passed on to the replicas)
+        self._policy = threading.local()
         label = f"{engine_class.__name__} on group {placed.name!r}"
         self._pool = ReplicaPool(
             engine_class,
@@ -160,7 +167,9 @@ class RemoteSampler(ReplicaViews, Sampler):
             placed=placed,
             mesh=mesh,
             label=label,
-            max_concurrency=int(getattr(engine_class, "remote_max_concurrency", 1)),
+            # threads: a replica serves several calls' shares at once (its engine batches or serialises
+            # them), and an abort reaches a share while it runs
+            max_concurrency=max(int(getattr(engine_class, "remote_max_concurrency", 1)), _REPLICA_THREADS),
             replay=self._replay_ops,
         )
         self._pool.start()
@@ -225,6 +234,67 @@ class RemoteSampler(ReplicaViews, Sampler):
             except AppliedWithError as applied:
                 raise applied.error from None
 
+    def update_weights(
+        self,
+        named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
+        *,
+        version: int | None = None,
+        check_finite: bool = True,
+        in_flight: str = "wait",
+    ) -> int:
+        """``Sampler.update_weights`` on every replica.
+
+        ``in_flight`` applies to this sampler's calls (each spans the
+        replicas): with ``"keep"`` every replica's share stops at its next
+        step, the update reaches every replica, and the shares continue there
+        under the new weights. The replicas receive the policy too, for work
+        they serve for anyone else.
+        """
+        with self._policy_for(in_flight):
+            return super().update_weights(
+                named_tensors, version=version, check_finite=check_finite, in_flight=in_flight
+            )
+
+    def add_adapter_to_model(
+        self,
+        adapter_name: str,
+        config_or_dir: Any,
+        *,
+        weights: Any = None,
+        version: int | None = None,
+        check_finite: bool = True,
+        in_flight: str = "wait",
+        **kwargs: Any,
+    ) -> int:
+        """``Sampler.add_adapter_to_model`` on every replica; ``in_flight`` as in :meth:`update_weights`."""
+        with self._policy_for(in_flight):
+            return super().add_adapter_to_model(
+                adapter_name,
+                config_or_dir,
+                weights=weights,
+                version=version,
+                check_finite=check_finite,
+                in_flight=in_flight,
+                **kwargs,
+            )
+
+    def remove_adapter(self, adapter_name: str, *, in_flight: str = "wait") -> None:
+        """``Sampler.remove_adapter`` on every replica; ``in_flight`` as in :meth:`update_weights`."""
+        with self._policy_for(in_flight):
+            super().remove_adapter(adapter_name, in_flight=in_flight)
+
+    @contextmanager
+    def _policy_for(self, in_flight: str) -> Iterator[None]:
+        """Remember the ``in_flight`` policy of the state change this thread makes, for the replicas' calls."""
+        self._policy.value = in_flight
+        try:
+            yield
+        finally:
+            self._policy.value = "wait"
+
+    def _in_flight(self) -> str:
+        return str(getattr(self._policy, "value", "wait"))
+
     def _load_adapter(self, name: str, config_or_dir: Any, *, weights: Any = None, version: int, **kwargs: Any) -> str:
         """Load or replace a LoRA adapter on every replica.
 
@@ -237,13 +307,18 @@ class RemoteSampler(ReplicaViews, Sampler):
             "add_adapter_to_model",
             (name, config_or_dir),
             # the driver already checked the values are finite
-            {"weights": ref, "version": version, "check_finite": False, **kwargs},
+            {"weights": ref, "version": version, "check_finite": False, "in_flight": self._in_flight(), **kwargs},
             record=lambda: self._adapter_ops.__setitem__(name, (version, config_or_dir, ref, kwargs)),
         )
         return "<memory>" if weights is not None else str(config_or_dir)
 
     def _remove_adapter(self, name: str) -> None:
-        self._apply("remove_adapter", (name,), {}, record=lambda: self._adapter_ops.pop(name, None))
+        self._apply(
+            "remove_adapter",
+            (name,),
+            {"in_flight": self._in_flight()},
+            record=lambda: self._adapter_ops.pop(name, None),
+        )
 
     def _update_weights(self, named_tensors: list[tuple[str, Any]], *, version: int) -> None:
         """Replace base weights on every replica, with the one new version they all carry.
@@ -264,7 +339,8 @@ class RemoteSampler(ReplicaViews, Sampler):
                     del self._weight_ops[old_version]
             self._weight_ops[version] = (ref, set(names))
 
-        self._apply("update_weights", (ref,), {"version": version, "check_finite": False}, record=record)
+        kwargs = {"version": version, "check_finite": False, "in_flight": self._in_flight()}
+        self._apply("update_weights", (ref,), kwargs, record=record)
 
     def _apply(
         self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, record: Callable[[], object]
@@ -322,40 +398,158 @@ class RemoteSampler(ReplicaViews, Sampler):
         named by its index in this call). Work is balanced by
         ``num_samples x (prompt tokens + max_tokens)``; a conversation's prompt
         tokens are estimated from its text, calibrated on what earlier calls
-        measured. A call aborted before its shares are sent comes back aborted;
-        once sent, the replicas finish it (streaming and early stops across
-        replicas are not there yet).
+        measured. Each replica streams its sequences back as they finish
+        (``handle`` gets them at once), and the handle's stop switch (an
+        abort, or a change under ``in_flight="keep"``) stops every replica's
+        share. A continuation (``spec``: resume, or ``keep``) goes through the
+        base, which calls :meth:`_run`.
         """
-        if spec is not None:
-            raise UnsupportedFeatureError(
-                "Continuing aborted sequences (resume, or in_flight='keep') is not supported on a remote sampler yet."
-            )
-        if handle is not None and handle.aborted:
+        if spec is not None or (handle is not None and handle.aborted):
             return super()._process(items, params, adapter_name, on_invalid, indices, handle, spec)
         self._pool.check_open()
+
+        def on_finish(p: int, s: int, seq: SampledSequence) -> None:
+            # a sequence stopped for a "keep" change is continued, and reported then
+            if handle is not None and not (seq.stop_reason == "abort" and handle._suspended):
+                handle._emit(Finished(p, s, seq))
+
+        stop = handle._start_run() if handle is not None else None
+        run = EngineRun(items, params, adapter_name, on_finish=on_finish, stop_event=stop)
+        out = self._dispatch(run, items, indices, on_invalid, continuation=False)
+        run.report_all(out)
+        self._calibrate(items, out)
+        return out
+
+    def _run(self, run: EngineRun) -> list[SampleResponse]:
+        """A continuation run (the base's ``_process`` calls it): split across the replicas, streamed back."""
+        self._pool.check_open()
+        return self._dispatch(run, list(run.prompts), None, "raise", continuation=True)
+
+    def _dispatch(
+        self,
+        run: EngineRun,
+        items: list[Any],
+        indices: list[int] | None,
+        on_invalid: OnInvalid,
+        *,
+        continuation: bool,
+    ) -> list[SampleResponse]:
+        """Run ``items`` on the replicas, each share streamed back into ``run`` as its sequences finish.
+
+        Every share runs in its replica's engine as one call
+        (``ReplicaHost.stream_shard``); its sequences reach ``run.finish`` as
+        they finish there, under their index in ``items``. When ``run``'s stop
+        switch is set, every replica's share is stopped. A replica that dies
+        is rebuilt and its share run again once (what it had streamed stands:
+        ``run.finish`` keeps the first report of each sequence, and so does
+        the result). If a share fails, the others are stopped and the first
+        failure (in input order) is raised.
+        """
         alive = self._pool.alive()
+        params = run.params
         cpt = self._chars_per_token()
         costs = [
             0.0 if isinstance(item, Exception) else item_cost(estimate_prompt_tokens(item, cpt), params)
             for item in items
         ]
-        shards = split_by_cost(costs, len(alive))
-        jobs = []
-        for replica, shard in zip(alive, shards):
-            if not shard:
-                continue
-            named = [k if indices is None else indices[k] for k in shard]
-            args = ([items[k] for k in shard], named, params, adapter_name, on_invalid)
-            jobs.append((replica, shard, args, self._pool.submit(replica, "sample_shard", *args)))
+        shards = [(replica, shard) for replica, shard in zip(alive, split_by_cost(costs, len(alive))) if shard]
         out: list[SampleResponse | None] = [None] * len(items)
-        for replica, shard, args, submitted in jobs:
-            responses = self._pool.finish(replica, submitted, "sample_shard", *args)
-            for k, response in zip(shard, responses):
-                out[k] = response
-        self._calibrate(items, out)
+        errors: dict[int, BaseException] = {}
+        started: list[tuple[int, str]] = []
+        started_lock = threading.Lock()
+        failed = threading.Event()
+
+        def stop_all() -> None:
+            with started_lock:
+                targets = list(started)
+            for replica, shard_id in targets:
+                self._pool.call_nowait(replica, "abort_shard", shard_id)
+
+        def serve(order: int, replica: int, shard: list[int]) -> None:
+            named = [k if indices is None else indices[k] for k in shard]
+            cont = None
+            if continuation:
+                cont = (
+                    [run.sample_base[k] for k in shard],
+                    [run.generated[k] for k in shard],
+                    [run.max_tokens[k] for k in shard],
+                )
+            streamed: dict[tuple[int, int], SampledSequence] = {}
+            for attempt in range(2):
+                shard_id = uuid.uuid4().hex
+                with started_lock:
+                    started.append((replica, shard_id))
+                if run.stopped() or failed.is_set():
+                    self._pool.call_nowait(replica, "abort_shard", shard_id)
+                args = (shard_id, [items[k] for k in shard], named, params, run.adapter_name, on_invalid, cont)
+                try:
+                    responses = self._read_stream(replica, args, shard, run, streamed, failed)
+                except _Died as died:
+                    if attempt == 1:
+                        errors[order] = self._pool.died_twice(died)
+                        break
+                    try:
+                        self._pool.recover(died)
+                    except BaseException as exc:
+                        errors[order] = exc
+                        break
+                    continue
+                except BaseException as exc:
+                    errors[order] = exc
+                    break
+                for (k, s), seq in streamed.items():  # a retried share: what was streamed stands
+                    responses[k].sequences[s] = seq
+                for k, response in zip(shard, responses):
+                    out[k] = response
+                return
+            failed.set()
+            stop_all()
+
+        run.stop_event.add_callback(stop_all)
+        try:
+            threads = [
+                threading.Thread(target=serve, args=(order, replica, shard), name="twinkle-remote-share", daemon=True)
+                for order, (replica, shard) in enumerate(shards)
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        finally:
+            run.stop_event.remove_callback(stop_all)
+        if errors:
+            raise errors[min(errors)]
         return out  # type: ignore[return-value]
 
-    def _calibrate(self, items: list[Any], out: list[SampleResponse | None]) -> None:
+    def _read_stream(
+        self,
+        replica: int,
+        args: tuple[Any, ...],
+        shard: list[int],
+        run: EngineRun,
+        streamed: dict[tuple[int, int], SampledSequence],
+        failed: threading.Event,
+    ) -> list[SampleResponse]:
+        """Read one share's stream: report each sequence to ``run``; return the share's responses."""
+        incarnation, stream = self._pool.stream(replica, "stream_shard", *args)
+        ray = import_ray()
+        while True:
+            try:
+                ref = next(stream)
+            except StopIteration:  # pragma: no cover - the host always ends with the responses
+                raise RuntimeError(f"{self._pool.where(replica)} ended a share without its responses.") from None
+            except ray.exceptions.RayActorError as exc:
+                raise _Died(replica, incarnation, exc) from exc
+            value = self._pool.result(replica, incarnation, ref)
+            if isinstance(value, list):
+                return value
+            k, s, seq = value
+            if failed.is_set() or (k, s) in streamed:
+                continue  # another share failed: the call raises; or already reported before a retry
+            streamed[(k, s)] = seq
+            run.finish(shard[k], s, seq)
+
+    def _calibrate(self, items: list[Any], out: Sequence[SampleResponse | None]) -> None:
         for item, response in zip(items, out):
             if isinstance(item, Trajectory) and response is not None and response.prompt_token_ids:
                 self._chars += trajectory_chars(item)
