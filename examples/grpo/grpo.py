@@ -42,6 +42,11 @@ from twinkle_core.errors import TwinkleError
 __all__ = ["GRPOConfig", "StalePolicyError", "main", "train"]
 
 
+#: Whether a LoRA policy is served merged when ``merge_lora`` is not set, per engine: measured on
+#: SmolLM2 (docs/grpo.md, "Merged LoRA"). Engines not listed are served unmerged.
+MERGE_LORA_DEFAULT: dict[str, bool] = {"vllm": True, "torch": False}
+
+
 class StalePolicyError(TwinkleError, RuntimeError):
     """A sample was produced by weights other than the ones the trainer last pushed."""
 
@@ -72,6 +77,9 @@ class GRPOConfig:
     clip_eps: float = 0.2
     lora_rank: int = 8
     lora_alpha: int = 16
+    # serve the LoRA policy merged into the base weights (add_adapter_to_model(..., merge=True));
+    # None: the measured default of the engine (MERGE_LORA_DEFAULT, docs/grpo.md)
+    merge_lora: bool | None = None
     seed: int = 0
     eval_prompts: int = 0  # held-out prompts scored before the first and after the last step (0: none)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -201,6 +209,9 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
 
     # async: the next step's rollouts are in flight during a push; they continue under the new weights
     in_flight = "keep" if cfg.async_rollout else "wait"
+    merge = cfg.merge_lora if cfg.merge_lora is not None else MERGE_LORA_DEFAULT.get(cfg.engine, False)
+    if merge and lora_config is None:
+        raise ValueError(f"merge_lora={cfg.merge_lora!r} needs mode='lora' (mode={cfg.mode!r})")
 
     def push() -> tuple[int, float]:
         t = time.perf_counter()
@@ -208,7 +219,10 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
             from peft import get_peft_model_state_dict
 
             weights = {k: v.detach().clone() for k, v in get_peft_model_state_dict(policy).items()}
-            version = sampler.add_adapter_to_model("policy", lora_config, weights=weights, in_flight=in_flight)
+            options = {"merge": True} if merge else {}  # only engines that merge know the option
+            version = sampler.add_adapter_to_model(
+                "policy", lora_config, weights=weights, in_flight=in_flight, **options
+            )
         else:
             named = [(k, v.detach().clone()) for k, v in policy.state_dict().items()]
             version = sampler.update_weights(named, in_flight=in_flight)
@@ -343,6 +357,7 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
                 "step_s": time.perf_counter() - t_step,
                 "staleness_max": lag,  # versions the oldest sampled token lagged the trainer
                 "weights_version": expected_version,
+                "merged_lora": merge,
             }
             history.append(row)
             if cfg.log:

@@ -52,6 +52,15 @@ def test_lora_grpo_with_the_torch_engine_learns(tmp_path: Path) -> None:
     assert scores["eval_after"] > scores["eval_before"] + 0.4, scores
 
 
+def test_lora_grpo_served_merged_on_the_torch_engine_runs_the_trainers_policy(tmp_path: Path) -> None:
+    """merge_lora=true: each step's adapter is merged into the weights, and the samples are the trainer's policy."""
+    history = _run(tmp_path, "tiny_torch.yaml", steps=4, merge_lora=True)
+    assert all(r["merged_lora"] for r in history)
+    first = history[0]["weights_version"]
+    assert [r["weights_version"] for r in history] == [first, first + 1, first + 2, first + 3]
+    assert max(r["mismatch_max"] for r in history) < MISMATCH_BOUND
+
+
 def test_grpo_with_the_sampler_on_ray_keeps_the_policy_in_sync(tmp_path: Path) -> None:
     """The sampler as a Ray actor: every step's samples carry the version just pushed, log-probs match."""
     history = _run(tmp_path, "tiny_torch.yaml", steps=4, remote_group="grpo_sampler", ray_cpus=1)
@@ -82,7 +91,9 @@ def test_a_skipped_sync_is_detected(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("twinkle_vllm") is None, reason="twinkle-vllm is not installed")
 def test_lora_grpo_with_the_vllm_engine_learns(tmp_path: Path) -> None:
-    _check_learned(_run(tmp_path, "tiny_vllm.yaml", steps=16), margin=0.4)
+    history = _run(tmp_path, "tiny_vllm.yaml", steps=16)
+    assert all(r["merged_lora"] for r in history), "vLLM serves the LoRA policy merged by default"
+    _check_learned(history, margin=0.4)
 
 
 def test_mask_replay_removes_the_truncation_mismatch(tmp_path: Path) -> None:

@@ -177,33 +177,32 @@ class SyncChannel:
             for rank in range(self._world_size):
                 sock = self._ctx.socket(zmq.REQ)
                 sock.setsockopt(zmq.LINGER, 0)
+                # The worker binds its socket only once its RPC runs, usually after this connect; ZMQ then
+                # retries after RECONNECT_IVL, 100 ms by default, which every sync paid as dead time.
+                sock.setsockopt(zmq.RECONNECT_IVL, 2)
                 sock.connect(socket_address(folder, rank))
                 sockets.append(sock)
-            # Fill the first slot while the workers' RPC starts up, then shake hands.
+            # Stage (fill and checksum) the first slot while the workers' RPC starts up, then shake hands.
             by_name = dict(tensors)
-            if buckets:
-                self._fill(buffer, buckets[0], by_name, 0)
+            checksum = self._stage(buffer, buckets[0], by_name, 0) if buckets else 0
             self._round(sockets, {"op": "hello", "session": session_id}, "handshake", rpc)
             for i, bucket in enumerate(buckets):
-                offset = (i % 2) * slot
-                nbytes = bucket[-1].offset + bucket[-1].nbytes
-                clock = time.perf_counter()
-                checksum = buffer.checksum(offset, nbytes)
-                self._timings["driver_checksum"] += time.perf_counter() - clock
                 message = {
                     "op": "bucket",
                     "index": i,
                     "count": len(buckets),
-                    "offset": offset,
-                    "nbytes": nbytes,
+                    "offset": (i % 2) * slot,
+                    "nbytes": bucket[-1].offset + bucket[-1].nbytes,
                     "checksum": checksum,
                     "items": bucket,
                 }
                 for sock in sockets:
                     sock.send_pyobj(message)
-                # Fill the other slot while the workers consume this one.
+                # Stage the next bucket in the other slot while the workers consume this one, checksum
+                # included: its message then goes out the moment they answer, so a worker never waits
+                # for a bucket the driver could already have ready.
                 if i + 1 < len(buckets):
-                    self._fill(buffer, buckets[i + 1], by_name, ((i + 1) % 2) * slot)
+                    checksum = self._stage(buffer, buckets[i + 1], by_name, ((i + 1) % 2) * slot)
                 clock = time.perf_counter()
                 self._collect(sockets, f"bucket {i + 1}/{len(buckets)}", rpc)
                 self._timings["driver_wait"] += time.perf_counter() - clock
@@ -265,6 +264,14 @@ class SyncChannel:
             buffer = ShmBuffer(staging_name(os.getpid(), uuid.uuid4().hex[:12]), size, create=True)
         self._buffer = buffer
         return buffer
+
+    def _stage(self, buffer: StagingBuffer, bucket: list[Item], by_name: dict[str, torch.Tensor], base: int) -> int:
+        """Fill one slot with ``bucket`` and return its checksum."""
+        self._fill(buffer, bucket, by_name, base)
+        clock = time.perf_counter()
+        checksum = buffer.checksum(base, bucket[-1].offset + bucket[-1].nbytes)
+        self._timings["driver_checksum"] += time.perf_counter() - clock
+        return checksum
 
     def _fill(self, buffer: StagingBuffer, bucket: list[Item], by_name: dict[str, torch.Tensor], base: int) -> None:
         clock = time.perf_counter()

@@ -131,6 +131,34 @@ class TwinkleWorkerExtension:
         self._twinkle_stall_s = float(seconds)
         return True
 
+    # -- benchmark hooks (bench/bench_sync.py) --------------------------------------------
+    def twinkle_bench_stage(self, path: str) -> int:
+        """Benchmark hook: read a safetensors file into this worker's memory, for :meth:`twinkle_bench_reload`.
+
+        Returns:
+            The number of tensors held.
+        """
+        from safetensors.torch import load_file
+
+        self._twinkle_bench_tensors = {k: v.clone() for k, v in load_file(path).items()}
+        return len(self._twinkle_bench_tensors)
+
+    def twinkle_bench_reload(self, names: list[str]) -> float:
+        """Benchmark hook: vLLM's own ``reload_weights`` of held tensors; the floor ``update_weights`` is held to.
+
+        The same tensors ``update_weights`` pushes, already in this worker's
+        memory: no transport, no checksum, only vLLM's layerwise reload
+        (including the CPU backend's repacking) of exactly these tensors.
+
+        Returns:
+            Seconds spent inside this worker.
+        """
+        held: dict[str, torch.Tensor] = getattr(self, "_twinkle_bench_tensors", {})
+        clock = time.perf_counter()
+        with torch.no_grad():
+            self.reload_weights(weights_iterator=((name, held[name]) for name in names))  # type: ignore[attr-defined]
+        return time.perf_counter() - clock
+
     # -- sessions -------------------------------------------------------------------------
     def twinkle_sync(self, session: dict[str, Any]) -> dict[str, Any]:
         """Take part in one sync session; return ``{"ok": ...}`` (never raises)."""
