@@ -53,8 +53,12 @@ def outputs_of(resps: list[Any]) -> Outputs:
 
 
 def same(a: Outputs, b: Outputs) -> bool:
-    """The same tokens, and log-probs equal up to float noise."""
-    return a[0] == b[0] and all(abs(x - y) < 1e-5 for x, y in zip(a[1], b[1]))
+    """The same tokens, and log-probs equal up to float noise.
+
+    Concurrent calls share the running batch, so a row's padding and its
+    neighbours change the order of float sums: about 1e-5 on this model.
+    """
+    return a[0] == b[0] and all(abs(x - y) < 1e-4 for x, y in zip(a[1], b[1]))
 
 
 def differ(a: Outputs, b: Outputs) -> bool:
