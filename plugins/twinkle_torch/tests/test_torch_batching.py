@@ -87,9 +87,7 @@ def test_concurrent_calls_are_batched_together_and_equal_their_solo_results(
     assert stats.steps < solo_steps
 
 
-def test_a_call_submitted_while_another_decodes_joins_it(
-    sampler: TorchSampler, chat_prompts: list[Trajectory]
-) -> None:
+def test_a_call_submitted_while_another_decodes_joins_it(sampler: TorchSampler, chat_prompts: list[Trajectory]) -> None:
     params = greedy(400)
     # a short prompt and a long one, and a token that ends the short one early (never the long one)
     short, long_, stop = AsyncContractTests().prompts(sampler, params)

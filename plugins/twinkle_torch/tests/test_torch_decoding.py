@@ -52,7 +52,9 @@ def test_joined_layers_are_right_aligned_over_zeros() -> None:
         assert first.get_seq_length() == 4 and first.capacity == 9
         rows_long, rows_short = (slice(0, 1), slice(1, 3)) if long_first else (slice(2, 3), slice(0, 2))
         keys = first.keys
-        assert torch.equal(keys[rows_short, :, 2:], kb) and torch.equal(keys[rows_short, :, :2], torch.zeros(2, 1, 2, 2))
+        assert torch.equal(keys[rows_short, :, 2:], kb) and torch.equal(
+            keys[rows_short, :, :2], torch.zeros(2, 1, 2, 2)
+        )
         assert torch.equal(keys[rows_long, :, 1:], ka[:, :, 1:])
         first.update(torch.zeros(3, 1, 1, 2), torch.zeros(3, 1, 1, 2))  # it keeps decoding in place
         assert first.get_seq_length() == 5

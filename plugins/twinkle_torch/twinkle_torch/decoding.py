@@ -363,6 +363,7 @@ class Decoder:
                     if self._closed or (not self._queue and self._batch is None):
                         self._looping = False
                         self._batch = None
+                        self._row_cap = None  # an out-of-memory limit lasts while its work does
                         if self._closed:
                             error = SamplerClosedError("The torch engine was closed while this run was in flight.")
                             for job in list(self._jobs):
@@ -370,7 +371,7 @@ class Decoder:
                         return
                 try:
                     self._step()
-                except BaseException as exc:  # noqa: BLE001  a failed step fails its runs, never the loop
+                except BaseException as exc:  # a failed step fails its runs, never the loop
                     self._fail_batch(exc)
                     self._fail_stranded(exc)
 
@@ -420,7 +421,7 @@ class Decoder:
             if job.control.on_finish is not None:
                 try:
                     job.control.on_finish(row.prompt, row.sample, result)
-                except BaseException as exc:  # noqa: BLE001  the caller's callback failed: its run fails
+                except BaseException as exc:  # the caller's callback failed: its run fails
                     self._fail(job, exc)
                     return
         with self._cond:
@@ -787,4 +788,3 @@ class Decoder:
             self._batch = None
         else:
             self._forward(batch)
-
