@@ -1,4 +1,4 @@
-"""The decode loop's pure parts: batch planning, out-of-memory splitting, the cache, stop strings."""
+"""The decode loop's pure parts: the cache (select, trim, join), seeds, sampling, stop strings."""
 
 from __future__ import annotations
 
@@ -9,68 +9,8 @@ import torch
 
 from twinkle_core.data_format import SamplingParams
 from twinkle_torch.cache import PreallocatedLayer
-from twinkle_torch.decoding import WorkUnit, plan_batches, run_with_split, split_batch
 from twinkle_torch.sampling import RowRandomness, TokenSampler, derive_seed
 from twinkle_torch.stopping import StopStringMatcher
-
-
-def _rows(batches: list[list[WorkUnit]]) -> dict[tuple[int, int], int]:
-    """(prompt, sample) -> how many times it is scheduled."""
-    seen: dict[tuple[int, int], int] = {}
-    for batch in batches:
-        for u in batch:
-            for s in range(u.first_sample, u.first_sample + u.count):
-                seen[(u.prompt_index, s)] = seen.get((u.prompt_index, s), 0) + 1
-    return seen
-
-
-@pytest.mark.parametrize("budget", [1, 50, 333, 1000, 10**6])
-def test_plan_covers_every_sample_once_within_budget(budget: int) -> None:
-    lengths = [5, 40, 17, 3, 60, 22]
-    n, new = 4, 25
-    batches = plan_batches(lengths, n, new, budget)
-    assert _rows(batches) == {(p, s): 1 for p in range(len(lengths)) for s in range(n)}
-    for batch in batches:
-        rows = sum(u.count for u in batch)
-        width = max(lengths[u.prompt_index] for u in batch) + new
-        assert rows * width <= budget or rows == 1
-        assert len({u.prompt_index for u in batch}) == len(batch)  # one prefill per prompt and batch
-    if budget == 10**6:
-        assert len(batches) == 1 and all(u.count == n for u in batches[0])
-
-
-def test_split_batch_halves_rows() -> None:
-    units = [WorkUnit(0, 0, 4), WorkUnit(1, 0, 4), WorkUnit(2, 0, 4)]
-    halves = split_batch(units)
-    assert halves is not None and _rows([halves[0], halves[1]]) == _rows([units])
-    single = split_batch([WorkUnit(7, 2, 5)])
-    assert single == ([WorkUnit(7, 2, 2)], [WorkUnit(7, 4, 3)])
-    assert split_batch([WorkUnit(0, 0, 1)]) is None
-
-
-class FakeOOM(RuntimeError):
-    pass
-
-
-def test_run_with_split_retries_halves_until_they_fit() -> None:
-    calls: list[int] = []
-
-    def run(units: list[WorkUnit]) -> dict[tuple[int, int], int]:
-        rows = sum(u.count for u in units)
-        calls.append(rows)
-        if rows > 3:
-            raise FakeOOM("out of memory")
-        return {(u.prompt_index, u.first_sample + j): rows for u in units for j in range(u.count)}
-
-    units = [WorkUnit(0, 0, 4), WorkUnit(1, 0, 4)]
-    out = run_with_split(units, run, is_oom=lambda e: isinstance(e, FakeOOM))
-    assert set(out) == {(p, s) for p in range(2) for s in range(4)}
-    assert calls[0] == 8 and max(out.values()) <= 3
-    # other errors, and a single row that does not fit, are raised
-    with pytest.raises(FakeOOM):
-        run_with_split([WorkUnit(0, 0, 1)], lambda u: (_ for _ in ()).throw(FakeOOM()), is_oom=lambda e: True)
-    with pytest.raises(ValueError):
-        run_with_split(units, lambda u: (_ for _ in ()).throw(ValueError()), is_oom=lambda e: isinstance(e, FakeOOM))
 
 
 def test_preallocated_layer_selects_repeats_and_grows() -> None:
@@ -87,6 +27,37 @@ def test_preallocated_layer_selects_repeats_and_grows() -> None:
     assert torch.equal(values[:, :, 2:], step.expand(3, 1, 5, 4))
     layer.select(torch.tensor([2]))
     assert torch.equal(layer.keys[0, :, :2], k[0])
+
+
+def test_preallocated_layer_trims_leading_columns() -> None:
+    layer = PreallocatedLayer(capacity=8)
+    k = torch.arange(2 * 1 * 5 * 2, dtype=torch.float32).reshape(2, 1, 5, 2)
+    layer.update(k, -k)
+    layer.select(torch.tensor([1]), start=3)  # row 1 without its first 3 columns
+    assert layer.get_seq_length() == 2
+    assert torch.equal(layer.keys, k[1:, :, 3:]) and torch.equal(layer.values, -k[1:, :, 3:])
+
+
+def test_joined_layers_are_right_aligned_over_zeros() -> None:
+    # running rows of 4 columns, new rows of 2 (the other way round too): both end at the last column
+    for long_first in (True, False):
+        a, b = PreallocatedLayer(capacity=4), PreallocatedLayer(capacity=2)
+        ka = torch.full((1, 1, 4, 2), float("nan"))  # padding that must never be read as data
+        ka[:, :, 1:] = 1.0
+        kb = torch.full((2, 1, 2, 2), 2.0)
+        a.update(ka, ka)
+        b.update(kb, kb)
+        first, second = (a, b) if long_first else (b, a)
+        first.adopt(*first.joined(second, capacity=9))
+        assert first.get_seq_length() == 4 and first.capacity == 9
+        rows_long, rows_short = (slice(0, 1), slice(1, 3)) if long_first else (slice(2, 3), slice(0, 2))
+        keys = first.keys
+        assert torch.equal(keys[rows_short, :, 2:], kb) and torch.equal(
+            keys[rows_short, :, :2], torch.zeros(2, 1, 2, 2)
+        )
+        assert torch.equal(keys[rows_long, :, 1:], ka[:, :, 1:])
+        first.update(torch.zeros(3, 1, 1, 2), torch.zeros(3, 1, 1, 2))  # it keeps decoding in place
+        assert first.get_seq_length() == 5
 
 
 def test_derived_seeds() -> None:

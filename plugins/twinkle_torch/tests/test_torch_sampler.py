@@ -15,6 +15,7 @@ from torch_helpers import hf_greedy
 
 from twinkle_core import DeviceMesh, SamplingParams, Trajectory
 from twinkle_core.errors import AdapterError, ConfigError, InvalidMeshError, UnknownAdapterError, WeightUpdateError
+from twinkle_torch.decoding import DecoderStats
 from twinkle_torch.sampler import TorchSampler
 
 
@@ -53,8 +54,12 @@ def outputs_of(resps: list[Any]) -> Outputs:
 
 
 def same(a: Outputs, b: Outputs) -> bool:
-    """The same tokens, and log-probs equal up to float noise."""
-    return a[0] == b[0] and all(abs(x - y) < 1e-5 for x, y in zip(a[1], b[1]))
+    """The same tokens, and log-probs equal up to float noise.
+
+    Concurrent calls share the running batch, so a row's padding and its
+    neighbours change the order of float sums: about 1e-5 on this model.
+    """
+    return a[0] == b[0] and all(abs(x - y) < 1e-4 for x, y in zip(a[1], b[1]))
 
 
 def differ(a: Outputs, b: Outputs) -> bool:
@@ -464,9 +469,7 @@ def test_registered_as_torch(tiny_llama: Path) -> None:
 
 # -- CUDA -------------------------------------------------------------------------------------------
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="out-of-memory splitting needs CUDA")
-def test_cuda_out_of_memory_splits_the_batch(
-    tiny_llama: Path, chat_prompts: list[Trajectory], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_cuda_out_of_memory_shrinks_the_batch(tiny_llama: Path, chat_prompts: list[Trajectory]) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, num_samples=64)
     with TorchSampler(tiny_llama, device="cuda", max_batch_tokens=10**9) as s:
         expected = tokens_of(s.sample(chat_prompts[:2], params.replace(num_samples=1)))
@@ -476,19 +479,12 @@ def test_cuda_out_of_memory_splits_the_batch(
         used = torch.cuda.memory_allocated()
         # leave room for the model and a few rows, not for 128 rows of 450 tokens
         torch.cuda.set_per_process_memory_fraction(min(1.0, (used + 48 * 2**20) / total))
-        batches: list[int] = []
-        run_batch = s._decoder._run_batch
-
-        def counting(units: Any, *args: Any) -> Any:
-            batches.append(sum(u.count for u in units))
-            return run_batch(units, *args)
-
-        # count the rows of each batch the decoder runs (monkeypatch puts the method back)
-        monkeypatch.setattr(s._decoder, "_run_batch", counting)
+        stats = s._decoder.stats = DecoderStats()
         try:
             out = s.sample(chat_prompts[:2], params)
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0)
-        assert batches[0] == 128 and len(batches) > 1  # the whole batch failed, its halves ran
+        # the batch did not fit: rows went back to the queue and ran in a smaller batch
+        assert stats.out_of_memory > 0 and stats.peak_rows < 128
         assert all(len(r.sequences) == 64 for r in out)
         assert [[seq.tokens for seq in r.sequences] for r in out] == [[e] * 64 for e in expected]

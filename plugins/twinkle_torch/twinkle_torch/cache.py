@@ -8,7 +8,10 @@ attention reads a view of the filled part.
 
 Rows are selected (finished sequences dropped) or repeated (one prefilled
 prompt shared by its samples) with :meth:`PreallocatedLayer.select`, which
-also resizes the buffers.
+also resizes the buffers and can drop leading columns no row attends to any
+more. :func:`join_caches` stacks the rows of two caches, right-aligned: the
+continuous batch (:mod:`twinkle_torch.decoding`) merges newly prefilled
+requests into the running cache with it.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-__all__ = ["PreallocatedLayer", "make_cache", "select_rows"]
+__all__ = ["PreallocatedLayer", "join_caches", "joinable", "make_cache", "select_rows"]
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -69,21 +72,56 @@ class PreallocatedLayer(DynamicLayer):
     def get_max_length(self) -> int:
         return -1
 
-    def _resize(self, rows: torch.Tensor, capacity: int) -> None:
+    def _resize(self, rows: torch.Tensor, capacity: int, start: int = 0) -> None:
         assert self._k is not None and self._v is not None
         old_k, old_v = self._k, self._v
+        kept = self.length - start
         self._k = old_k.new_empty(rows.numel(), old_k.shape[1], capacity, old_k.shape[-1])
         self._v = old_v.new_empty(rows.numel(), old_v.shape[1], capacity, old_v.shape[-1])
-        self._k[:, :, : self.length] = old_k[rows, :, : self.length]
-        self._v[:, :, : self.length] = old_v[rows, :, : self.length]
+        self._k[:, :, :kept] = old_k[rows, :, start : self.length]
+        self._v[:, :, :kept] = old_v[rows, :, start : self.length]
+        self.length = kept
         self.capacity = capacity
         self._set_views()
 
-    def select(self, rows: torch.Tensor, capacity: int | None = None) -> None:
-        """Keep (or repeat) the batch rows ``rows``, in that order, with room for ``capacity`` tokens."""
+    def select(self, rows: torch.Tensor, capacity: int | None = None, start: int = 0) -> None:
+        """Keep (or repeat) the batch rows ``rows``, in that order, with room for ``capacity`` tokens.
+
+        ``start`` drops that many leading columns (positions every kept row masks out).
+        """
         if not self.is_initialized:
             return
-        self._resize(rows, max(self.length, capacity or self.capacity))
+        self._resize(rows, max(self.length - start, capacity or self.capacity), start)
+
+    def joined(self, other: PreallocatedLayer, capacity: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The rows of this layer then those of ``other``, both right-aligned, with room for ``capacity``.
+
+        Returns new key and value buffers and their filled length; :meth:`adopt`
+        installs them (two steps, so that running out of memory halfway through
+        a cache leaves every layer as it was). The shorter side gains leading
+        columns of zeros (its attention mask must mask them; zeros, not
+        uninitialised memory, because a masked value still enters the weighted
+        sum with weight 0, and 0 * NaN is NaN).
+        """
+        assert self._k is not None and self._v is not None and other._k is not None and other._v is not None
+        length = max(self.length, other.length)
+        capacity = max(capacity, length)
+        ra, rb = self._k.shape[0], other._k.shape[0]
+        out = []
+        for a, b in ((self._k, other._k), (self._v, other._v)):
+            new = a.new_empty(ra + rb, a.shape[1], capacity, a.shape[-1])
+            for rows, src, n in ((slice(0, ra), a, self.length), (slice(ra, ra + rb), b, other.length)):
+                new[rows, :, : length - n] = 0
+                new[rows, :, length - n : length] = src[:, :, :n]
+            out.append(new)
+        return out[0], out[1], length
+
+    def adopt(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
+        """Take ``keys`` and ``values`` (from :meth:`joined`) as this layer's buffers."""
+        self._k, self._v = keys, values
+        self.length = length
+        self.capacity = keys.shape[2]
+        self._set_views()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self.select(indices)
@@ -126,10 +164,33 @@ def make_cache(config: Any, capacity: int) -> DynamicCache:
     return cache
 
 
-def select_rows(cache: DynamicCache, rows: torch.Tensor, capacity: int | None = None) -> None:
-    """Keep (or repeat) ``rows`` of every layer of ``cache``, in that order."""
+def select_rows(cache: DynamicCache, rows: torch.Tensor, capacity: int | None = None, start: int = 0) -> None:
+    """Keep (or repeat) ``rows`` of every layer of ``cache``, in that order.
+
+    ``start`` drops leading columns; only a :func:`joinable` cache can.
+    """
     for layer in cache.layers:
         if isinstance(layer, PreallocatedLayer):
-            layer.select(rows, capacity)
+            layer.select(rows, capacity, start)
         else:
+            assert start == 0, "only preallocated layers drop leading columns"
             layer.batch_select_indices(rows)
+
+
+def joinable(cache: DynamicCache) -> bool:
+    """Whether every layer of ``cache`` is preallocated: only those can be joined and trimmed."""
+    return all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
+
+
+def join_caches(first: DynamicCache, second: DynamicCache, capacity: int) -> None:
+    """Append the rows of ``second`` to ``first`` (in place), right-aligned (see :meth:`PreallocatedLayer.joined`).
+
+    Both must be :func:`joinable`; ``second`` is consumed.
+    """
+    joined = []
+    for a, b in zip(first.layers, second.layers):
+        assert isinstance(a, PreallocatedLayer) and isinstance(b, PreallocatedLayer)
+        joined.append(a.joined(b, capacity))
+    for layer, (keys, values, length) in zip(first.layers, joined):
+        assert isinstance(layer, PreallocatedLayer)
+        layer.adopt(keys, values, length)

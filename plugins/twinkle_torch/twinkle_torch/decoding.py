@@ -1,44 +1,58 @@
-"""The decode loop: batched prefill, a KV cache, and one forward per generated token.
+"""The decode loop: continuous batching over one KV cache, one forward per generated token.
 
-:func:`plan_batches` groups the work of one ``sample()`` call into batches
-bounded by a token budget. :class:`Decoder` runs them:
+Every ``sample()`` (every engine run) hands its rows (one per prompt and
+sample) to the :class:`Decoder`, and one decode loop serves them all, in a
+thread the decoder starts when work arrives and that ends when none is left.
+Between two steps the loop:
 
-1. **Prefill** each prompt of the batch once, left-padded, with position ids
-   counted from each prompt's first real token.
-2. **Expand** the cache: each prompt's rows are repeated for its samples, so
-   ``num_samples`` completions share one prefill.
-3. **Decode**: one forward per step for all live rows, sampling vectorised
-   over the batch (:mod:`twinkle_torch.sampling`). Finished rows are dropped
-   from the batch (their cache rows pruned) once enough of them have
-   finished, so they stop costing compute without a copy of the cache every
-   time a single row ends.
+1. **Stops** the rows of runs whose ``stopped()`` is set: each ends with
+   ``"abort"`` and the tokens it has.
+2. **Admits** waiting rows, first come first served, while the batch fits the
+   token budget (``rows x longest (prompt + max_tokens)`` within
+   ``max_batch_tokens``; an empty batch always takes one row). Admitted rows
+   are **prefilled** together, left-padded, one prefill per prompt shared by
+   its samples, and their cache rows are **joined** to the running cache,
+   right-aligned (the shorter side is padded on the left, and masked): a
+   request arriving while others decode joins them at the next step.
+3. **Samples** one token per live row, vectorised over the rows that share
+   sampling parameters (:mod:`twinkle_torch.sampling`); each row keeps its
+   own stop tokens, stop strings, repetition-penalty history, log-probs and
+   sampling mask, and a seeded row its own random stream (keyed on its seed
+   and position), so what a row generates does not depend on what else is in
+   the batch.
+4. **Reports** the rows that finished, through their run's callback, as they
+   finish, and drops them from the batch (their cache rows pruned, and the
+   leading columns no remaining row attends to trimmed) once enough have
+   finished or when new rows join.
+5. **Forwards** the live rows once.
 
-On CUDA an out-of-memory error splits the batch in two and retries each half.
+PEFT activates one adapter for the whole model, so a batch holds rows of one
+adapter: rows of another wait until the batch drains (the queue stays first
+come first served, so neither side starves). The sampler's lock guarantees
+no weight or adapter change happens while any run has rows here.
+
+On CUDA an out-of-memory error in a prefill puts its rows back in the queue
+and halves the rows a batch may hold; in a decode step, the newest half of the
+batch goes back to the queue (those rows are prefilled again with what they
+generated, and continue where they were). A single row that does not fit fails its run.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import attrs
 import torch
 
 from twinkle_core.data_format import SamplingMask, SamplingParams
-from twinkle_torch.cache import PreallocatedLayer, make_cache, select_rows
+from twinkle_core.errors import SamplerClosedError
+from twinkle_torch.cache import PreallocatedLayer, join_caches, joinable, make_cache, select_rows
 from twinkle_torch.sampling import RowRandomness, TokenSampler, derive_seed
 from twinkle_torch.stopping import StopStringMatcher
 
-__all__ = [
-    "Decoder",
-    "PromptScores",
-    "RunControl",
-    "SequenceResult",
-    "WorkUnit",
-    "plan_batches",
-    "run_with_split",
-    "split_batch",
-]
+__all__ = ["Decoder", "DecoderStats", "PromptScores", "RunControl", "SequenceResult"]
 
 #: A batch drops its finished rows once at least this share of it has finished.
 _PRUNE_FRACTION = 1 / 8
@@ -46,15 +60,6 @@ _PRUNE_FRACTION = 1 / 8
 OutOfMemoryError: type[BaseException] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 TopList = list[list[tuple[int, float]]]
-
-
-@attrs.frozen
-class WorkUnit:
-    """Samples ``first_sample .. first_sample + count - 1`` of prompt ``prompt_index``."""
-
-    prompt_index: int
-    first_sample: int
-    count: int
 
 
 @attrs.define
@@ -79,7 +84,11 @@ class RunControl:
         sample_base: per prompt, the sample index of its first completion (seeds use it).
         generated: per prompt, tokens generated before this run (seeded draws are keyed on the position).
         stopped: called between steps; ``True`` ends every unfinished row with ``"abort"``.
-        on_finish: called with ``(prompt_index, sample_index, result)`` as each completion ends.
+        on_finish: called with ``(prompt_index, sample_index, result)`` as each completion ends
+            (from the decode loop's thread).
+        activate: called (from the decode loop's thread) before the first forward of a batch
+            that starts with this run's rows: selects the run's adapter.
+        adapter: the adapter the run samples; rows of different adapters never share a batch.
     """
 
     max_tokens: list[int]
@@ -87,6 +96,8 @@ class RunControl:
     generated: list[int]
     stopped: Callable[[], bool] = lambda: False
     on_finish: Callable[[int, int, SequenceResult], None] | None = None
+    activate: Callable[[], None] = lambda: None
+    adapter: str = ""
 
     @classmethod
     def plain(cls, prompts: int, params: SamplingParams) -> RunControl:
@@ -102,88 +113,106 @@ class PromptScores:
     top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
-def plan_batches(
-    prompt_lengths: Sequence[int], num_samples: int, max_new_tokens: int, max_batch_tokens: int
-) -> list[list[WorkUnit]]:
-    """Group prompts (and their samples) into batches that fit the token budget.
+@attrs.define
+class DecoderStats:
+    """Counters of the decode loop, for tests and benchmarks (they only grow).
 
-    A batch's cost is its rows times its longest prompt plus ``max_new_tokens``:
-    the size of its KV cache, in tokens. Prompts are taken longest first (so a
-    batch that does not fit fails early) and a prompt whose samples alone
-    exceed the budget is split into several units. Every batch holds at least
-    one row, so a budget smaller than one sequence still makes progress.
-
-    Returns:
-        The batches; each unit appears in exactly one of them.
+    Attributes:
+        prefills: prefill forwards.
+        steps: decode forwards (one per generated token of the whole batch).
+        peak_rows: the most live rows one decode forward has carried.
+        joined_rows: rows admitted while other rows were decoding (continuous batching at work).
+        out_of_memory: out-of-memory errors recovered from by shrinking the batch.
     """
-    budget = max(1, int(max_batch_tokens))
-    order = sorted(range(len(prompt_lengths)), key=lambda i: -prompt_lengths[i])
-    batches: list[list[WorkUnit]] = []
-    current: list[WorkUnit] = []
-    rows = 0
-    width = 0
-    for i in order:
-        span = prompt_lengths[i] + max_new_tokens
-        first = 0
-        while first < num_samples:
-            new_width = max(width, span)
-            room = budget // new_width - rows if current else max(1, budget // span)
-            if room <= 0:
-                batches.append(current)
-                current, rows, width = [], 0, 0
-                continue
-            count = min(room, num_samples - first)
-            current.append(WorkUnit(i, first, count))
-            rows += count
-            width = new_width
-            first += count
-    if current:
-        batches.append(current)
-    return batches
+
+    prefills: int = 0
+    steps: int = 0
+    peak_rows: int = 0
+    joined_rows: int = 0
+    out_of_memory: int = 0
 
 
-def split_batch(units: list[WorkUnit]) -> tuple[list[WorkUnit], list[WorkUnit]] | None:
-    """Split a batch into two halves of about equal rows, or ``None`` if it is a single row."""
-    rows = sum(u.count for u in units)
-    if rows <= 1:
-        return None
-    if len(units) == 1:
-        u = units[0]
-        half = u.count // 2
-        return [WorkUnit(u.prompt_index, u.first_sample, half)], [
-            WorkUnit(u.prompt_index, u.first_sample + half, u.count - half)
-        ]
-    acc = 0
-    for cut, u in enumerate(units):
-        acc += u.count
-        if acc * 2 >= rows:
-            cut = max(1, min(cut + 1, len(units) - 1))
-            return units[:cut], units[cut:]
-    return units[:1], units[1:]  # pragma: no cover - the loop always returns
+class _Job:
+    """One run's rows, results and completion."""
+
+    def __init__(
+        self, prompts: list[list[int]], params: SamplingParams, control: RunControl, eos_token_ids: Sequence[int]
+    ) -> None:
+        self.prompts = prompts
+        self.params = params
+        self.control = control
+        self.results: dict[tuple[int, int], SequenceResult] = {}
+        self.scores: dict[int, PromptScores] = {}
+        self.pending = 0
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= set(eos_token_ids)
+        self.stop_ids = stop_ids
+        try:
+            hash(params)
+            self.group: Hashable = params  # runs with equal parameters sample as one group
+        except TypeError:
+            self.group = id(self)
 
 
-def run_with_split(
-    units: list[WorkUnit],
-    run: Callable[[list[WorkUnit]], dict[Any, Any]],
-    *,
-    is_oom: Callable[[BaseException], bool],
-    on_oom: Callable[[], None] = lambda: None,
-) -> dict[Any, Any]:
-    """Run a batch; if it runs out of memory, split it in two and run each half (recursively).
+@attrs.define(eq=False)
+class _Row:
+    """One completion being generated: where it belongs, what it has, when it ends."""
 
-    Raises:
-        The out-of-memory error itself when a single row does not fit.
-    """
-    try:
-        return run(units)
-    except BaseException as exc:
-        halves = split_batch(units) if is_oom(exc) else None
-        if halves is None:
-            raise
-    on_oom()
-    out = run_with_split(halves[0], run, is_oom=is_oom, on_oom=on_oom)
-    out.update(run_with_split(halves[1], run, is_oom=is_oom, on_oom=on_oom))
-    return out
+    job: _Job
+    prompt: int
+    sample: int
+    limit: int  # the most tokens it may hold in all (the ones it had when queued included)
+    seed: int | None
+    position0: int  # completion position of its first token in this run (seeded draws are keyed on it)
+    score_only: bool = False  # a prompt-scoring row: prefilled, never decoded
+    tokens: list[int] = attrs.Factory(list)
+    logprobs: list[float] | None = None
+    top: TopList | None = None
+    kept: list[list[int]] | None = None
+    matcher: StopStringMatcher | None = None
+    stop_text_end: int | None = None
+    done: bool = False
+
+    @property
+    def ids(self) -> list[int]:
+        """What a prefill of this row reads: its prompt and what it generated before."""
+        return self.job.prompts[self.prompt] + self.tokens
+
+    @property
+    def span(self) -> int:
+        """The most cache columns it can need: prompt plus budget."""
+        return len(self.job.prompts[self.prompt]) + self.limit
+
+
+class _Batch:
+    """The running batch: rows, their KV cache, mask, positions and the logits of their next token."""
+
+    def __init__(
+        self,
+        rows: list[_Row],
+        cache: Any,
+        length: int,
+        mask: torch.Tensor,
+        next_pos: torch.Tensor,
+        logits: torch.Tensor,
+        seen: torch.Tensor | None,
+    ) -> None:
+        self.rows = rows
+        self.cache = cache
+        self.length = length  # cache columns filled
+        self.mask = mask  # [rows, capacity]: the first `length` columns are meaningful
+        self.next_pos = next_pos  # per row, the position id of its next input token
+        # Between a forward and the next draw: the logits of each row's next token. Between the
+        # draw and the next forward: `inputs`, the tokens drawn.
+        self.logits: torch.Tensor | None = logits
+        self.inputs: torch.Tensor | None = None
+        self.seen = seen
+
+    def live(self) -> list[_Row]:
+        return [r for r in self.rows if not r.done]
 
 
 def _is_cuda_oom(exc: BaseException) -> bool:
@@ -196,10 +225,10 @@ def _empty_cuda_cache() -> None:
 
 
 class Decoder:
-    """Runs batches of prompts through a causal LM with a KV cache.
+    """Runs the rows of every concurrent run through a causal LM, in one continuous batch.
 
     Args:
-        model: a ``transformers`` causal LM (adapters, if any, already selected).
+        model: a ``transformers`` causal LM (adapters are selected per batch by ``RunControl.activate``).
         tokenizer: its tokenizer (for stop strings).
         device: where the model lives.
         eos_token_ids: ids that end a sequence unless ``ignore_eos``.
@@ -210,6 +239,8 @@ class Decoder:
         sdpa_masks: whether the model's attention takes SDPA boolean masks
             (``sdpa`` and ``twinkle_sdpa``); then decode steps pass their 4D
             mask directly instead of having ``transformers`` build one each step.
+        max_batch_tokens: the KV-cache budget of the batch, in tokens:
+            rows x the longest (prompt + max_tokens) among them.
     """
 
     def __init__(
@@ -223,6 +254,7 @@ class Decoder:
         max_model_len: int,
         logits_to_keep: bool,
         sdpa_masks: bool = False,
+        max_batch_tokens: int = 65536,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -232,59 +264,82 @@ class Decoder:
         self.max_model_len = max_model_len
         self.logits_to_keep = logits_to_keep
         self.sdpa_masks = sdpa_masks
+        self.max_batch_tokens = max(1, int(max_batch_tokens))
+        self.stats = DecoderStats()
+        self._cond = threading.Condition()
+        self._queue: list[_Row] = []  # waiting rows, first come first served
+        self._jobs: list[_Job] = []  # runs with rows queued or in the batch
+        self._looping = False
+        self._closed = False
+        # Decode-loop state, touched by the loop's thread only.
+        self._batch: _Batch | None = None
+        self._adapter: str | None = None
+        self._row_cap: int | None = None  # after an out-of-memory error: the most rows a batch may hold
+        self._samplers: dict[Hashable, TokenSampler] = {}
 
     # -- public -------------------------------------------------------------------------------
     def run(
-        self,
-        prompts: list[list[int]],
-        params: SamplingParams,
-        *,
-        max_batch_tokens: int,
-        control: RunControl | None = None,
+        self, prompts: list[list[int]], params: SamplingParams, *, control: RunControl | None = None
     ) -> tuple[list[list[SequenceResult]], list[PromptScores | None]]:
-        """Generate ``params.num_samples`` completions for every prompt.
+        """Generate ``params.num_samples`` completions for every prompt (blocks until they are done).
+
+        The rows join the decode loop with whatever else is running.
 
         Args:
             prompts: token ids.
             params: the sampling parameters.
-            max_batch_tokens: the KV-cache budget of one batch.
-            control: per-prompt budgets and seed positions, an early stop and
-                a callback for each finished completion (see :class:`RunControl`).
+            control: per-prompt budgets and seed positions, an early stop, a
+                callback for each finished completion and the adapter (see :class:`RunControl`).
 
         Returns:
             Per prompt, its completions in sample order, and its prompt scores
             (``None`` unless ``params.prompt_logprobs`` is set).
+
+        Raises:
+            Whatever the model raised for this run's rows.
         """
         control = control if control is not None else RunControl.plain(len(prompts), params)
+        job = _Job(prompts, params, control, self.eos_token_ids)
         n = params.num_samples
-        lengths = [len(p) for p in prompts]
-        max_new = (
-            max(
-                (min(budget, self.max_model_len - length) for budget, length in zip(control.max_tokens, lengths)),
-                default=0,
-            )
-            if params.max_tokens
-            else 0
-        )
-        if max_new == 0 and params.prompt_logprobs is None:
-            batches: list[list[WorkUnit]] = []  # nothing to generate, nothing to score
-        else:
-            batches = plan_batches(lengths, 1 if max_new == 0 else n, max_new, max_batch_tokens)
-        results: dict[Any, Any] = {}
-        for units in batches:
-            results.update(
-                run_with_split(
-                    units,
-                    lambda u: self._run_batch(u, prompts, params, control),
-                    is_oom=_is_cuda_oom,
-                    on_oom=_empty_cuda_cache,
-                )
-            )
+        generating = params.max_tokens > 0
+        rows: list[_Row] = []
+        for p, ids in enumerate(prompts):
+            if not generating:
+                if params.prompt_logprobs is not None:
+                    rows.append(_Row(job, p, 0, 0, None, 0, score_only=True))
+                continue
+            limit = max(0, min(control.max_tokens[p], self.max_model_len - len(ids)))
+            for s in range(n):
+                index = control.sample_base[p] + s
+                seed = None if params.seed is None else derive_seed(params.seed, index)
+                row = _Row(job, p, s, limit, seed, control.generated[p])
+                if params.logprobs is not None:
+                    row.logprobs = []
+                    row.top = [] if params.logprobs else None
+                if params.return_sampling_mask:
+                    row.kept = []
+                if params.stop:
+                    row.matcher = StopStringMatcher(self.tokenizer, params.stop, 1)
+                rows.append(row)
+        if rows:
+            job.pending = len(rows)
+            with self._cond:
+                if self._closed:
+                    raise SamplerClosedError("The torch engine is closed: its decode loop takes no new runs.")
+                self._queue.extend(rows)
+                self._jobs.append(job)
+                if not self._looping:
+                    self._looping = True
+                    threading.Thread(target=self._loop, name="twinkle-torch-decode", daemon=True).start()
+                self._cond.notify_all()
+            job.done.wait()
+            if job.error is not None:
+                raise job.error
         sequences: list[list[SequenceResult]] = []
-        scores: list[PromptScores | None] = []
-        for i in range(len(prompts)):
-            scores.append(results.get(("prompt", i)))
-            if max_new == 0:  # scoring only: each sample is an empty completion
+        for p in range(len(prompts)):
+            if generating:
+                sequences.append([job.results[(p, s)] for s in range(n)])
+            else:  # scoring only: each sample is an empty completion
                 empty: dict[str, Any] = {
                     "logprobs": [] if params.logprobs is not None else None,
                     "top_logprobs": [] if params.logprobs else None,
@@ -292,83 +347,250 @@ class Decoder:
                 if params.return_sampling_mask:
                     empty["sampling_mask"] = SamplingMask(offsets=[0], token_ids=[])
                 sequences.append([SequenceResult(tokens=[], stop_reason="length", text="", **empty) for _ in range(n)])
-            else:
-                sequences.append([results[(i, s)] for s in range(n)])
-        return sequences, scores
+        return sequences, [job.scores.get(p) for p in range(len(prompts))]
 
-    # -- one batch ----------------------------------------------------------------------------
-    def _forward(self, **kwargs: Any) -> torch.Tensor:
-        out = self.model(use_cache=True, **kwargs)
-        logits: torch.Tensor = out.logits
-        return logits
+    def close(self) -> None:
+        """Refuse new runs and let the loop end (runs in flight fail)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
 
-    def _run_batch(
-        self, units: list[WorkUnit], prompts: list[list[int]], params: SamplingParams, control: RunControl
-    ) -> dict[Any, Any]:
+    # -- the loop -----------------------------------------------------------------------------
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    if self._closed or (not self._queue and self._batch is None):
+                        self._looping = False
+                        self._batch = None
+                        self._row_cap = None  # an out-of-memory limit lasts while its work does
+                        if self._closed:
+                            error = SamplerClosedError("The torch engine was closed while this run was in flight.")
+                            for job in list(self._jobs):
+                                self._fail_locked(job, error)
+                        return
+                try:
+                    self._step()
+                except BaseException as exc:  # a failed step fails its runs, never the loop
+                    self._fail_batch(exc)
+                    self._fail_stranded(exc)
+
+    def _step(self) -> None:
+        self._stop_requested()
+        self._admit()
+        batch = self._batch
+        if batch is None:
+            return
+        self._sample(batch)
+        live = batch.live()
+        if not live:
+            self._batch = None
+            return
+        dead = len(batch.rows) - len(live)
+        if dead and dead >= max(1.0, len(batch.rows) * _PRUNE_FRACTION):
+            self._prune(batch)
+        self._forward(batch)
+
+    # -- stopping and finishing ---------------------------------------------------------------
+    def _stop_requested(self) -> None:
+        """End every unfinished row of each run whose ``stopped()`` is set, with ``"abort"``."""
+        with self._cond:
+            jobs = [job for job in self._jobs if job.control.stopped()]
+            if not jobs:
+                return
+            stopping = set(map(id, jobs))
+            queued = [r for r in self._queue if id(r.job) in stopping]
+            self._queue = [r for r in self._queue if id(r.job) not in stopping]
+        in_batch = [r for r in (self._batch.rows if self._batch else []) if id(r.job) in stopping and not r.done]
+        for row in queued + in_batch:
+            self._finish(row, "abort", None)
+
+    def _finish(self, row: _Row, reason: str, stop: str | int | None) -> None:
+        """Hand a finished row to its run (as it ends) and complete the run after its last row."""
+        row.done = True
+        job = row.job
+        if not row.score_only and job.error is None:
+            result = SequenceResult(tokens=list(row.tokens), stop_reason=reason, stop=stop)
+            result.logprobs = row.logprobs
+            result.top_logprobs = row.top
+            if row.kept is not None:
+                result.sampling_mask = SamplingMask.from_rows(row.kept)
+            if row.matcher is not None and isinstance(stop, str) and row.stop_text_end is not None:
+                result.text = row.matcher.final_text(row.tokens, stop, row.stop_text_end, 0)
+            job.results[(row.prompt, row.sample)] = result
+            if job.control.on_finish is not None:
+                try:
+                    job.control.on_finish(row.prompt, row.sample, result)
+                except BaseException as exc:  # the caller's callback failed: its run fails
+                    self._fail(job, exc)
+                    return
+        with self._cond:
+            job.pending -= 1
+            if job.pending == 0 and job in self._jobs:
+                self._jobs.remove(job)
+                job.done.set()
+
+    def _fail(self, job: _Job, error: BaseException) -> None:
+        with self._cond:
+            self._fail_locked(job, error)
+
+    def _fail_locked(self, job: _Job, error: BaseException) -> None:
+        if job.error is None:
+            job.error = error
+        self._queue = [r for r in self._queue if r.job is not job]
+        for row in self._batch.rows if self._batch else []:
+            if row.job is job:
+                row.done = True
+        if job in self._jobs:
+            self._jobs.remove(job)
+        job.done.set()
+
+    def _fail_batch(self, error: BaseException) -> None:
+        """A step failed: the runs with rows in the batch fail with its error; the loop goes on."""
+        batch, self._batch = self._batch, None
+        for job in {id(r.job): r.job for r in (batch.rows if batch else []) if not r.done}.values():
+            self._fail(job, error)
+
+    def _fail_stranded(self, error: BaseException) -> None:
+        """After a failed step: fail any run left with rows neither queued nor decoding (none should be)."""
+        live = {id(r.job) for r in (self._batch.rows if self._batch else []) if not r.done}
+        with self._cond:
+            queued = {id(r.job) for r in self._queue}
+            for job in list(self._jobs):
+                if id(job) not in live and id(job) not in queued:
+                    self._fail_locked(job, error)
+
+    # -- admission ----------------------------------------------------------------------------
+    def _take(self) -> list[_Row]:
+        """Waiting rows that may join the batch now: first come first served, same adapter, within budget."""
+        batch = self._batch
+        live = batch.live() if batch else []
+        if live and not joinable(batch.cache):  # type: ignore[union-attr]
+            return []  # a cache with sliding-window or other special layers cannot be joined
+        adapter = self._adapter if live else None
+        rows = len(live)
+        width = max((r.span for r in live), default=0)
+        taken: list[_Row] = []
+        with self._cond:
+            for row in self._queue:
+                if adapter is None:
+                    adapter = row.job.control.adapter
+                elif row.job.control.adapter != adapter:
+                    break  # it waits for the batch to drain; nothing behind it overtakes it
+                cost_rows = 0 if row.score_only else 1
+                new_width = max(width, row.span)
+                if rows + cost_rows > 0 and (live or taken):
+                    if (rows + cost_rows) * new_width > self.max_batch_tokens:
+                        break
+                    if self._row_cap is not None and rows + cost_rows > self._row_cap:
+                        break
+                taken.append(row)
+                rows += cost_rows
+                width = new_width
+            taken_ids = set(map(id, taken))
+            self._queue = [r for r in self._queue if id(r) not in taken_ids]
+        return taken
+
+    def _admit(self) -> None:
+        taken = self._take()
+        if not taken:
+            return
+        live = self._batch.live() if self._batch else []
+        if not live:
+            self._batch = None
+            # A new batch: select its adapter (the model's weights may have changed since the last one).
+            taken[0].job.control.activate()
+            self._adapter = taken[0].job.control.adapter
+        admitted: _Batch | None = None
+        try:
+            admitted = self._prefill(taken)
+            if admitted is not None and self._batch is not None:
+                self._join(self._batch, admitted)
+                self.stats.joined_rows += len(admitted.rows)
+            elif admitted is not None:
+                self._batch = admitted
+        except BaseException as exc:
+            if _is_cuda_oom(exc):
+                self._requeue(taken, exc, batch_rows=len(live))
+                return
+            for job in {id(r.job): r.job for r in taken}.values():
+                self._fail(job, exc)
+            raise
+
+    def _requeue(self, rows: list[_Row], exc: BaseException, *, batch_rows: int) -> None:
+        """Out of memory while admitting ``rows``: back to the front of the queue, with fewer rows per batch."""
+        _empty_cuda_cache()
+        decoding = [r for r in rows if not r.done and not r.score_only]
+        if batch_rows == 0 and len(decoding) <= 1:
+            for job in {id(r.job): r.job for r in rows}.values():
+                self._fail(job, exc)
+            return
+        self.stats.out_of_memory += 1
+        self._row_cap = max(1, (batch_rows + len(decoding)) // 2)
+        with self._cond:
+            self._queue[:0] = [r for r in rows if not r.done]
+
+    def _prefill(self, rows: list[_Row]) -> _Batch | None:
+        """Prefill ``rows`` (one forward; rows of one prompt with nothing generated share it)."""
         device = self.device
-        lengths = [len(prompts[u.prompt_index]) for u in units]
+        groups: dict[Any, list[_Row]] = {}
+        for row in rows:
+            key = (id(row.job), row.prompt) if not row.tokens else id(row)
+            groups.setdefault(key, []).append(row)
+        members = list(groups.values())
+        ids = [g[0].ids for g in members]
+        lengths = [len(x) for x in ids]
         width = max(lengths)
-        batch = len(units)
-        padded = [[self.pad_token_id] * (width - len(prompts[u.prompt_index])) + prompts[u.prompt_index] for u in units]
+        padded = [[self.pad_token_id] * (width - len(x)) + x for x in ids]
         input_ids = torch.tensor(padded, dtype=torch.long, device=device)
         lengths_t = torch.tensor(lengths, dtype=torch.long, device=device)
-        # 1 on real tokens: the last `length` columns of each row
         columns = torch.arange(width, device=device)
         prompt_mask = (columns.unsqueeze(0) >= (width - lengths_t).unsqueeze(1)).long()
         positions = (prompt_mask.cumsum(-1) - 1).clamp_(min=0)
-
-        budgets = [control.max_tokens[u.prompt_index] for u in units]
-        max_new = max(min(b, self.max_model_len - n) for b, n in zip(budgets, lengths)) if params.max_tokens else 0
-        counts = [u.count for u in units]
-        rows = sum(counts)
-        expand = max_new > 0 and rows != batch
-        cache = make_cache(self.model.config, width if expand else width + max(max_new, 1))
-
-        want_prompt = params.prompt_logprobs is not None
+        scoring = [
+            g[0].job.params.prompt_logprobs is not None and not g[0].tokens and g[0].prompt not in g[0].job.scores
+            for g in members
+        ]
+        decoding = [[r for r in g if not r.score_only and r.limit > len(r.tokens)] for g in members]
+        counts = [len(d) for d in decoding]
+        total = sum(counts)
+        remaining = max((r.limit - len(r.tokens) for d in decoding for r in d), default=0)
+        expand = total != len(members)
+        cache = make_cache(self.model.config, width if expand or not total else width + remaining)
         kwargs: dict[str, Any] = {}
-        if self.logits_to_keep and not want_prompt:
+        if self.logits_to_keep and not any(scoring):
             kwargs["logits_to_keep"] = 1
-        logits = self._forward(
-            input_ids=input_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache, **kwargs
-        )
-        results: dict[Any, Any] = {}
-        if want_prompt:
-            for b, u in enumerate(units):
-                if u.first_sample == 0:
-                    results[("prompt", u.prompt_index)] = self._prompt_scores(
-                        logits[b, width - lengths[b] :], input_ids[b, width - lengths[b] :], params.prompt_logprobs or 0
-                    )
-        if max_new == 0:
-            return results
+        logits = self.model(
+            input_ids=input_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
+            use_cache=True, **kwargs,
+        ).logits  # fmt: skip
+        self.stats.prefills += 1
+        for b, g in enumerate(members):
+            if scoring[b]:
+                job = g[0].job
+                job.scores[g[0].prompt] = self._prompt_scores(
+                    logits[b, width - lengths[b] :], input_ids[b, width - lengths[b] :], job.params.prompt_logprobs or 0
+                )
         last = logits[:, -1, :]
         del logits
-
-        # one row per sample from here on
-        source = torch.repeat_interleave(torch.arange(batch, device=device), torch.tensor(counts, device=device))
-        if expand:
-            select_rows(cache, source, width + max_new)
-            last = last[source]
-        row_prompt = [u.prompt_index for u in units for _ in range(u.count)]
-        row_sample = [u.first_sample + j for u in units for j in range(u.count)]
-        row_length = [lengths[b] for b, u in enumerate(units) for _ in range(u.count)]
-        limits = [
-            min(control.max_tokens[u.prompt_index], self.max_model_len - lengths[b])
-            for b, u in enumerate(units)
-            for _ in range(u.count)
-        ]
-        return results | self._decode(
-            cache,
-            last,
-            prompt_mask[source],
-            input_ids[source],
-            row_prompt,
-            row_sample,
-            row_length,
-            limits,
-            max_new,
-            params,
-            control,
+        for g, d in zip(members, decoding):
+            for row in g:
+                if row not in d:  # scoring rows, and rows with no budget left
+                    self._finish(row, "length", None)
+        if not total:
+            return None
+        source = torch.repeat_interleave(
+            torch.arange(len(members), device=device), torch.tensor(counts, dtype=torch.long, device=device)
         )
+        if expand:
+            select_rows(cache, source, width + remaining)
+        new_rows = [r for d in decoding for r in d]
+        mask = torch.zeros(total, width + remaining, dtype=torch.bool, device=device)
+        mask[:, :width] = prompt_mask.bool()[source]
+        seen = None
+        if any(self._sampler(r.job).needs_seen for r in new_rows):
+            seen = self._seen_of(new_rows, int(last.shape[-1]))
+        return _Batch(new_rows, cache, width, mask, lengths_t[source], last[source], seen)
 
     def _prompt_scores(self, logits: torch.Tensor, ids: torch.Tensor, top: int) -> PromptScores:
         """Raw log-probs of each prompt token given the ones before it (prompt tokens are not sampled)."""
@@ -380,215 +602,189 @@ class Decoder:
             out.top_logprobs = [None, *[list(zip(i, v)) for i, v in zip(idx.tolist(), values.tolist())]]
         return out
 
-    def _decode(
-        self,
-        cache: Any,
-        logits: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        prompt_ids: torch.Tensor,
-        row_prompt: list[int],
-        row_sample: list[int],
-        row_length: list[int],
-        limits: list[int],
-        max_new: int,
-        params: SamplingParams,
-        control: RunControl,
-    ) -> dict[Any, Any]:
+    def _seen_of(self, rows: list[_Row], vocab: int) -> torch.Tensor:
+        """Per row, the tokens it has seen (prompt and completion), for the repetition penalty."""
+        seen = torch.zeros(len(rows), vocab, dtype=torch.bool, device=self.device)
+        for i, row in enumerate(rows):
+            seen[i, torch.tensor(row.ids, dtype=torch.long, device=self.device)] = True
+        return seen
+
+    def _join(self, batch: _Batch, new: _Batch) -> None:
+        """Merge ``new`` (just prefilled) into the running ``batch``: rows appended, caches right-aligned."""
+        self._prune(batch)
+        assert batch.logits is not None and new.logits is not None
+        old_len, new_len = batch.length, new.length
+        length = max(old_len, new_len)
+        rows = batch.rows + new.rows
+        capacity = length + max(r.limit - len(r.tokens) for r in rows)
+        join_caches(batch.cache, new.cache, capacity)
+        mask = torch.zeros(len(rows), capacity, dtype=torch.bool, device=self.device)
+        mask[: len(batch.rows), length - old_len : length] = batch.mask[:, :old_len].bool()
+        mask[len(batch.rows) :, length - new_len : length] = new.mask[:, :new_len].bool()
+        vocab = int(batch.logits.shape[-1])
+        seen = batch.seen
+        if seen is not None or new.seen is not None:
+            top = seen if seen is not None else self._seen_of(batch.rows, vocab)
+            bottom = new.seen if new.seen is not None else self._seen_of(new.rows, vocab)
+            seen = torch.cat([top, bottom])
+        batch.rows = rows
+        batch.length = length
+        batch.mask = mask
+        batch.next_pos = torch.cat([batch.next_pos, new.next_pos])
+        batch.logits = torch.cat([batch.logits, new.logits])
+        batch.seen = seen
+
+    def _prune(self, batch: _Batch) -> None:
+        """Drop finished rows, and the leading columns none of the others attends to."""
+        keep_list = [i for i, r in enumerate(batch.rows) if not r.done]
+        if len(keep_list) == len(batch.rows):
+            return
+        keep = torch.tensor(keep_list, dtype=torch.long, device=self.device)
+        length = batch.length
+        mask = batch.mask[keep]
+        start = 0
+        if keep_list and joinable(batch.cache):
+            used = mask[:, :length].any(dim=0).nonzero()
+            start = int(used[0]) if used.numel() else 0
+        select_rows(batch.cache, keep, start=start)
+        batch.length -= start
+        if start:
+            trimmed = torch.zeros_like(mask)
+            trimmed[:, : mask.shape[1] - start] = mask[:, start:]
+            mask = trimmed
+        batch.mask = mask
+        batch.rows = [batch.rows[i] for i in keep_list]
+        batch.next_pos = batch.next_pos[keep]
+        if batch.logits is not None:
+            batch.logits = batch.logits[keep]
+        if batch.inputs is not None:
+            batch.inputs = batch.inputs[keep]
+        if batch.seen is not None:
+            batch.seen = batch.seen[keep]
+
+    # -- one step -----------------------------------------------------------------------------
+    def _sampler(self, job: _Job) -> TokenSampler:
+        sampler = self._samplers.get(job.group)
+        if sampler is None:
+            if len(self._samplers) > 256:  # parameters of runs long gone
+                self._samplers.clear()
+            sampler = self._samplers[job.group] = TokenSampler(job.params)
+        return sampler
+
+    def _sample(self, batch: _Batch) -> None:
+        """Draw the next token of every live row, record it, and finish the rows that end here."""
         device = self.device
-        rows = len(row_prompt)
-        width = prompt_mask.shape[1]
-        sampler = TokenSampler(params)
-        randomness = None
-        if sampler.needs_uniforms:
-            samples = [control.sample_base[p] + s for p, s in zip(row_prompt, row_sample)]
-            seeds = [None if params.seed is None else derive_seed(params.seed, s) for s in samples]
-            randomness = RowRandomness(seeds, [control.generated[p] for p in row_prompt])
-        seen = None
-        if sampler.needs_seen:
-            counts = torch.zeros(rows, logits.shape[-1], dtype=torch.int32, device=device)
-            counts.scatter_add_(1, prompt_ids, prompt_mask.int())
-            seen = counts > 0
-            del counts
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= set(self.eos_token_ids)
-        stop_ids_t = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device) if stop_ids else None
-        matcher = StopStringMatcher(self.tokenizer, params.stop, rows) if params.stop else None
-
-        # every row generates in lockstep, so the mask's generated columns are all ones
-        mask = torch.ones(rows, width + max_new, dtype=torch.bool, device=device)
-        mask[:, :width] = prompt_mask.bool()
-        # A plain-attention model under (twinkle_)sdpa takes the decode step's mask as it is:
-        # the query may see every unpadded cached position. Others get the 2D mask.
-        mask_4d = self.sdpa_masks and all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
-        if not mask_4d:
-            mask = mask.long()
-        next_pos = torch.tensor(row_length, dtype=torch.long, device=device)
-        live = torch.arange(rows, device=device)  # original row of each current row
-        live_list = list(range(rows))
-        limit_list = list(limits)
-        alive = [True] * rows  # per current row: still generating (finished rows linger until pruned)
-        pruned = False
-
-        out_tokens = torch.zeros(rows, max_new, dtype=torch.long, device=device)
-        out_lp = torch.zeros(rows, max_new, device=device) if params.logprobs is not None else None
-        top_n = params.logprobs or 0
-        out_top_ids = torch.zeros(rows, max_new, top_n, dtype=torch.long, device=device) if top_n else None
-        out_top_lp = torch.zeros(rows, max_new, top_n, device=device) if top_n else None
-        forward_kwargs: dict[str, Any] = {"logits_to_keep": 1} if self.logits_to_keep else {}
-        # per original row, the kept ids of each step ([]: the whole vocabulary)
-        kept_rows: list[list[list[int]]] | None = [[] for _ in range(rows)] if params.return_sampling_mask else None
-
-        finished: dict[int, tuple[int, str, str | int | None]] = {}  # original row -> (length, reason, stop)
-        stop_text_end: dict[int, int] = {}
-        step = 0
-
-        def report(rows_done: list[int]) -> None:
-            """Hand finished rows to the control's callback as they end (their tokens come to the host)."""
-            if control.on_finish is None or not rows_done:
-                return
-            for row in rows_done:
-                control.on_finish(
-                    row_prompt[row],
-                    row_sample[row],
-                    self._row_result(
-                        row,
-                        finished[row],
-                        out_tokens,
-                        out_lp,
-                        out_top_ids,
-                        out_top_lp,
-                        matcher,
-                        stop_text_end,
-                        kept_rows,
-                    ),
-                )
-
-        while True:
-            if control.stopped():
-                # stop early: every unfinished row ends here with what it has
-                rows_stopped = [live_list[j] for j, a in enumerate(alive) if a]
-                for row in rows_stopped:
-                    finished[row] = (step, "abort", None)
-                report(rows_stopped)
-                break
-            if randomness is not None:
+        assert batch.logits is not None
+        groups: dict[Hashable, list[int]] = {}
+        for i, row in enumerate(batch.rows):
+            if not row.done:
+                groups.setdefault(row.job.group, []).append(i)
+        tokens_in = torch.full((len(batch.rows),), self.pad_token_id, dtype=torch.long, device=device)
+        ended: list[tuple[_Row, str, str | int | None]] = []
+        for members in groups.values():
+            rows = [batch.rows[i] for i in members]
+            job = rows[0].job
+            sampler = self._sampler(job)
+            idx = torch.tensor(members, dtype=torch.long, device=device)
+            logits = batch.logits[idx]
+            seen = batch.seen[idx] if sampler.needs_seen and batch.seen is not None else None
+            if sampler.needs_uniforms:
+                randomness = RowRandomness([r.seed for r in rows], [r.position0 + len(r.tokens) for r in rows])
                 result = sampler(logits, seen, randomness.uniforms(device), randomness.redraw)
             else:
                 result = sampler(logits, seen)
-            tokens = result.tokens
-            where: Any = live if pruned else slice(None)
-            out_tokens[where, step] = tokens
-            if out_lp is not None and result.logprobs is not None:
-                out_lp[where, step] = result.logprobs
-            if (
-                out_top_ids is not None
-                and out_top_lp is not None
-                and result.top_ids is not None
-                and result.top_logprobs is not None
-            ):
-                out_top_ids[where, step] = result.top_ids
-                out_top_lp[where, step] = result.top_logprobs
-            if kept_rows is not None:
-                for j, row in enumerate(live_list):
-                    kept_rows[row].append(result.kept[j] if result.kept is not None else [])
-            if seen is not None:
-                seen.scatter_(1, tokens.unsqueeze(1), True)
+            tokens_in[idx] = result.tokens
+            token_list = result.tokens.tolist()
+            lp_list = result.logprobs.tolist() if result.logprobs is not None else None
+            top_ids = result.top_ids.tolist() if result.top_ids is not None else None
+            top_lp = result.top_logprobs.tolist() if result.top_logprobs is not None else None
+            for j, row in enumerate(rows):
+                token = token_list[j]
+                row.tokens.append(token)
+                if row.logprobs is not None and lp_list is not None:
+                    row.logprobs.append(lp_list[j])
+                if row.top is not None and top_ids is not None and top_lp is not None:
+                    row.top.append(list(zip(top_ids[j], top_lp[j])))
+                if row.kept is not None:
+                    row.kept.append(result.kept[j] if result.kept is not None else [])
+                end: tuple[str, str | int | None] | None = None
+                if len(row.tokens) >= row.limit:
+                    end = ("length", None)
+                if token in job.stop_ids:
+                    end = ("stop", token)
+                if row.matcher is not None:
+                    hit = row.matcher.push(0, token)
+                    # a stop string completed by the last allowed token still counts as a stop
+                    if hit is not None and (end is None or end[0] == "length"):
+                        end = ("stop", hit[0])
+                        row.stop_text_end = hit[1]
+                if end is not None:
+                    ended.append((row, *end))
+        if batch.seen is not None:
+            batch.seen.scatter_(1, tokens_in.unsqueeze(1), True)
+        batch.logits, batch.inputs = None, tokens_in
+        for row, reason, stop in ended:
+            self._finish(row, reason, stop)
 
-            # Which rows end here. Only stop tokens and stop strings need the tokens on the host.
-            ended = [j for j, a in enumerate(alive) if a and limit_list[j] == step + 1]
-            for j in ended:
-                finished[live_list[j]] = (step + 1, "length", None)
-            token_list: list[int] | None = None
-            if stop_ids_t is not None:
-                hits = torch.isin(tokens, stop_ids_t).nonzero().flatten().tolist()
-                if hits or matcher is not None:
-                    token_list = tokens.tolist()
-                for j in hits:
-                    if alive[j]:
-                        assert token_list is not None
-                        finished[live_list[j]] = (step + 1, "stop", token_list[j])
-                        ended.append(j)
-            if matcher is not None:
-                if token_list is None:
-                    token_list = tokens.tolist()
-                for j, row in enumerate(live_list):
-                    if not alive[j]:
-                        continue
-                    hit = matcher.push(row, token_list[j])
-                    if hit is None:
-                        continue
-                    previous = finished.get(row)
-                    if previous is None or previous[1] == "length":
-                        # a stop string completed by the last allowed token still counts as a stop
-                        finished[row] = (step + 1, "stop", hit[0])
-                        stop_text_end[row] = hit[1]
-                        ended.append(j)
-            for j in ended:
-                alive[j] = False
-            report(sorted({live_list[j] for j in ended}))
-            n_alive = sum(alive)
-            if n_alive == 0:
-                break
-            step += 1
-            tokens_in = tokens
-            n_dead = len(alive) - n_alive
-            if n_dead and n_dead >= max(1.0, len(alive) * _PRUNE_FRACTION):
-                keep_list = [j for j, a in enumerate(alive) if a]
-                keep = torch.tensor(keep_list, dtype=torch.long, device=device)
-                select_rows(cache, keep)
-                mask, next_pos, live, tokens_in = mask[keep], next_pos[keep], live[keep], tokens[keep]
-                if seen is not None:
-                    seen = seen[keep]
-                if randomness is not None:
-                    randomness.select(keep_list)
-                live_list = [live_list[j] for j in keep_list]
-                limit_list = [limit_list[j] for j in keep_list]
-                alive = [True] * len(keep_list)
-                pruned = True
-            step_mask = mask[:, None, None, : width + step] if mask_4d else mask[:, : width + step]
-            logits = self._forward(
+    def _forward(self, batch: _Batch) -> None:
+        """One decode forward of every row of the batch (finished rows not yet pruned ride along)."""
+        tokens_in = batch.inputs
+        assert tokens_in is not None
+        length = batch.length
+        cache = batch.cache
+        if batch.mask.shape[1] <= length:  # the cache grows on its own; the mask grows with it
+            grown = torch.zeros(batch.mask.shape[0], 2 * length + 1, dtype=torch.bool, device=self.device)
+            grown[:, :length] = batch.mask[:, :length]
+            batch.mask = grown
+        batch.mask[:, length] = True
+        mask_4d = self.sdpa_masks and joinable(cache)
+        step_mask = batch.mask[:, None, None, : length + 1] if mask_4d else batch.mask[:, : length + 1].long()
+        forward_kwargs: dict[str, Any] = {"logits_to_keep": 1} if self.logits_to_keep else {}
+        live = sum(1 for r in batch.rows if not r.done)
+        try:
+            out = self.model(
                 input_ids=tokens_in.unsqueeze(1),
                 attention_mask=step_mask,
-                position_ids=(next_pos + (step - 1)).unsqueeze(1),
+                position_ids=batch.next_pos.unsqueeze(1),
                 past_key_values=cache,
+                use_cache=True,
                 **forward_kwargs,
-            )[:, -1, :]
-
-        del cache
-        results: dict[Any, Any] = {}
-        for row in range(rows):
-            results[(row_prompt[row], row_sample[row])] = self._row_result(
-                row, finished[row], out_tokens, out_lp, out_top_ids, out_top_lp, matcher, stop_text_end, kept_rows
             )
-        return results
+        except BaseException as exc:
+            if not _is_cuda_oom(exc) or live <= 1:
+                raise
+            self._evict(batch, length, exc)
+            return
+        self.stats.steps += 1
+        self.stats.peak_rows = max(self.stats.peak_rows, live)
+        batch.logits, batch.inputs = out.logits[:, -1, :], None
+        batch.length = length + 1
+        batch.next_pos = batch.next_pos + 1
 
-    @staticmethod
-    def _row_result(
-        row: int,
-        end: tuple[int, str, str | int | None],
-        out_tokens: torch.Tensor,
-        out_lp: torch.Tensor | None,
-        out_top_ids: torch.Tensor | None,
-        out_top_lp: torch.Tensor | None,
-        matcher: StopStringMatcher | None,
-        stop_text_end: dict[int, int],
-        kept_rows: list[list[list[int]]] | None = None,
-    ) -> SequenceResult:
-        """One row's completion, from the step buffers (indexed by the row's original place)."""
-        length, reason, stop = end
-        toks = out_tokens[row, :length].tolist()
-        seq = SequenceResult(tokens=toks, stop_reason=reason, stop=stop)
-        if out_lp is not None:
-            seq.logprobs = out_lp[row, :length].tolist()
-        if kept_rows is not None:
-            seq.sampling_mask = SamplingMask.from_rows(kept_rows[row][:length])
-        if out_top_ids is not None and out_top_lp is not None:
-            seq.top_logprobs = [
-                list(zip(ids, lps))
-                for ids, lps in zip(out_top_ids[row, :length].tolist(), out_top_lp[row, :length].tolist())
-            ]
-        if row in stop_text_end:
-            assert matcher is not None and isinstance(stop, str)
-            seq.text = matcher.final_text(toks, stop, stop_text_end[row], row)
-        return seq
+    def _evict(self, batch: _Batch, length: int, exc: BaseException) -> None:
+        """Out of memory in a decode step: the newest half of the rows goes back to the queue.
+
+        They keep what they generated and are prefilled again with it; the
+        others retry the step. Layers the failed forward already wrote are cut back.
+        """
+        _empty_cuda_cache()
+        for layer in batch.cache.layers:
+            if isinstance(layer, PreallocatedLayer) and layer.length > length:
+                layer.crop(length - layer.length)
+        live = [i for i, r in enumerate(batch.rows) if not r.done]
+        back = live[len(live) // 2 :]
+        self.stats.out_of_memory += 1
+        self._row_cap = max(1, len(live) - len(back))
+        for i in back:
+            batch.rows[i].done = True  # pruned below; the row itself lives on in the queue
+        evicted = [batch.rows[i] for i in back]
+        # the token each evicted row just drew is kept: its next prefill reads it
+        self._prune(batch)
+        for row in evicted:
+            row.done = False
+        with self._cond:
+            self._queue[:0] = evicted
+        if not batch.rows:
+            self._batch = None
+        else:
+            self._forward(batch)

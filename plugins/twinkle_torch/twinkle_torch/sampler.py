@@ -7,10 +7,15 @@ vectorised sampling, finished rows dropped from the batch, batches bounded by
 a token budget. LoRA adapters go in through PEFT (:mod:`twinkle_torch.adapters`),
 weight updates by ``state_dict`` name (:mod:`twinkle_torch.weights`).
 
-The engine declares ``concurrent_samples = False``: the base class runs one
-``_generate`` at a time and keeps adapter and weight changes apart from it
-(its readers-writer lock), so concurrent calls with different adapters never
-mix and every sequence's ``weights_version`` is the version its tokens came from.
+The engine declares ``concurrent_samples = True``: concurrent calls (threads
+calling ``sample()``, or ``submit()``) all hand their rows to one decode loop,
+which batches them continuously: a call arriving while others decode joins
+them at the next step (:class:`~twinkle_torch.decoding.Decoder`). PEFT runs
+one adapter at a time, so rows of different adapters never share a batch: a
+call with another adapter waits until the running batch drains. The base
+class keeps adapter and weight changes apart from every run (its
+readers-writer lock), so every sequence's ``weights_version`` is the version
+its tokens came from.
 """
 
 from __future__ import annotations
@@ -174,7 +179,7 @@ class TorchSampler(Sampler):
             "return_sampling_mask",
         }
     )  # fmt: skip
-    concurrent_samples = False
+    concurrent_samples = True
 
     def __init__(
         self,
@@ -201,7 +206,6 @@ class TorchSampler(Sampler):
         self.dtype = _resolve_dtype(dtype, config, self.device)
         model = _load_model(path, self.dtype, self.device, trust_remote_code, model_kwargs)
         self._model: torch.nn.Module = model.to(self.device).eval()
-        self.max_batch_tokens = max_batch_tokens
         self._init_template(template, path)
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         self._max_model_len = int(
@@ -227,7 +231,19 @@ class TorchSampler(Sampler):
             max_model_len=self._max_model_len,
             logits_to_keep="logits_to_keep" in inspect.signature(type(self._model).forward).parameters,
             sdpa_masks=getattr(self._model.config, "_attn_implementation", None) in ("sdpa", ATTN_IMPLEMENTATION),
+            max_batch_tokens=max_batch_tokens,
         )
+
+    @property
+    def max_batch_tokens(self) -> int:
+        """The KV-cache budget of the running batch, in tokens (settable; applies from the next admission)."""
+        return self._decoder.max_batch_tokens
+
+    @max_batch_tokens.setter
+    def max_batch_tokens(self, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"max_batch_tokens={value!r} is invalid: expected an integer >= 1.")
+        self._decoder.max_batch_tokens = value
 
     # -- engine hooks --------------------------------------------------------------------------
     @property
@@ -259,7 +275,8 @@ class TorchSampler(Sampler):
         return self._run(EngineRun(prompts, params, adapter_name))
 
     def _run(self, run: EngineRun) -> list[SampleResponse]:
-        # The base holds its lock shared (no adapter or weight change meanwhile) and runs one _run at a time.
+        # The base holds its lock shared (no adapter or weight change meanwhile); runs in several
+        # threads share the decoder's one continuous batch.
         prompts, params, adapter_name = run.prompts, run.params, run.adapter_name
         ids_of = [list(p.input_ids) for p in prompts]
 
@@ -276,13 +293,6 @@ class TorchSampler(Sampler):
                 sampling_mask=result.sampling_mask,
             )
 
-        control = RunControl(
-            max_tokens=list(run.max_tokens),
-            sample_base=list(run.sample_base),
-            generated=list(run.generated),
-            stopped=run.stopped,
-            on_finish=lambda p, s, result: run.finish(p, s, build(p, result)),
-        )
         merged = self._merged.name
         if merged is not None and adapter_name != merged:
             asked = "the base model" if not adapter_name else repr(adapter_name)
@@ -290,12 +300,18 @@ class TorchSampler(Sampler):
                 f"Adapter {merged!r} is merged into the weights, so {asked} cannot be sampled:"
                 f" use adapter_name={merged!r}, or remove_adapter({merged!r}) first."
             )
-        with torch.inference_mode():
-            # A merged adapter runs on the plain modules: its sequences still carry its name.
-            self._adapter_set.activate("" if adapter_name == merged else adapter_name)
-            sequences, scores = self._decoder.run(
-                ids_of, params, max_batch_tokens=self.max_batch_tokens, control=control
-            )
+        # A merged adapter runs on the plain modules: its sequences still carry its name.
+        active = "" if adapter_name == merged else adapter_name
+        control = RunControl(
+            max_tokens=list(run.max_tokens),
+            sample_base=list(run.sample_base),
+            generated=list(run.generated),
+            stopped=run.stopped,
+            on_finish=lambda p, s, result: run.finish(p, s, build(p, result)),
+            activate=lambda: self._adapter_set.activate(active),
+            adapter=active,
+        )
+        sequences, scores = self._decoder.run(ids_of, params, control=control)
         return [
             SampleResponse(
                 prompt_token_ids=ids_of[p],
@@ -374,6 +390,7 @@ class TorchSampler(Sampler):
 
     def _close(self) -> None:
         with self._exclusive():
+            self._decoder.close()
             self._decoder.model = None
             self._adapter_set.model = None  # type: ignore[assignment]
             self._weights.model = None  # type: ignore[assignment]
