@@ -107,7 +107,7 @@ def test_create_sampler_by_name_samples_with_the_installed_engine(echo_site: Pat
 
 def test_installed_echo_passes_the_conformance_suite(echo_site: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(ECHO_SRC / "tests")],
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", str(ECHO_SRC / "tests")],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -115,7 +115,10 @@ def test_installed_echo_passes_the_conformance_suite(echo_site: Path) -> None:
     )
     summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert re.search(r"\d+ passed", summary) and not re.search(r"failed|error|skipped", summary), summary
+    assert re.search(r"\d+ passed", summary) and not re.search(r"failed|error", summary), summary
+    # the only skips: the suite's tests of an option the echo engine does not declare
+    skips = [line for line in proc.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert all("does not declare return_sampling_mask" in line for line in skips), skips
     # the suite's conftest says which "echo" it ran: here, the installed entry point
     assert "echo engine: the entry point of twinkle-echo 0.1.0" in proc.stdout, proc.stdout[:2000]
 

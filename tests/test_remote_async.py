@@ -77,20 +77,32 @@ def _features(sampler: RemoteSampler, n: int) -> list[InputFeature]:
 
 def test_every_replica_streams_its_share_before_the_call_ends(remote: RemoteSampler) -> None:
     feats = _features(remote, 4)
-    short = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    # the first streamed sequence arrives while the others still run: abort then, and every share stops
-    handle = remote.submit(feats, short.replace(max_tokens=400), num_samples=2)
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    full = remote.sample(feats, long, num_samples=2)
+    greedy = [r.sequences[0].tokens for r in full]
+    # a stop token that ends one input early and none of the others: when it streams back,
+    # every other share is still running, so the abort sent then lands mid-flight
+    found = [
+        (a, t)
+        for a, mine in enumerate(greedy)
+        for t in mine[2:100]
+        if all(t not in g for b, g in enumerate(greedy) if b != a)
+    ]
+    if not found:
+        pytest.skip("no token ends one greedy continuation early without appearing in the others")
+    short, stop = found[0]
+    handle = remote.submit(feats, long.replace(stop_token_ids=[stop]), num_samples=2)
     seen = []
     for item in handle.as_completed(timeout=300):
         seen.append((item.input_index, item.sample_index))
         if len(seen) == 1:
+            assert item.input_index == short and item.sequence.stop_reason == "stop"
             handle.abort()
     out = handle.result()
     assert sorted(seen) == [(i, s) for i in range(4) for s in range(2)]
-    aborted = [s for r in out for s in r.sequences if s.stop_reason == "abort"]
+    aborted = [s for i, r in enumerate(out) if i != short for s in r.sequences if s.stop_reason == "abort"]
     assert aborted, "the abort did not stop any share"
     # what the replicas stopped is a prefix of the uninterrupted greedy run, whichever replica ran it
-    full = remote.sample(feats, short.replace(max_tokens=400), num_samples=2)
     for r, f in zip(out, full):
         for s, g in zip(r.sequences, f.sequences):
             assert s.tokens == g.tokens[: len(s.tokens)]

@@ -39,7 +39,7 @@ from typing import Any
 
 import attrs
 
-from twinkle_core.errors import AdapterError
+from twinkle_core.errors import AdapterError, MergedAdapterError
 
 __all__ = ["MergePlan", "MergedLoRA", "check_merge_flag", "lora_deltas", "read_adapter"]
 
@@ -231,6 +231,20 @@ class MergedLoRA:
         self.name: str | None = None
         self._base: dict[str, Any] = {}
         self._deltas: dict[str, Any] = {}
+
+    def check_request(self, adapter_name: str) -> None:
+        """Refuse to sample anything but the merged adapter while one is merged.
+
+        Raises:
+            MergedAdapterError: ``adapter_name`` is the base model or another adapter.
+        """
+        merged = self.name
+        if merged is not None and adapter_name != merged:
+            asked = "the base model" if not adapter_name else repr(adapter_name)
+            raise MergedAdapterError(
+                f"Adapter {merged!r} is merged into the weights, so {asked} cannot be sampled:"
+                f" use adapter_name={merged!r}, or remove_adapter({merged!r}) first."
+            )
 
     @property
     def kept_names(self) -> frozenset[str]:

@@ -13,8 +13,7 @@ from __future__ import annotations
 import inspect
 import threading
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams, Trajectory
@@ -157,8 +156,6 @@ class RemoteSampler(ReplicaViews, Sampler):
         self._template_fetch = threading.Lock()
         self._chars = 0
         self._tokens = 0
-        # the in_flight policy of the state change the current thread is making (passed on to the replicas)
-        self._policy = threading.local()
         label = f"{engine_class.__name__} on group {placed.name!r}"
         self._pool = ReplicaPool(
             engine_class,
@@ -234,67 +231,6 @@ class RemoteSampler(ReplicaViews, Sampler):
             except AppliedWithError as applied:
                 raise applied.error from None
 
-    def update_weights(
-        self,
-        named_tensors: Mapping[str, Any] | Iterable[tuple[str, Any]],
-        *,
-        version: int | None = None,
-        check_finite: bool = True,
-        in_flight: str = "wait",
-    ) -> int:
-        """``Sampler.update_weights`` on every replica.
-
-        ``in_flight`` applies to this sampler's calls (each spans the
-        replicas): with ``"keep"`` every replica's share stops at its next
-        step, the update reaches every replica, and the shares continue there
-        under the new weights. The replicas receive the policy too, for work
-        they serve for anyone else.
-        """
-        with self._policy_for(in_flight):
-            return super().update_weights(
-                named_tensors, version=version, check_finite=check_finite, in_flight=in_flight
-            )
-
-    def add_adapter_to_model(
-        self,
-        adapter_name: str,
-        config_or_dir: Any,
-        *,
-        weights: Any = None,
-        version: int | None = None,
-        check_finite: bool = True,
-        in_flight: str = "wait",
-        **kwargs: Any,
-    ) -> int:
-        """``Sampler.add_adapter_to_model`` on every replica; ``in_flight`` as in :meth:`update_weights`."""
-        with self._policy_for(in_flight):
-            return super().add_adapter_to_model(
-                adapter_name,
-                config_or_dir,
-                weights=weights,
-                version=version,
-                check_finite=check_finite,
-                in_flight=in_flight,
-                **kwargs,
-            )
-
-    def remove_adapter(self, adapter_name: str, *, in_flight: str = "wait") -> None:
-        """``Sampler.remove_adapter`` on every replica; ``in_flight`` as in :meth:`update_weights`."""
-        with self._policy_for(in_flight):
-            super().remove_adapter(adapter_name, in_flight=in_flight)
-
-    @contextmanager
-    def _policy_for(self, in_flight: str) -> Iterator[None]:
-        """Remember the ``in_flight`` policy of the state change this thread makes, for the replicas' calls."""
-        self._policy.value = in_flight
-        try:
-            yield
-        finally:
-            self._policy.value = "wait"
-
-    def _in_flight(self) -> str:
-        return str(getattr(self._policy, "value", "wait"))
-
     def _load_adapter(self, name: str, config_or_dir: Any, *, weights: Any = None, version: int, **kwargs: Any) -> str:
         """Load or replace a LoRA adapter on every replica.
 
@@ -307,7 +243,7 @@ class RemoteSampler(ReplicaViews, Sampler):
             "add_adapter_to_model",
             (name, config_or_dir),
             # the driver already checked the values are finite
-            {"weights": ref, "version": version, "check_finite": False, "in_flight": self._in_flight(), **kwargs},
+            {"weights": ref, "version": version, "check_finite": False, **kwargs},
             record=lambda: self._adapter_ops.__setitem__(name, (version, config_or_dir, ref, kwargs)),
         )
         return "<memory>" if weights is not None else str(config_or_dir)
@@ -316,7 +252,7 @@ class RemoteSampler(ReplicaViews, Sampler):
         self._apply(
             "remove_adapter",
             (name,),
-            {"in_flight": self._in_flight()},
+            {},
             record=lambda: self._adapter_ops.pop(name, None),
         )
 
@@ -339,7 +275,7 @@ class RemoteSampler(ReplicaViews, Sampler):
                     del self._weight_ops[old_version]
             self._weight_ops[version] = (ref, set(names))
 
-        kwargs = {"version": version, "check_finite": False, "in_flight": self._in_flight()}
+        kwargs = {"version": version, "check_finite": False}
         self._apply("update_weights", (ref,), kwargs, record=record)
 
     def _apply(

@@ -43,10 +43,12 @@ def _check_learned(history: list[dict], margin: float) -> None:
 
 
 def test_lora_grpo_with_the_torch_engine_learns(tmp_path: Path) -> None:
-    history = _run(tmp_path, "tiny_torch.yaml", steps=12, eval_prompts=8)
+    # 20 steps, the config's own: the seeded streams (keyed on sample and position since the
+    # asynchronous API) take the tiny model from ~0.1 to ~0.9 there, past the noise of fewer steps
+    history = _run(tmp_path, "tiny_torch.yaml", steps=20, eval_prompts=8)
     _check_learned(history, margin=0.4)
     assert (tmp_path / "curves.png").stat().st_size > 0
-    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 12
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 20
     # the held-out prompts, never trained on, improve as much
     scores = json.loads((tmp_path / "eval.json").read_text())
     assert scores["eval_after"] > scores["eval_before"] + 0.4, scores

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams
-from twinkle_core.errors import AdapterError, ConfigError, InvalidMeshError, MergedAdapterError, WeightUpdateError
+from twinkle_core.errors import AdapterError, ConfigError, InvalidMeshError, WeightUpdateError
 from twinkle_core.hub import resolve_model_id
 from twinkle_core.merge import MergedLoRA, check_merge_flag, lora_deltas, read_adapter
 from twinkle_core.mesh import DeviceMesh
@@ -294,12 +294,7 @@ class TorchSampler(Sampler):
             )
 
         merged = self._merged.name
-        if merged is not None and adapter_name != merged:
-            asked = "the base model" if not adapter_name else repr(adapter_name)
-            raise MergedAdapterError(
-                f"Adapter {merged!r} is merged into the weights, so {asked} cannot be sampled:"
-                f" use adapter_name={merged!r}, or remove_adapter({merged!r}) first."
-            )
+        self._merged.check_request(adapter_name)
         # A merged adapter runs on the plain modules: its sequences still carry its name.
         active = "" if adapter_name == merged else adapter_name
         control = RunControl(

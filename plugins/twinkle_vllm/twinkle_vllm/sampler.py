@@ -40,7 +40,6 @@ from twinkle_core.errors import (
     ConfigError,
     EngineDeadError,
     InvalidMeshError,
-    MergedAdapterError,
     SamplerClosedError,
     TwinkleError,
     UnknownAdapterError,
@@ -311,12 +310,7 @@ class vLLMSampler(EngineRecovery):
         self._check_weights_present()
         generation = self._generation  # no restart runs while the base's lock is held shared
         merged = self._merged.name
-        if merged is not None and adapter_name != merged:
-            asked = "the base model" if not adapter_name else repr(adapter_name)
-            raise MergedAdapterError(
-                f"Adapter {merged!r} is merged into the weights, so {asked} cannot be sampled:"
-                f" use adapter_name={merged!r}, or remove_adapter({merged!r}) first."
-            )
+        self._merged.check_request(adapter_name)
         # A merged adapter runs on the base path (no LoRA kernels); its sequences still carry its name.
         if adapter_name and adapter_name != merged and adapter_name not in self._loras:
             # Never run the base model under an adapter's name (say, one a failed restart lost).
