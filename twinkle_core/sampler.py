@@ -18,6 +18,7 @@ import threading
 from abc import ABC, ABCMeta, abstractmethod
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any, ClassVar, Literal, TypeVar
 
@@ -341,6 +342,9 @@ class Sampler(ABC, metaclass=SamplerMeta):
         self._lock = ReadWriteLock()
         # Serialises _generate for engines that cannot run it concurrently.
         self._serial = threading.Lock()
+        # Adapters loaded by sample(adapter_path=...): the weights files' stamps they were loaded from.
+        self._path_stamps: dict[str, tuple[tuple[str, int, int], ...]] = {}
+        self._path_lock = threading.Lock()
         # Calls in flight, for abort_all() and the in_flight policies of state changes.
         self._live: set[SampleHandle] = set()
         self._live_lock = threading.Lock()
@@ -698,6 +702,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         *,
         num_samples: int | None = None,
         on_invalid: OnInvalid = "raise",
+        adapter_path: str | os.PathLike[str] | None = None,
     ) -> list[SampleResponse]:
         """Sample completions.
 
@@ -712,6 +717,11 @@ class Sampler(ABC, metaclass=SamplerMeta):
                 anything is generated. ``"skip"``: each invalid input (its
                 structure, its encoding, its length) gets a ``SampleResponse``
                 with ``error`` set and no sequences; the rest are sampled.
+            adapter_path: a PEFT adapter folder to sample with, instead of
+                ``adapter_name``: it is loaded on first use under the name
+                ``"path:<absolute folder>"`` (what sequences carry), and loaded
+                again when its weights file changes (a trainer saving each step
+                to the same folder).
 
         Returns:
             One ``SampleResponse`` per input, in input order, each with exactly
@@ -723,6 +733,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
             InvalidInputError: a malformed input (with ``on_invalid="raise"``).
             UnknownAdapterError: ``adapter_name`` is not loaded.
         """
+        adapter_name = self._adapter_from_path(adapter_name, adapter_path)
         handle, call = self._new_call(inputs, sampling_params, adapter_name, num_samples, on_invalid)
         if call is not None:
             self._execute(handle, call)  # in this thread: the same work submit() does in its own
@@ -736,6 +747,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         *,
         num_samples: int | None = None,
         on_invalid: OnInvalid = "raise",
+        adapter_path: str | os.PathLike[str] | None = None,
     ) -> SampleHandle:
         """Start a ``sample()`` call in the background and return its handle at once.
 
@@ -746,6 +758,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         finish; ``handle.abort()`` stops them. Calls submitted together are
         batched together on engines that sample concurrently.
         """
+        adapter_name = self._adapter_from_path(adapter_name, adapter_path)
         handle, call = self._new_call(inputs, sampling_params, adapter_name, num_samples, on_invalid)
         if call is not None:
             threading.Thread(target=self._execute, args=(handle, call), name="twinkle-request", daemon=True).start()
@@ -759,6 +772,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         *,
         num_samples: int | None = None,
         on_invalid: OnInvalid = "raise",
+        adapter_path: str | os.PathLike[str] | None = None,
     ) -> list[SampleResponse]:
         """``sample()`` for asyncio code: awaits the call without blocking the running event loop."""
         return await self.submit(inputs, sampling_params, adapter_name, num_samples=num_samples, on_invalid=on_invalid)
@@ -774,6 +788,29 @@ class Sampler(ABC, metaclass=SamplerMeta):
     def resume(self, handle: SampleHandle) -> SampleHandle:
         """Continue the aborted sequences of a finished call under the current weights (``handle.resume()``)."""
         return handle.resume()
+
+    def _adapter_from_path(self, adapter_name: str, adapter_path: str | os.PathLike[str] | None) -> str:
+        """The adapter name a call uses: ``adapter_name``, or the folder ``adapter_path`` loaded under its own name."""
+        if adapter_path is None:
+            return adapter_name
+        if adapter_name:
+            raise InvalidInputError(
+                f"sample() got adapter_name={adapter_name!r} and adapter_path={str(adapter_path)!r}: give one of them."
+            )
+        if not isinstance(adapter_path, (str, os.PathLike)):
+            raise InvalidInputError(f"adapter_path={adapter_path!r} is invalid: expected a PEFT adapter folder.")
+        folder = Path(adapter_path).expanduser().resolve()
+        name = f"path:{folder}"
+        stamp = tuple(
+            (f.name, f.stat().st_mtime_ns, f.stat().st_size)
+            for f in sorted(folder.glob("adapter_model.*"))
+            if f.is_file()
+        )
+        with self._path_lock:
+            if name not in self._adapters or self._path_stamps.get(name) != stamp:
+                self.add_adapter_to_model(name, str(folder))
+                self._path_stamps[name] = stamp
+        return name
 
     def _new_call(
         self,

@@ -11,12 +11,6 @@ replaces:
   ChatML, which the core registers as ``'chatml'``);
 * the device type, to ``cpu``, and the Ray example's 4 devices to the 2 this
   machine has;
-* the vLLM example's ``sample(..., adapter_path='path/to/lora')``: the core
-  has no ``adapter_path`` (see ``test_sample_has_no_adapter_path_yet``), so
-  the page's previous revision's two LoRA lines stand in for it
-  (``add_adapter_to_model('my_lora', 'path/to/lora')`` and
-  ``adapter_name='my_lora'``).
-
 ``'path/to/lora'`` itself stays verbatim: each snippet runs in a fresh folder
 where a real PEFT LoRA adapter for the tiny model is saved under that path.
 
@@ -221,11 +215,6 @@ def test_vllm_example_with_lora_and_four_samples(tiny_model: Path, workdir: Path
         [
             ("'ms://Qwen/Qwen3.5-4B'", repr(str(tiny_model))),
             ("sampler.set_template('Qwen3_5Template')", "sampler.set_template('chatml')"),
-            ("# Perform sampling\n", "# Perform sampling\nsampler.add_adapter_to_model('my_lora', 'path/to/lora')\n"),
-            (
-                "    adapter_path='path/to/lora',  # Saved LoRA checkpoint (rank <= max_lora_rank)\n",
-                "    adapter_name='my_lora',\n",
-            ),
         ],
     )
     # The adapter must really be in use: greedy completions with and without it differ.
@@ -233,7 +222,7 @@ def test_vllm_example_with_lora_and_four_samples(tiny_model: Path, workdir: Path
         REPORT
         + """
 greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-with_lora = sampler.sample(trajectories, sampling_params=greedy, adapter_name='my_lora')[0].sequences[0].tokens
+with_lora = sampler.sample(trajectories, sampling_params=greedy, adapter_path='path/to/lora')[0].sequences[0].tokens
 base = sampler.sample(trajectories, sampling_params=greedy)[0].sequences[0].tokens
 json.dump({'seqs': _seqs(responses), 'adapters': sorted(sampler.adapters), 'lora_changes_output': with_lora != base,
            'engine': type(sampler).__module__}, open('result.json', 'w'))
@@ -242,8 +231,9 @@ sampler.close()
     )
     out = run_snippet(code + epilogue, workdir)
     assert out["engine"].startswith("twinkle_vllm")
-    assert out["adapters"] == ["my_lora"]
-    check_samples(out["seqs"], n_inputs=1, n_samples=4, adapter="my_lora")
+    # adapter_path loads the folder once, under a name that says where it came from
+    assert out["adapters"] == [f"path:{(workdir / 'path/to/lora').resolve()}"]
+    check_samples(out["seqs"], n_inputs=1, n_samples=4, adapter=out["adapters"][0])
     # adding the adapter bumped the weights version; every sample says which weights made it
     assert {seq["version"] for seq in out["seqs"][0]} == {1}
     assert out["lora_changes_output"]
@@ -293,20 +283,30 @@ sampler.close()
     check_samples(out["seqs"], n_inputs=1, n_samples=4)
 
 
-@pytest.mark.xfail(
-    raises=TypeError,
-    strict=True,
-    reason="the core's sample() has no adapter_path= (the reference's current vLLM example uses it);"
-    " when it lands, use the verbatim line in test_vllm_example_with_lora_and_four_samples",
-)
-def test_sample_has_no_adapter_path_yet(tiny_model: Path, workdir: Path):
+def test_adapter_path_loads_once_and_again_when_the_folder_changes(tiny_model: Path, tmp_path: Path):
     pytest.importorskip("twinkle_torch")
+    import shutil
+
     from twinkle.data_format import SamplingParams, Trajectory
     from twinkle.sampler import TorchSampler
 
+    folder = tmp_path / "path/to/lora"
+    save_lora(tiny_model, folder)
+    prompt = [Trajectory(messages=[{"role": "user", "content": "What is 2 + 3?"}])]
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     with TorchSampler(model_id=str(tiny_model)) as sampler:
-        sampler.sample(
-            [Trajectory(messages=[{"role": "user", "content": "What is 2 + 3?"}])],
-            sampling_params=SamplingParams(max_tokens=4),
-            adapter_path=str(workdir / "path/to/lora"),
-        )
+        first = sampler.sample(prompt, sampling_params=greedy, adapter_path=str(folder))[0].sequences[0]
+        name = f"path:{folder.resolve()}"
+        assert first.adapter_name == name and list(sampler.adapters) == [name]
+        version = sampler.weights_version
+        again = sampler.sample(prompt, sampling_params=greedy, adapter_path=folder)[0].sequences[0]
+        assert again.tokens == first.tokens and sampler.weights_version == version  # not loaded twice
+        # a trainer saves a new checkpoint to the same folder: the next call serves it
+        other = tmp_path / "other"
+        save_lora(tiny_model, other, rank=4)  # another adapter: another size on disk
+        for f in other.iterdir():
+            shutil.copy(f, folder / f.name)
+        changed = sampler.sample(prompt, sampling_params=greedy, adapter_path=folder)[0].sequences[0]
+        assert sampler.weights_version == version + 1 and changed.weights_version == version + 1
+        with pytest.raises(Exception, match="give one of them"):
+            sampler.sample(prompt, sampling_params=greedy, adapter_name=name, adapter_path=folder)
