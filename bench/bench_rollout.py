@@ -188,7 +188,8 @@ def rollout_vllm(model: str, device: str, capacity: int) -> tuple[Sampler, Any]:
     from twinkle_core.hub import resolve_model_id
 
     path = _model_path(model)
-    sampler = create_sampler("vllm", model_id=path, max_num_seqs=capacity)
+    # float32 like the torch arm (and like the checkpoint's tensors the update pushes)
+    sampler = create_sampler("vllm", model_id=path, max_num_seqs=capacity, dtype="float32")
     weights: dict[str, Any] = {}
     for file in sorted(Path(resolve_model_id(path)).glob("*.safetensors")):
         weights.update(load_file(str(file)))
