@@ -34,6 +34,19 @@ class _Cli(click.Group):
             sys.exit(1)
 
 
+def _build_sampler(engine_cls: Any, config: dict[str, Any], model_id: str | None, template: str | None) -> Any:
+    """The engine from a config mapping; the ``--model`` and ``--template`` flags win, the built-in model by default."""
+    if model_id is not None:
+        config["model_id"] = model_id
+    elif "model_id" not in config:
+        from twinkle_core.hub import DEFAULT_MODEL
+
+        config["model_id"] = DEFAULT_MODEL
+    if template is not None:
+        config["template"] = template
+    return engine_cls(**config)
+
+
 @click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="twinkle-core")
 def cli() -> None:
@@ -365,15 +378,7 @@ def sample(
         raise click.BadParameter(f"{batch_size} (expected >= 1)", param_hint="--batch-size")
     if full and fmt != "jsonl":
         raise click.UsageError("--full writes token-level features, which only --format jsonl carries.")
-    if model_id is not None:
-        config["model_id"] = model_id
-    elif "model_id" not in config:
-        from twinkle_core.hub import DEFAULT_MODEL
-
-        config["model_id"] = DEFAULT_MODEL
-    if template is not None:
-        config["template"] = template
-    sampler = engine_cls(**config)
+    sampler = _build_sampler(engine_cls, config, model_id, template)
     with sampler:
         adapter_name = ""
         if adapter:
@@ -494,15 +499,7 @@ def serve(
     engine_cls = get_sampler_class(engine_name)
     get_tool_parser(tool_parser)
     _resolve_key(host, api_key)
-    if model_id is not None:
-        config["model_id"] = model_id
-    elif "model_id" not in config:
-        from twinkle_core.hub import DEFAULT_MODEL
-
-        config["model_id"] = DEFAULT_MODEL
-    if template is not None:
-        config["template"] = template
-    sampler = engine_cls(**config)
+    sampler = _build_sampler(engine_cls, config, model_id, template)
     with sampler:
         for name, folder in pairs:
             sampler.add_adapter_to_model(name, folder)
