@@ -1,19 +1,23 @@
 """GRPO for a tool-using agent, sampled through ``twinkle serve`` by an unmodified OpenAI agent loop.
 
-    python examples/agent/tool_grpo.py                 # tiny model, torch engine, ~2 minutes on 2 CPU cores
-    python examples/agent/tool_grpo.py --steps 20 --engine vllm
+    python examples/agent/tool_grpo.py --out out/tool_grpo       # SmolLM2-135M, torch engine, 20 steps
+    python examples/agent/tool_grpo.py --model tiny --steps 2    # the tiny test model: the plumbing only
 
-The agent is plain ``openai`` client code: it asks the weather in a city,
-runs the ``get_weather`` tool the model calls, and returns the model's
-answer. The reward is 1 when the answer repeats the temperature the tool
-returned (the tiny model tends to make one up). Each rollout is one server
-session; the trainer reads the sessions' token-exact episodes back
+The agent is plain ``openai`` client code: it asks the model a
+multiplication, runs the ``multiply`` tool with the arguments the model gives
+it, and returns the model's answer. Each rollout is one server session; the
+trainer reads the sessions' token-exact episodes back
 (``GET /v1/sessions/{id}``), checks that the trained tokens are exactly the
 tokens the server returned to the agent, and takes a clipped policy-gradient
-step on a LoRA adapter over the sampled tokens of both turns (the tool
+step on a LoRA adapter over the sampled tokens of every turn (the tool
 result and the template's tokens are masked out). The adapter is pushed into
 the same sampler while the server keeps running, and the agent selects it by
 ``model="policy"``.
+
+Reward: half a point for calling ``multiply`` with the question's two
+numbers, half a point for then answering with the product (``success``).
+A 135M model cannot multiply two-digit numbers in its head, so the answer
+is right only through the tool.
 """
 
 from __future__ import annotations
@@ -35,27 +39,46 @@ from twinkle_core import create_sampler
 from twinkle_core.server import start_server
 from twinkle_core.testing import build_tiny_model
 
-CITIES = ["Paris", "Rome", "Madrid", "Tokyo", "Cairo", "Lima", "Oslo", "Athens"]
-WEATHER = {
+MULTIPLY = {
     "type": "function",
     "function": {
-        "name": "get_weather",
-        "description": "Get the weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        "name": "multiply",
+        "description": "Multiply two integers.",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
     },
 }
+SYSTEM = (
+    "You are a helpful assistant with a calculator. To multiply, call the multiply tool, for example"
+    ' <tool_call>{"name": "multiply", "arguments": {"a": 3, "b": 4}}</tool_call>, then answer with the'
+    " number it returns."
+)
 
 
-def agent(client: openai.OpenAI, session: str, city: str, degrees: int, max_tokens: int) -> dict[str, Any]:
+def multiply(arguments: Any) -> str:
+    """The tool: the product of ``a`` and ``b``, or an error message the model reads."""
+    try:
+        return str(int(arguments["a"]) * int(arguments["b"]))
+    except (TypeError, KeyError, ValueError):
+        return 'error: expected {"a": <integer>, "b": <integer>}'
+
+
+def agent(client: openai.OpenAI, session: str, a: int, b: int, max_tokens: int) -> dict[str, Any]:
     """One rollout of an ordinary OpenAI tool loop; returns what it saw and its reward."""
-    messages: list[dict[str, Any]] = [{"role": "user", "content": f"What is the weather in {city}?"}]
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"What is {a} times {b}?"},
+    ]
     seen: list[list[int]] = []
-    called = False
+    calls: list[Any] = []
     for _ in range(3):
         r = client.chat.completions.create(
             model="policy",
             messages=messages,
-            tools=[WEATHER],
+            tools=[MULTIPLY],
             temperature=1.0,
             max_tokens=max_tokens,
             extra_headers={"X-Session-Id": session},
@@ -65,22 +88,29 @@ def agent(client: openai.OpenAI, session: str, city: str, degrees: int, max_toke
         messages.append(msg.model_dump(exclude_none=True))
         if not msg.tool_calls:
             break
-        called = True
         for call in msg.tool_calls:
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": f"{degrees} degrees and sunny"})
+            try:
+                arguments = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                arguments = None
+            calls.append((call.function.name, arguments))
+            result = multiply(arguments) if call.function.name == "multiply" else f"error: no tool {call.function.name}"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
     answer = messages[-1].get("content") or "" if messages[-1]["role"] == "assistant" else ""
-    return {"session": session, "tokens": seen, **rewards(called, answer, degrees)}
+    return {"session": session, "tokens": seen, **rewards(calls, answer, a, b)}
 
 
-def rewards(called: bool, answer: str, degrees: int) -> dict[str, float]:
-    """``success``: the tool was called and the answer's first number is the tool's. ``shaped`` adds
-    half a point for a first number that starts with the right digit: a step on the way to copying it,
-    which gives a group of rollouts a spread of rewards far more often than success alone does."""
-    numbers = re.findall(r"\d+", answer)
-    first = numbers[0] if called and numbers else ""
-    success = float(first == str(degrees))
-    partial = 0.5 * float(not success and first[:1] == str(degrees)[:1] and bool(first))
-    return {"success": success, "shaped": success + partial}
+def rewards(calls: list[Any], answer: str, a: int, b: int) -> dict[str, float]:
+    """``called``: a ``multiply`` call with the question's numbers; ``success``: that, then the product
+    in the answer. ``shaped`` (trained on) is their mean: the call alone already earns half."""
+    called = any(
+        name == "multiply"
+        and isinstance(args, dict)
+        and sorted(str(v) for v in args.values()) == sorted([str(a), str(b)])
+        for name, args in calls
+    )
+    success = float(called and str(a * b) in re.findall(r"\d+", answer.replace(",", "")))
+    return {"called": float(called), "success": success, "shaped": 0.5 * float(called) + 0.5 * success}
 
 
 def token_logprobs(model: Any, ids: list[list[int]], labels: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +131,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     """Train; return one row of metrics per step (also printed as JSON lines)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--engine", default="torch")
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--model", default="builtin://smollm2-135m-instruct", help="a model id, or 'tiny'")
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=40)
@@ -122,7 +153,13 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
-    model_dir = build_tiny_model("llama")
+    if args.model == "tiny":
+        model_dir, template = build_tiny_model("llama"), None
+    else:
+        from twinkle_core.hub import resolve_model_id
+
+        # ChatML renders the tools and the Hermes-style <tool_call> format the server parses.
+        model_dir, template = resolve_model_id(args.model), "chatml"
     lora = LoraConfig(
         r=8,
         lora_alpha=16,
@@ -143,7 +180,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         ),
     )
     history: list[dict[str, Any]] = []
-    sampler = create_sampler(args.engine, model_id=str(model_dir))
+    sampler = create_sampler(args.engine, model_id=str(model_dir), template=template)
 
     def push() -> int:
         weights = {k: v.detach().clone() for k, v in get_peft_model_state_dict(policy).items()}
@@ -153,11 +190,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     with sampler, start_server(sampler, log_level="error") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         for step in range(args.steps):
-            jobs = [(rng.choice(CITIES), rng.randrange(5, 35)) for _ in range(args.prompts)]
+            jobs = [(rng.randrange(11, 99), rng.randrange(11, 99)) for _ in range(args.prompts)]
             results: list[dict[str, Any]] = [{} for _ in range(args.prompts * args.group)]
 
-            def run(k: int, city: str, degrees: int, out: list[dict[str, Any]] = results, step: int = step) -> None:
-                out[k] = agent(client, f"step{step}-{k}", city, degrees, args.max_tokens)
+            def run(k: int, a: int, b: int, out: list[dict[str, Any]] = results, step: int = step) -> None:
+                out[k] = agent(client, f"step{step}-{k}", a, b, args.max_tokens)
 
             threads = [
                 threading.Thread(target=run, args=(p * args.group + g, *jobs[p]))
@@ -215,6 +252,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             version = push()
             row = {
                 "step": step,
+                "called": round(float(torch.tensor([r["called"] for r in results]).mean()), 4),
                 "success": round(float(torch.tensor([r["success"] for r in results]).mean()), 4),
                 "shaped": round(float(torch.tensor([r["shaped"] for r in results]).mean()), 4),
                 "kl": float(kl.detach()),
@@ -228,7 +266,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 args.out.mkdir(parents=True, exist_ok=True)
                 (args.out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in history))
     if args.out is not None:
-        plot(history, args.out / "curves.png")
+        plot(history, args.out / "curves.png", args.model)
     first, last = history[: max(1, len(history) // 4)], history[-max(1, len(history) // 4) :]
     print(
         f"success: first {len(first)} steps {sum(r['success'] for r in first) / len(first):.3f}"
@@ -237,7 +275,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     return history
 
 
-def plot(history: list[dict[str, Any]], path: Path) -> None:
+def plot(history: list[dict[str, Any]], path: Path, title: str) -> None:
     """Reward and success per step, and the sampler/trainer log-prob gap, into a PNG."""
     import matplotlib
 
@@ -247,13 +285,14 @@ def plot(history: list[dict[str, Any]], path: Path) -> None:
     steps = [r["step"] for r in history]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5), sharex=True)
     top.plot(steps, [r["shaped"] for r in history], label="shaped reward (trained on)")
-    top.plot(steps, [r["success"] for r in history], label="success: answer repeats the tool's number")
+    top.plot(steps, [r["called"] for r in history], label="called multiply with the question's numbers")
+    top.plot(steps, [r["success"] for r in history], label="success: then answered with the product")
     top.set_ylabel("mean over rollouts")
     top.legend(loc="upper left")
     bottom.semilogy(steps, [max(r["mismatch_max"], 1e-9) for r in history])
     bottom.set_ylabel("max |sampler - trainer| log-prob")
     bottom.set_xlabel("step")
-    fig.suptitle("GRPO through twinkle serve: tool-using agent, tiny model")
+    fig.suptitle(f"GRPO through twinkle serve: tool-using agent, {title}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

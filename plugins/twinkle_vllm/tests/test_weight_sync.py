@@ -152,6 +152,68 @@ def test_stalled_worker_times_out_and_the_next_sync_works(
     assert greedy(sampler) == before
 
 
+def test_replay_copies_taken_while_the_workers_apply(restore: Any, original: dict[str, torch.Tensor]) -> None:
+    sampler = restore
+    sampler._overlap_replay = True  # the GPU path: copies for replay taken bucket by bucket during the push
+    try:
+        new = perturbed_state(original, seed=7, scale=0.5)
+        sampler.update_weights(new)
+        assert sampler.last_sync_stats["driver_side_work"] > 0
+        for name, tensor in new.items():
+            kept = sampler._replay_tensors[name]
+            assert kept.data_ptr() != tensor.data_ptr() and torch.equal(kept, tensor), name
+    finally:
+        sampler._overlap_replay = False
+
+
+def test_a_sync_that_fails_part_way_is_undone(
+    restore: Any, original: dict[str, torch.Tensor], first_token: int
+) -> None:
+    sampler = restore
+    before, version = greedy(sampler), sampler.weights_version
+    new = perturbed(original, seed=5, token=first_token)
+    sampler.update_weights(new)
+    assert greedy(sampler) != before
+    sampler.update_weights(original)
+    # Every bucket but the last is answered, so applied; then the workers stall and the driver gives up.
+    sampler._debug_stall_next_sync(60, at_bucket=-1)
+    with pytest.raises(WeightSyncTimeoutError) as info:
+        sampler.update_weights(new)
+    index, count = map(int, info.value.stage.removeprefix("bucket ").split("/"))
+    assert index == count > 3, info.value.stage
+    assert sampler.weights_version == version + 2
+    # The layers it had applied were put back: the engine runs the version it names.
+    assert greedy(sampler) == before
+
+
+def test_a_partial_sync_that_cannot_be_undone_refuses_sampling(
+    restore: Any, original: dict[str, torch.Tensor], first_token: int
+) -> None:
+    from twinkle_core.errors import EngineDeadError
+
+    sampler = restore
+    before = greedy(sampler)
+    sampler.update_weights(original)
+    # As with replay_weights=False: no copy of the values the engine holds, which update_weights replaced.
+    kept = dict(sampler._replay_tensors)
+    sampler._replay_weights, sampler._replay_tensors = False, {}
+    try:
+        sampler._debug_stall_next_sync(60, at_bucket=-1)
+        with pytest.raises(WeightSyncTimeoutError):
+            sampler.update_weights(perturbed(original, seed=6, token=first_token))
+        with pytest.raises(EngineDeadError, match="failed part-way") as info:
+            sampler.sample(PROMPTS[0], GREEDY)
+        assert "update_weights" in str(info.value)
+        # A part of the tensors is not enough; all of them bring sampling back.
+        sampler.update_weights({k: v for k, v in original.items() if k.startswith("model.layers.1.mlp.")})
+        with pytest.raises(EngineDeadError, match="failed part-way"):
+            sampler.sample(PROMPTS[0], GREEDY)
+        sampler.update_weights(original)
+        assert greedy(sampler) == before
+    finally:
+        sampler._replay_weights, sampler._replay_tensors = True, kept
+
+
 def test_lora_adapters_survive_a_base_sync(
     restore: Any, adapters: dict[str, Path], original: dict[str, torch.Tensor]
 ) -> None:

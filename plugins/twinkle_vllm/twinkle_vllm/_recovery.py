@@ -30,7 +30,7 @@ with ``update_weights``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -61,9 +61,19 @@ class EngineRecovery(Sampler):
         self._replay_tensors: dict[str, torch.Tensor] = {}
         #: How to load each adapter again: ("folder", path) or ("memory", config, tensors).
         self._replay_adapters: dict[str, tuple[Any, ...]] = {}
+        self._replay_pending: dict[str, torch.Tensor] = {}
+        #: Copy for replay while the workers apply each bucket. Right where they run on GPUs; on CPU
+        #: workers the copy takes the memory bandwidth and cores they apply with, and the push got
+        #: slower in bench/bench_sync.py (set by the sampler).
+        self._overlap_replay = False
         self._weights_pushed = False
-        #: Set when a restart could not restore the weights (replay_weights=False): sampling is refused.
+        #: Names of every tensor a successful push sent.
+        self._pushed_names: set[str] = set()
+        #: Set when the engine may not hold the weights its version names (a restart with
+        #: replay_weights=False, a failed push that could not be undone): sampling is refused
+        #: until every name in ``_lost_names`` is pushed again.
         self._weights_lost = ""
+        self._lost_names: set[str] = set()
         self._generation = 0
         self._restarts = 0
 
@@ -73,14 +83,39 @@ class EngineRecovery(Sampler):
         return self._restarts
 
     # -- recording ----------------------------------------------------------------------
+    def _replay_copier(self, tensors: list[tuple[str, torch.Tensor]]) -> Callable[[list[str]], None] | None:
+        """What copies the tensors of a weight push for replay, bucket by bucket, while the workers apply them.
+
+        The copies wait in :attr:`_replay_pending` until :meth:`_record_weights`
+        (the push succeeded); a failed push drops them. ``None`` without
+        ``replay_weights``, or unless :attr:`_overlap_replay`: then
+        :meth:`_record_weights` copies after the push.
+        """
+        self._replay_pending = {}
+        if not (self._replay_weights and self._overlap_replay):
+            return None
+        by_name = dict(tensors)
+
+        def copy(names: list[str]) -> None:
+            for name in names:
+                if name not in self._replay_pending:
+                    # A copy: trainers update their tensors in place.
+                    self._replay_pending[name] = by_name[name].detach().to("cpu", copy=True)
+
+        return copy
+
     def _record_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Called after a successful weight push."""
+        """Called after a successful weight push (with the copies of :meth:`_replay_copier`, if it ran)."""
         self._weights_pushed = True
-        self._weights_lost = ""
+        self._pushed_names.update(name for name, _ in tensors)
+        self._lost_names.difference_update(name for name, _ in tensors)
+        if not self._lost_names:
+            self._weights_lost = ""
+        pending, self._replay_pending = self._replay_pending, {}
         if self._replay_weights:
             for name, tensor in tensors:
-                # A copy: trainers update their tensors in place.
-                self._replay_tensors[name] = tensor.detach().to("cpu", copy=True)
+                copied = pending.get(name)
+                self._replay_tensors[name] = copied if copied is not None else tensor.detach().to("cpu", copy=True)
 
     def _record_adapter(self, name: str, how: tuple[Any, ...] | None) -> None:
         """Called after an adapter was loaded (``how``) or removed (``None``)."""
@@ -171,19 +206,29 @@ class EngineRecovery(Sampler):
         self._stop_engine()
         self._boot()
         self._restarts += 1
+        if self._replay_weights:
+            # Replayed copies (and the checkpoint for the rest) are exactly the state the version names.
+            self._lost_names.clear()
+            self._weights_lost = ""
         if self._replay_tensors:
             self._replay_weight_tensors(list(self._replay_tensors.items()))
         elif self._weights_pushed:
-            self._weights_lost = (
+            self._mark_weights_lost(
+                self._pushed_names,
                 f"The vLLM engine was restarted without its updated weights (replay_weights=False): it runs the"
                 f" checkpoint's weights, not weights version {self.weights_version}. Push the full weights again"
-                " with update_weights(...) before sampling."
+                " with update_weights(...) before sampling.",
             )
         for name, how in list(self._replay_adapters.items()):
             self._replay_adapter(name, how)
 
     def _replay_weight_tensors(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         raise NotImplementedError  # provided by the sampler
+
+    def _mark_weights_lost(self, names: Iterable[str], message: str) -> None:
+        """Refuse sampling with ``message`` until every one of ``names`` is pushed again."""
+        self._lost_names.update(names)
+        self._weights_lost = message
 
     def _check_weights_present(self) -> None:
         """Refuse to sample on weights that do not match the version (see ``replay_weights``)."""

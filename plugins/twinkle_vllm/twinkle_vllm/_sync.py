@@ -59,7 +59,9 @@ def plan_buckets(tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> 
     A tensor that does not fit in what is left of the current bucket starts a
     new one; a tensor larger than a whole bucket is split into chunks that fill
     buckets. Order is kept so that a layer's tensors stay together, which lets
-    the workers finish each layer early.
+    the workers finish each layer early. (Smaller first buckets, to start the
+    workers sooner, made the whole push slower on CPU workers: see
+    ``docs/performance.md``.)
     """
     buckets: list[list[Item]] = []
     current: list[Item] = []
@@ -125,6 +127,8 @@ class SyncChannel:
         self.last_stats: dict[str, float] = {}
         self._timings: dict[str, float] = {}
         self._buffer: StagingBuffer | None = None
+        #: Bucket messages the current (or last) push sent: 0 means the workers applied nothing.
+        self.buckets_sent = 0
 
     # -- public ---------------------------------------------------------------------------
     def push(
@@ -134,6 +138,7 @@ class SyncChannel:
         extra: dict[str, Any] | None = None,
         *,
         cuda_ipc: bool = False,
+        while_applying: Callable[[list[str]], None] | None = None,
     ) -> list[Any]:
         """Send ``tensors`` to every worker as one session of ``kind``.
 
@@ -143,6 +148,10 @@ class SyncChannel:
             extra: session data for the workers.
             cuda_ipc: stage through a CUDA IPC buffer on the tensors' GPU instead
                 of shared memory (the tensors and the workers are on GPUs).
+            while_applying: called with the names of each bucket once the
+                workers have it and the next bucket is staged, while the driver
+                would otherwise wait for them (the caller's own per-tensor work,
+                such as keeping host copies, costs no time there).
 
         Returns:
             Each worker's result of the session.
@@ -152,9 +161,10 @@ class SyncChannel:
                 (``stage`` names the step); the channel is reset.
             WeightUpdateError: a worker refused a bucket (bad checksum) or failed to apply it.
         """
+        self.buckets_sent = 0
         self._wait_previous()
         started = time.perf_counter()
-        self._timings = {"driver_fill": 0.0, "driver_checksum": 0.0, "driver_wait": 0.0}
+        self._timings = {"driver_fill": 0.0, "driver_checksum": 0.0, "driver_side_work": 0.0, "driver_wait": 0.0}
         buckets = plan_buckets(tensors, self.bucket_bytes)
         slot = max((it.offset + it.nbytes for b in buckets for it in b), default=ALIGN)
         slot = -(-slot // ALIGN) * ALIGN
@@ -198,11 +208,16 @@ class SyncChannel:
                 }
                 for sock in sockets:
                     sock.send_pyobj(message)
+                self.buckets_sent += 1
                 # Stage the next bucket in the other slot while the workers consume this one, checksum
                 # included: its message then goes out the moment they answer, so a worker never waits
                 # for a bucket the driver could already have ready.
                 if i + 1 < len(buckets):
                     checksum = self._stage(buffer, buckets[i + 1], by_name, ((i + 1) % 2) * slot)
+                if while_applying is not None:
+                    clock = time.perf_counter()
+                    while_applying(list(dict.fromkeys(item.name for item in bucket)))
+                    self._timings["driver_side_work"] += time.perf_counter() - clock
                 clock = time.perf_counter()
                 self._collect(sockets, f"bucket {i + 1}/{len(buckets)}", rpc)
                 self._timings["driver_wait"] += time.perf_counter() - clock

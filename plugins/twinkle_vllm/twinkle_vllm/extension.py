@@ -51,6 +51,8 @@ class _Channel:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(socket_address(self.folder, rank))
         self.owes_reply = False
+        #: Views of the slot still held after their bucket, in buckets whose slot is not refilled.
+        self._in_slot: list[weakref.ref[torch.Tensor]] = []
         #: Seconds spent per phase (reported to the driver for diagnostics).
         self.timings: dict[str, float] = {"wait": 0.0, "checksum": 0.0, "copy": 0.0, "apply": 0.0, "finalize": 0.0}
 
@@ -82,6 +84,33 @@ class _Channel:
                 raise _SessionGone
             time.sleep(min(POLL_S, max(end - time.monotonic(), 0)))
 
+    def keep_views(self, views: list[weakref.ref[torch.Tensor]], *, slot_refilled: bool) -> None:
+        """Views of the slot a consumer still holds after their bucket: copy them out if the slot is refilled.
+
+        The driver refills a slot two buckets later; in the last two buckets of
+        a session it never does, so what is held there (a layer finished only
+        at commit, the consumer's loop variable) is read in place until
+        :meth:`release_views`.
+        """
+        for ref in views:
+            held = ref()
+            if held is None:
+                continue
+            if slot_refilled:
+                held.data = held.clone()
+            else:
+                self._in_slot.append(ref)
+            held = None
+
+    def release_views(self) -> None:
+        """Copy out whatever still holds the slot at the end of a session (the next one refills it)."""
+        for ref in self._in_slot:
+            held = ref()
+            if held is not None:
+                held.data = held.clone()
+            held = None
+        self._in_slot = []
+
     def close(self) -> None:
         self.sock.close(linger=0)
         self._ctx.term()
@@ -92,6 +121,7 @@ class TwinkleWorkerExtension:
 
     # Set by twinkle_debug_stall_next_sync: seconds to stall before answering the first bucket.
     _twinkle_stall_s: float = 0.0
+    _twinkle_stall_at: int = 0
     # The driver's staging buffer, mapped once and kept (the driver reuses it too).
     _twinkle_buffer: StagingBuffer | None = None
     _twinkle_buffer_key: str = ""
@@ -122,13 +152,15 @@ class TwinkleWorkerExtension:
 
         return watch_driver(int(driver_pid))
 
-    def twinkle_debug_stall_next_sync(self, seconds: float) -> bool:
-        """Test hook: make the next sync stall ``seconds`` before answering its first bucket.
+    def twinkle_debug_stall_next_sync(self, seconds: float, at_bucket: int = 0) -> bool:
+        """Test hook: make the next sync stall ``seconds`` before bucket ``at_bucket`` (0: the first, -1: the last).
 
         The stall is real (the worker does not answer), but it ends early when the
         driver resets the channel, like a slow worker that still honours a reset.
+        The buckets before ``at_bucket`` are applied as usual.
         """
         self._twinkle_stall_s = float(seconds)
+        self._twinkle_stall_at = int(at_bucket)
         return True
 
     # -- benchmark hooks (bench/bench_sync.py) --------------------------------------------
@@ -189,6 +221,7 @@ class TwinkleWorkerExtension:
             return {"ok": False, "error": error, "traceback": traceback.format_exc()}
         finally:
             self._twinkle_stall_s = 0.0
+            channel.release_views()
             channel.close()
 
     def _twinkle_staging(self, description: dict[str, Any]) -> StagingBuffer:
@@ -234,7 +267,8 @@ class TwinkleWorkerExtension:
                 return  # answered by the caller, after finalising
             if op != "bucket":
                 raise ValueError(f"unexpected message {op!r}")
-            if self._twinkle_stall_s:
+            stall_at = self._twinkle_stall_at + (message["count"] if self._twinkle_stall_at < 0 else 0)
+            if self._twinkle_stall_s and message["index"] >= stall_at:
                 stall, self._twinkle_stall_s = self._twinkle_stall_s, 0.0
                 channel.sleep(stall)
             base, nbytes = message["offset"], message["nbytes"]
@@ -282,12 +316,8 @@ class TwinkleWorkerExtension:
             yield from ready
             del ready
             # Whatever still holds a view of the slot (a deferred layer; the consumer's
-            # loop variable) gets its own copy now, before the slot can be refilled.
-            for ref in views:
-                held = ref()
-                if held is not None:
-                    held.data = held.clone()
-                held = None
+            # loop variable) gets its own copy before the slot can be refilled.
+            channel.keep_views(views, slot_refilled=message["index"] + 2 < message["count"])
             if channel.buffer.tensor.is_cuda or (device is not None and device.type == "cuda"):
                 # GPU copies are asynchronous: they must have read the slot before we release it.
                 torch.cuda.synchronize()
@@ -327,6 +357,7 @@ class TwinkleWorkerExtension:
             finally:
                 clock = time.perf_counter()
                 finalize_layerwise_reload(model, runner.model_config)
+                channel.release_views()
                 channel.timings["finalize"] += time.perf_counter() - clock
         channel.reply(ok=True, tensors=count)
         return count

@@ -221,6 +221,7 @@ class vLLMSampler(EngineRecovery):
         self._max_logprobs = int(config.model_config.max_logprobs)
         self._lora_config = config.lora_config
         self._device_type = str(config.device_config.device_type)
+        self._overlap_replay = self._device_type != "cpu"
         self._world_size = int(config.parallel_config.world_size)
         # See platform_defaults(): only a user who turned chunked prefill back on gets here.
         self._seeds_crash = (
@@ -738,8 +739,12 @@ class vLLMSampler(EngineRecovery):
         cuda_ipc = self._device_type == "cuda" and all(t.is_cuda for _, t in tensors)
         try:
             try:
-                self._channel.push("weights", tensors, cuda_ipc=cuda_ipc)
-            except BaseException:
+                self._channel.push("weights", tensors, cuda_ipc=cuda_ipc, while_applying=self._replay_copier(tensors))
+            except BaseException as exc:
+                self._replay_pending = {}
+                if self._channel.buckets_sent and not self._engine_dead():
+                    # The workers may have applied some layers: put the previous values back.
+                    self._undo_partial_push([name for name, _ in tensors], exc)
                 # Some layers may have changed while the version (and so the salt) did not: never serve
                 # KV cached before this sync. (A dead engine cannot reset; its restart starts clean.)
                 try:
@@ -752,6 +757,34 @@ class vLLMSampler(EngineRecovery):
             self._guard_state_change("update_weights()", exc)
             raise
         self._record_weights(tensors)
+
+    def _undo_partial_push(self, names: list[str], cause: BaseException) -> None:
+        """After a push failed part-way, push the values the engine held before it.
+
+        They come from the replay copies (``replay_weights``), or from the
+        checkpoint for tensors no push has replaced yet. Where neither is known,
+        or the undo fails too, sampling is refused until those tensors are
+        pushed again: the engine may run a mix that no weights version names.
+        """
+        assert self._channel is not None
+        dtype = getattr(torch, self._weight_spec().engine_dtype)
+        old = [(n, self._replay_tensors[n]) for n in names if n in self._replay_tensors]
+        rest = [n for n in names if n not in self._replay_tensors]
+        unknown = [n for n in rest if n in self._pushed or self._merged.name is not None]
+        try:
+            if unknown:
+                raise LookupError(f"no copy of the values before it (replay_weights=False) for {unknown[:3]}")
+            if rest:
+                old += list(self._weight_spec().read_checkpoint(rest, dtype).items())
+            self._channel.push("weights", old)
+        except Exception as exc:
+            self._mark_weights_lost(
+                names,
+                f"update_weights() failed part-way ({type(cause).__name__}: {cause}) and its partial changes could"
+                f" not be undone ({type(exc).__name__}: {exc}): the engine may hold a mix of old and new values of"
+                f" {len(names)} tensors ({names[:3]}...). Sampling is refused until they are pushed again with"
+                " update_weights(...).",
+            )
 
     @property
     def last_sync_stats(self) -> dict[str, float]:
@@ -791,9 +824,9 @@ class vLLMSampler(EngineRecovery):
             raise UnsupportedFeatureError("sleep() needs the engine option engine_args={'enable_sleep_mode': True}.")
 
     # -- test hook ------------------------------------------------------------------------
-    def _debug_stall_next_sync(self, seconds: float) -> None:
-        """Make every worker stall ``seconds`` before answering the next sync's first bucket (tests)."""
-        self._rpc("twinkle_debug_stall_next_sync", float(seconds))
+    def _debug_stall_next_sync(self, seconds: float, at_bucket: int = 0) -> None:
+        """Make every worker stall ``seconds`` before bucket ``at_bucket`` of the next sync (-1: the last; tests)."""
+        self._rpc("twinkle_debug_stall_next_sync", float(seconds), int(at_bucket))
 
     # -- restart (see twinkle_vllm._recovery) ---------------------------------------------
     def _replay_weight_tensors(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
