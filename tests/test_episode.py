@@ -235,6 +235,23 @@ def test_hermes_parser() -> None:
     assert get_tool_parser("none").parse("<tool_call>{}</tool_call>").tool_calls == []
 
 
+def test_chatml_writes_tool_calls_the_way_the_parser_reads_them(torch_sampler: Any) -> None:
+    # A call in the history (an agent's few-shot example, a client's earlier turn) is shown to the model
+    # in the very form it has to write for the parser: name and arguments, not the OpenAI wrapper.
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}
+    messages = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+    ]
+    from twinkle_core.template.base import ChatMLTemplate
+
+    chatml = ChatMLTemplate(torch_sampler.template.tokenizer)
+    text = chatml.tokenizer.decode(chatml.encode({"messages": messages, "tools": [WEATHER]}).input_ids)
+    assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>' in text
+    parsed = get_tool_parser("hermes").parse(text[text.index("<tool_call>") :].split("<|im_end|>")[0])
+    assert parsed.errors == [] and parsed.tool_calls[0]["function"] == call["function"]
+
+
 def test_tool_parser_registry() -> None:
     with pytest.raises(UnknownToolParserError, match="Did you mean 'hermes'"):
         get_tool_parser("hermse")

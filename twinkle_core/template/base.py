@@ -21,8 +21,11 @@ CHATML_JINJA = (
     "{%- for message in messages %}"
     "{%- if not (tools and loop.first and message.role == 'system') %}"
     "{{ '<|im_start|>' + message.role + '\\n' }}{{ message.content }}"
+    # A call is written as its name and arguments, the form the Hermes parser reads back.
     "{%- if message.tool_calls %}{%- for call in message.tool_calls %}"
-    "{{ '\\n<tool_call>' }}{{ call | tojson }}{{ '</tool_call>' }}{%- endfor %}{%- endif %}"
+    "{%- set fn = call.function if call.function is defined else call %}"
+    "{{ '\\n<tool_call>' }}{{ {'name': fn.name, 'arguments': fn.arguments} | tojson }}{{ '</tool_call>' }}"
+    "{%- endfor %}{%- endif %}"
     "{{ '<|im_end|>\\n' }}"
     "{%- endif %}"
     "{%- endfor %}"
