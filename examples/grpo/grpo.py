@@ -43,8 +43,9 @@ __all__ = ["GRPOConfig", "StalePolicyError", "main", "train"]
 
 
 #: Whether a LoRA policy is served merged when ``merge_lora`` is not set, per engine: measured on
-#: SmolLM2 (docs/grpo.md, "Merged LoRA"). Engines not listed are served unmerged.
-MERGE_LORA_DEFAULT: dict[str, bool] = {"vllm": True, "torch": False}
+#: SmolLM2, where merging made both engines' steps faster (docs/grpo.md, "Merged LoRA"). Engines
+#: not listed are served unmerged.
+MERGE_LORA_DEFAULT: dict[str, bool] = {"vllm": True, "torch": True}
 
 
 class StalePolicyError(TwinkleError, RuntimeError):
@@ -209,7 +210,10 @@ def train(cfg: GRPOConfig) -> list[dict[str, Any]]:
 
     # async: the next step's rollouts are in flight during a push; they continue under the new weights
     in_flight = "keep" if cfg.async_rollout else "wait"
-    merge = cfg.merge_lora if cfg.merge_lora is not None else MERGE_LORA_DEFAULT.get(cfg.engine, False)
+    if cfg.merge_lora is not None:
+        merge = cfg.merge_lora
+    else:  # the engine's measured default, for a LoRA policy (a full fine-tune has nothing to merge)
+        merge = lora_config is not None and MERGE_LORA_DEFAULT.get(cfg.engine, False)
     if merge and lora_config is None:
         raise ValueError(f"merge_lora={cfg.merge_lora!r} needs mode='lora' (mode={cfg.mode!r})")
 

@@ -46,6 +46,7 @@ def test_lora_grpo_with_the_torch_engine_learns(tmp_path: Path) -> None:
     # 20 steps, the config's own: the seeded streams (keyed on sample and position since the
     # asynchronous API) take the tiny model from ~0.1 to ~0.9 there, past the noise of fewer steps
     history = _run(tmp_path, "tiny_torch.yaml", steps=20, eval_prompts=8)
+    assert all(r["merged_lora"] for r in history)  # the engine's measured default
     _check_learned(history, margin=0.4)
     assert (tmp_path / "curves.png").stat().st_size > 0
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 20
@@ -54,10 +55,10 @@ def test_lora_grpo_with_the_torch_engine_learns(tmp_path: Path) -> None:
     assert scores["eval_after"] > scores["eval_before"] + 0.4, scores
 
 
-def test_lora_grpo_served_merged_on_the_torch_engine_runs_the_trainers_policy(tmp_path: Path) -> None:
-    """merge_lora=true: each step's adapter is merged into the weights, and the samples are the trainer's policy."""
-    history = _run(tmp_path, "tiny_torch.yaml", steps=4, merge_lora=True)
-    assert all(r["merged_lora"] for r in history)
+def test_lora_grpo_served_unmerged_on_the_torch_engine_runs_the_trainers_policy(tmp_path: Path) -> None:
+    """merge_lora=false: each step's adapter is served as an adapter, and the samples are the trainer's policy."""
+    history = _run(tmp_path, "tiny_torch.yaml", steps=4, merge_lora=False)
+    assert not any(r["merged_lora"] for r in history)
     first = history[0]["weights_version"]
     assert [r["weights_version"] for r in history] == [first, first + 1, first + 2, first + 3]
     assert max(r["mismatch_max"] for r in history) < MISMATCH_BOUND

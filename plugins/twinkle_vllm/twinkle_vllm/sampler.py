@@ -742,7 +742,7 @@ class vLLMSampler(EngineRecovery):
                 self._channel.push("weights", tensors, cuda_ipc=cuda_ipc, while_applying=self._replay_copier(tensors))
             except BaseException as exc:
                 self._replay_pending = {}
-                if self._channel.buckets_sent and not self._engine_dead():
+                if isinstance(exc, Exception) and self._channel.buckets_sent and not self._engine_dead():
                     # The workers may have applied some layers: put the previous values back.
                     self._undo_partial_push([name for name, _ in tensors], exc)
                 # Some layers may have changed while the version (and so the salt) did not: never serve
