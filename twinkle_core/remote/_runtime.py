@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ipaddress
 import os
 import threading
 import weakref
@@ -447,13 +446,9 @@ def _is_loopback(address: str | None) -> bool:
     """Whether a ``host:port`` cluster address names this machine's loopback."""
     if not address or "://" in address:
         return False
-    host = address.rsplit(":", 1)[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    from twinkle_core.server import is_loopback  # the server's own bind check; imports no web framework
+
+    return is_loopback(address.rsplit(":", 1)[0].strip("[]"))
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ import re
 import shutil
 import stat
 import tempfile
+from collections.abc import Iterator
 
 from twinkle_core.errors import ConfigError
 
@@ -80,23 +81,23 @@ def session_root() -> str:
 
 def driver_files(pid: int) -> list[str]:
     """Every staging buffer and session folder of driver ``pid`` that exists now."""
-    found: list[str] = []
-    for folder in _roots():
-        try:
-            names = os.listdir(folder)
-        except OSError:
-            continue
-        found.extend(os.path.join(folder, n) for n in names if n.startswith(f"{PREFIX}{pid}-"))
-    return sorted(found)
+    return sorted(os.path.join(folder, n) for folder, n in _entries() if n.startswith(f"{PREFIX}{pid}-"))
 
 
-def _roots() -> set[str]:
+def _entries() -> Iterator[tuple[str, str]]:
+    """(folder, name) of every entry in the folders where staging buffers and session folders live."""
     roots = {shm_dir(), tempfile.gettempdir()}
     try:
         roots.add(session_root())
     except ConfigError:
         pass
-    return roots
+    for folder in roots:
+        try:
+            names = os.listdir(folder)
+        except OSError:
+            continue
+        for name in names:
+            yield folder, name
 
 
 def remove(path: str) -> None:
@@ -137,16 +138,11 @@ def sweep_stale() -> list[str]:
         The paths removed.
     """
     removed: list[str] = []
-    for folder in _roots():
-        try:
-            names = os.listdir(folder)
-        except OSError:
+    for folder, name in _entries():
+        match = _OWNED.match(name)
+        if match is None or _running(int(match.group(1))):
             continue
-        for name in names:
-            match = _OWNED.match(name)
-            if match is None or _running(int(match.group(1))):
-                continue
-            path = os.path.join(folder, name)
-            remove(path)
-            removed.append(path)
+        path = os.path.join(folder, name)
+        remove(path)
+        removed.append(path)
     return removed
