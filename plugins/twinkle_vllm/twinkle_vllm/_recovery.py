@@ -61,7 +61,6 @@ class EngineRecovery(Sampler):
         self._replay_tensors: dict[str, torch.Tensor] = {}
         #: How to load each adapter again: ("folder", path) or ("memory", config, tensors).
         self._replay_adapters: dict[str, tuple[Any, ...]] = {}
-        self._replay_pending: dict[str, torch.Tensor] = {}
         #: Copy for replay while the workers apply each bucket. Right where they run on GPUs; on CPU
         #: workers the copy takes the memory bandwidth and cores they apply with, and the push got
         #: slower in bench/bench_sync.py (set by the sampler).
@@ -83,38 +82,39 @@ class EngineRecovery(Sampler):
         return self._restarts
 
     # -- recording ----------------------------------------------------------------------
-    def _replay_copier(self, tensors: list[tuple[str, torch.Tensor]]) -> Callable[[list[str]], None] | None:
-        """What copies the tensors of a weight push for replay, bucket by bucket, while the workers apply them.
+    def _replay_copier(
+        self, tensors: list[tuple[str, torch.Tensor]], copies: dict[str, torch.Tensor]
+    ) -> Callable[[list[str]], None] | None:
+        """What copies the tensors of a weight push into ``copies``, bucket by bucket, while the workers apply them.
 
-        The copies wait in :attr:`_replay_pending` until :meth:`_record_weights`
-        (the push succeeded); a failed push drops them. ``None`` without
-        ``replay_weights``, or unless :attr:`_overlap_replay`: then
+        ``copies`` goes to :meth:`_record_weights` once the push succeeded. ``None``
+        without ``replay_weights``, or unless :attr:`_overlap_replay`: then
         :meth:`_record_weights` copies after the push.
         """
-        self._replay_pending = {}
         if not (self._replay_weights and self._overlap_replay):
             return None
         by_name = dict(tensors)
 
         def copy(names: list[str]) -> None:
             for name in names:
-                if name not in self._replay_pending:
+                if name not in copies:
                     # A copy: trainers update their tensors in place.
-                    self._replay_pending[name] = by_name[name].detach().to("cpu", copy=True)
+                    copies[name] = by_name[name].detach().to("cpu", copy=True)
 
         return copy
 
-    def _record_weights(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        """Called after a successful weight push (with the copies of :meth:`_replay_copier`, if it ran)."""
+    def _record_weights(
+        self, tensors: list[tuple[str, torch.Tensor]], copies: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """Called after a successful weight push, with what :meth:`_replay_copier` copied during it."""
         self._weights_pushed = True
         self._pushed_names.update(name for name, _ in tensors)
         self._lost_names.difference_update(name for name, _ in tensors)
         if not self._lost_names:
             self._weights_lost = ""
-        pending, self._replay_pending = self._replay_pending, {}
         if self._replay_weights:
             for name, tensor in tensors:
-                copied = pending.get(name)
+                copied = (copies or {}).get(name)
                 self._replay_tensors[name] = copied if copied is not None else tensor.detach().to("cpu", copy=True)
 
     def _record_adapter(self, name: str, how: tuple[Any, ...] | None) -> None:

@@ -104,12 +104,8 @@ class _Channel:
 
     def release_views(self) -> None:
         """Copy out whatever still holds the slot at the end of a session (the next one refills it)."""
-        for ref in self._in_slot:
-            held = ref()
-            if held is not None:
-                held.data = held.clone()
-            held = None
-        self._in_slot = []
+        views, self._in_slot = self._in_slot, []
+        self.keep_views(views, slot_refilled=True)
 
     def close(self) -> None:
         self.sock.close(linger=0)

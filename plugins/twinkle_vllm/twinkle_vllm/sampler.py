@@ -737,11 +737,12 @@ class vLLMSampler(EngineRecovery):
         assert self._channel is not None and self._loop is not None and self._engine is not None
         # Trainer tensors already on the GPU go through CUDA IPC (no host round trip).
         cuda_ipc = self._device_type == "cuda" and all(t.is_cuda for _, t in tensors)
+        copies: dict[str, torch.Tensor] = {}
         try:
             try:
-                self._channel.push("weights", tensors, cuda_ipc=cuda_ipc, while_applying=self._replay_copier(tensors))
+                copier = self._replay_copier(tensors, copies)
+                self._channel.push("weights", tensors, cuda_ipc=cuda_ipc, while_applying=copier)
             except BaseException as exc:
-                self._replay_pending = {}
                 if isinstance(exc, Exception) and self._channel.buckets_sent and not self._engine_dead():
                     # The workers may have applied some layers: put the previous values back.
                     self._undo_partial_push([name for name, _ in tensors], exc)
@@ -756,7 +757,7 @@ class vLLMSampler(EngineRecovery):
         except Exception as exc:
             self._guard_state_change("update_weights()", exc)
             raise
-        self._record_weights(tensors)
+        self._record_weights(tensors, copies)
 
     def _undo_partial_push(self, names: list[str], cause: BaseException) -> None:
         """After a push failed part-way, push the values the engine held before it.
@@ -770,7 +771,7 @@ class vLLMSampler(EngineRecovery):
         dtype = getattr(torch, self._weight_spec().engine_dtype)
         old = [(n, self._replay_tensors[n]) for n in names if n in self._replay_tensors]
         rest = [n for n in names if n not in self._replay_tensors]
-        unknown = [n for n in rest if n in self._pushed or self._merged.name is not None]
+        unknown = [n for n in rest if n in self._pushed_names]  # replaced by a push (an update or a merge)
         try:
             if unknown:
                 raise LookupError(f"no copy of the values before it (replay_weights=False) for {unknown[:3]}")
