@@ -174,7 +174,13 @@ def test_a_sync_that_fails_part_way_is_undone(
     new = perturbed(original, seed=5, token=first_token)
     sampler.update_weights(new)
     assert greedy(sampler) != before
-    sampler.update_weights(original)
+    # A trainer's tensors, which its optimizer changes in place after the push: the undo below must
+    # put back the values pushed, not what the tensors hold later (the copies kept for replay are
+    # written over the previous ones, so this also checks that reuse).
+    trainer = {k: v.clone() for k, v in original.items()}
+    sampler.update_weights(trainer)
+    for tensor in trainer.values():
+        tensor.mul_(-3.0)
     # Every bucket but the last is answered, so applied; then the workers stall and the driver gives up.
     sampler._debug_stall_next_sync(60, at_bucket=-1)
     with pytest.raises(WeightSyncTimeoutError) as info:
