@@ -67,6 +67,13 @@ def test_register_class_and_create(registered):
     s = create_sampler("unit", model_id="x", foo=1)
     assert isinstance(s, _Engine) and s.model_id == "x" and s.kwargs == {"foo": 1}
     assert "unit" in [i.name for i in list_samplers()]
+    # The model may come second, as in most libraries' factories; given twice, it is an error.
+    s = create_sampler("unit", "y", foo=2)
+    assert s.model_id == "y" and s.kwargs == {"foo": 2}
+    s = create_sampler({"sampler": "unit", "model_id": "from-config"}, "z")
+    assert s.model_id == "z"
+    with pytest.raises(TypeError, match="model twice"):
+        create_sampler("unit", "y", model_id="x")
 
 
 def test_register_as_decorator(registered):

@@ -134,7 +134,9 @@ def _is_config_path(value: str) -> bool:
     return value.endswith((".yaml", ".yml", ".json")) and ("/" in value or os.path.exists(value))
 
 
-def create_sampler(name_or_config: str | dict[str, Any] | type[Sampler], **kwargs: Any) -> Sampler:
+def create_sampler(
+    name_or_config: str | dict[str, Any] | type[Sampler], model_id: Any = None, /, **kwargs: Any
+) -> Sampler:
     """Build an engine chosen by a string, a config mapping or a config file.
 
     Args:
@@ -142,6 +144,9 @@ def create_sampler(name_or_config: str | dict[str, Any] | type[Sampler], **kwarg
             path, a ``Sampler`` subclass, a mapping with a ``"sampler"`` key
             (the other keys are constructor arguments), or the path of a YAML
             or JSON file holding such a mapping.
+        model_id: the model, as a second positional argument
+            (``create_sampler("vllm", "builtin://smollm2-135m-instruct")``);
+            the same as ``model_id=``.
         **kwargs: constructor arguments; they override the config's.
 
     Returns:
@@ -151,6 +156,10 @@ def create_sampler(name_or_config: str | dict[str, Any] | type[Sampler], **kwarg
         UnknownSamplerError: unknown engine name.
         ConfigError: a config without ``sampler``, or an unreadable file.
     """
+    if model_id is not None:
+        if "model_id" in kwargs:
+            raise TypeError("create_sampler() got the model twice: as its second argument and as model_id=.")
+        kwargs["model_id"] = model_id
     if isinstance(name_or_config, str) and _is_config_path(name_or_config):
         name_or_config = load_config(name_or_config)
     if isinstance(name_or_config, dict):
