@@ -158,8 +158,9 @@ def lora_deltas(name: str, config: Mapping[str, Any], tensors: list[tuple[str, A
 
     Raises:
         AdapterError: a tensor that is not a LoRA ``A`` / ``B`` weight, an ``A``
-            without its ``B`` (or the reverse), mismatched ranks, DoRA, or no
-            LoRA tensors at all.
+            without its ``B`` (or the reverse), mismatched ranks or rank 0, a
+            tensor that is not floating point, a product that is not finite,
+            DoRA, or no LoRA tensors at all.
     """
     if config.get("use_dora"):
         raise AdapterError(
@@ -187,16 +188,29 @@ def lora_deltas(name: str, config: Mapping[str, Any], tensors: list[tuple[str, A
             raise AdapterError(
                 f"Adapter {name!r}: layer {module!r} has only {sorted(pair)[0]}; it needs lora_A and lora_B."
             )
+        for kind in _LORA_KINDS:
+            if not pair[kind].is_floating_point():
+                raise AdapterError(
+                    f"Adapter {name!r}: layer {module!r} has {kind} of dtype {pair[kind].dtype}; expected a"
+                    " floating-point tensor."
+                )
         a, b = pair["lora_A"].detach().float(), pair["lora_B"].detach().float()
-        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0]:
+        if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0] or a.shape[0] == 0:
             raise AdapterError(
                 f"Adapter {name!r}: layer {module!r} has lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)};"
-                " expected (r, in) and (out, r)."
+                " expected (r, in) and (out, r) with r >= 1."
             )
         rank = a.shape[0]
         layer_alpha = float(_pattern_value(alpha_pattern, module, alpha))
         scale = layer_alpha / (math.sqrt(rank) if rslora else rank)
         delta = (b.to(a.device) @ a) * scale
+        # Whatever check_finite says: a non-finite merged weight would spoil every token. One
+        # reduction per layer, small beside the product (NaN and infinity reach the sum).
+        if not math.isfinite(float(delta.sum())) and not bool(delta.isfinite().all()):
+            raise AdapterError(
+                f"Adapter {name!r}: the merged update of layer {module!r} (scale * lora_B @ lora_A) holds NaN or"
+                " infinity (non-finite adapter values, or a product beyond float32's range); nothing was merged."
+            )
         out[f"{module}.weight"] = delta.T.contiguous() if transpose else delta
     return out
 

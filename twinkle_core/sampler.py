@@ -50,7 +50,7 @@ from twinkle_core.errors import (
 from twinkle_core.locks import ReadWriteLock
 from twinkle_core.requests import IN_FLIGHT_POLICIES, EngineRun, Finished, SampleHandle
 from twinkle_core.template import Template, get_template, load_tokenizer
-from twinkle_core.weights import find_non_finite
+from twinkle_core.weights import find_non_finite, find_not_floating
 
 __all__ = [
     "AdapterInfo",
@@ -530,16 +530,18 @@ class Sampler(ABC, metaclass=SamplerMeta):
 
         Raises:
             AdapterError: the folder is missing or malformed, the weights do not
-                fit or are not finite. A refused adapter changes nothing.
+                fit, are not floating point or are not finite. A refused adapter
+                changes nothing.
         """
         self._check_open()
         if not isinstance(adapter_name, str) or not adapter_name:
             raise InvalidInputError(f"adapter_name={adapter_name!r} is invalid: expected a non-empty string.")
-        if weights is not None and check_finite:
+        if weights is not None:
             pairs = list(weights.items()) if isinstance(weights, Mapping) else weights
-            bad = find_non_finite(pairs) if isinstance(pairs, list) else None
-            if bad is not None:
-                raise AdapterError(f"Adapter {adapter_name!r}: {bad}; nothing was loaded.")
+            if isinstance(pairs, list):
+                bad = find_not_floating(pairs) or (find_non_finite(pairs) if check_finite else None)
+                if bad is not None:
+                    raise AdapterError(f"Adapter {adapter_name!r}: {bad}; nothing was loaded.")
         self._make_room(in_flight)
         with self._lock.write():
             new_version = self._next_version(version)

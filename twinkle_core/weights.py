@@ -3,7 +3,8 @@
 An engine describes what it accepts as a mapping of name -> :class:`TensorSpec`
 and calls :func:`check_update`; it adds only its own rules (vLLM: layers that
 must arrive together). :func:`find_non_finite` is what ``update_weights`` and
-``add_adapter_to_model`` run before anything reaches an engine.
+``add_adapter_to_model`` run before anything reaches an engine; the latter
+also runs :func:`find_not_floating` on in-memory adapter tensors.
 
 Torch is imported only when a check runs (tensors cannot exist without it).
 """
@@ -19,7 +20,7 @@ import attrs
 
 from twinkle_core.errors import WeightUpdateError, did_you_mean
 
-__all__ = ["TensorSpec", "check_update", "find_non_finite"]
+__all__ = ["TensorSpec", "check_update", "find_non_finite", "find_not_floating"]
 
 
 @attrs.frozen
@@ -104,6 +105,19 @@ def check_update(
             )
         out[name] = value
     return out
+
+
+def find_not_floating(named_tensors: Iterable[Any]) -> str | None:
+    """Describe the first torch tensor that is not floating point (adapter weights), or return ``None``."""
+    if "torch" not in sys.modules:  # no tensor can exist
+        return None
+    import torch
+
+    for entry in named_tensors:
+        tensor = entry[1] if isinstance(entry, tuple) and len(entry) == 2 else None
+        if isinstance(tensor, torch.Tensor) and not tensor.is_floating_point():
+            return f"{entry[0]!r} has dtype {tensor.dtype}; expected a floating-point tensor"
+    return None
 
 
 def find_non_finite(named_tensors: Iterable[Any]) -> str | None:

@@ -67,8 +67,8 @@ def check_refused_changes(
 ) -> None:
     """Refused weight and adapter changes leave every output exactly as it was.
 
-    Tries NaN and infinite weights, NaN adapter tensors, a mis-shaped adapter
-    and an adapter with only half of its matrices; each must raise its typed
+    Tries NaN and infinite weights, NaN adapter tensors, a mis-shaped adapter,
+    an adapter with only half of its matrices and one of integer tensors; each must raise its typed
     error, leave the version and the adapter table unchanged, and leave greedy
     outputs (base model and a loaded adapter) identical. Then a good update of
     ``weights`` must still apply.
@@ -98,6 +98,7 @@ def check_refused_changes(
         "nan": {**tensors, lora_b: torch.full_like(tensors[lora_b], math.nan)},
         "shape": {**tensors, lora_a: torch.zeros(tensors[lora_a].shape[0] + 1, tensors[lora_a].shape[1])},
         "half": {k: v for k, v in tensors.items() if k != lora_b},
+        "integer": {k: v.round().to(torch.int32) for k, v in tensors.items()},
     }
     for label, bad_weights in broken.items():
         for target in ("kept", f"new-{label}"):  # replacing a loaded adapter, and adding a new one

@@ -202,6 +202,9 @@ def test_merge_from_config_and_tensors_in_memory(
         ({"config": {"use_dora": True}}, "DoRA"),
         ({"extra": "model.norm.weight"}, "not a lora_A / lora_B weight"),
         ({"drop_b": True}, "needs lora_A and lora_B"),
+        ({"scale": 1e30}, "holds NaN or infinity"),  # finite tensors whose product overflows float32
+        ({"rank0": True}, r"with r >= 1"),
+        ({"dtype": torch.int32}, "expected a floating-point tensor"),
     ],
 )
 def test_bad_merges_are_refused_and_change_nothing(
@@ -221,6 +224,12 @@ def test_bad_merges_are_refused_and_change_nothing(
         tensors[change["extra"]] = torch.ones(128)
     if change.get("drop_b"):
         tensors.pop(next(k for k in tensors if "lora_B" in k))
+    if "scale" in change:
+        tensors = {k: v * change["scale"] for k, v in tensors.items()}
+    if change.get("rank0"):
+        tensors = {k: v[:0] if "lora_A" in k else v[:, :0] for k, v in tensors.items()}
+    if "dtype" in change:
+        tensors = {k: v.to(change["dtype"]) for k, v in tensors.items()}
     with pytest.raises(AdapterError, match=match):
         merging.add_adapter_to_model("bad", config, weights=tensors, merge=change.get("merge", True))
     assert "bad" not in merging.adapters
