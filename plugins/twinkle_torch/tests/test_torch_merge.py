@@ -235,3 +235,25 @@ def test_bad_merges_are_refused_and_change_nothing(
     assert "bad" not in merging.adapters
     after = state(merging)
     assert all(torch.equal(after[k], weights[k]) for k in weights)
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_a_folder_adapter_with_nan_is_refused_both_ways(
+    pair: tuple[TorchSampler, TorchSampler], lora_dirs: dict[str, Path], tmp_path: Path, merge: bool
+) -> None:
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    _, merging = pair
+    weights = state(merging)
+    folder = tmp_path / "nan"
+    shutil.copytree(lora_dirs["a"], folder)
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    next(v for k, v in tensors.items() if "lora_B" in k).view(-1)[0] = float("nan")
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    with pytest.raises(AdapterError, match=r"non-finite|NaN"):
+        merging.add_adapter_to_model("bad", str(folder), merge=merge)
+    assert "bad" not in merging.adapters
+    after = state(merging)
+    assert all(torch.equal(after[k], weights[k]) for k in weights)
