@@ -136,6 +136,7 @@ def find_non_finite(named_tensors: Iterable[Any]) -> str | None:
         name, value = entry
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.device.type == "meta":
             continue
+        value = value.detach()  # a trainer's parameter: reading it needs no graph (and torch warns otherwise)
         # One reduction first: a finite sum proves every element finite (NaN and inf propagate);
         # only a non-finite sum (which an overflow could also cause) pays for the exact check.
         if math.isfinite(float(value.sum())):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import shutil
 import threading
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -305,6 +306,11 @@ def test_bad_weight_updates_change_nothing(tiny_llama: Path, chat_prompts: list[
         # a bfloat16 update of a float32 model is cast
         s.update_weights({"model.norm.weight": torch.ones(128, dtype=torch.bfloat16)})
         assert s.weights_version == 1
+        # a trainer's own parameter (requires_grad) goes in as it is, without autograd warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            s.update_weights({"model.norm.weight": torch.nn.Parameter(torch.ones(128))})
+        assert s.weights_version == 2
 
 
 # -- adapters --------------------------------------------------------------------------------------
