@@ -575,17 +575,26 @@ class vLLMSampler(EngineRecovery):
         return _MEMORY_SOURCE if weights is not None else str(config_or_dir)
 
     def _read_base(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """Base values of ``names`` and of the rest of their fused layers, from the checkpoint."""
+        """The engine's values of ``names`` and of the rest of their fused layers (none of them is merged).
+
+        A tensor a push replaced is read from its replay copy, which holds what
+        the last push sent (cloned: later pushes write over the copies); any
+        other from the checkpoint.
+        """
         spec = self._weight_spec()
         wanted = list(dict.fromkeys(member for name in names for member in spec.group_of(name)))
-        changed = sorted(self._pushed.intersection(wanted))
+        kept = {name: self._replay_tensors[name].clone() for name in wanted if name in self._replay_tensors}
+        changed = sorted(name for name in self._pushed.intersection(wanted) if name not in kept)
         if changed:
             raise AdapterError(
-                f"merge=True needs the base values of {changed[:3]}, which update_weights replaced since the engine"
-                " started; this engine keeps base values only while an adapter is merged (merge first, then update),"
-                " or load the adapter with merge=False."
+                f"merge=True needs the base values of {changed[:3]}, which update_weights replaced, and this sampler"
+                " keeps no copy of them (replay_weights=False). Merge first and update after (the merged adapter's"
+                " base values are kept), start the sampler with replay_weights=True, or load the adapter with"
+                " merge=False."
             )
-        return spec.read_checkpoint(wanted, getattr(torch, spec.engine_dtype))
+        rest = [name for name in wanted if name not in kept]
+        read = spec.read_checkpoint(rest, getattr(torch, spec.engine_dtype)) if rest else {}
+        return {name: kept[name] if name in kept else read[name] for name in wanted}
 
     def _unmerge(self) -> None:
         plan = self._merged.plan_unmerge()
