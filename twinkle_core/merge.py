@@ -1,10 +1,10 @@
 """Serving a LoRA adapter merged into the base weights: ``W + scale * B @ A``.
 
 An engine that serves an adapter through its LoRA kernels pays for them on
-every token; vLLM's CPU build gathers each token's adapter matrices in plain
-PyTorch, which makes a LoRA call several times slower than the base model.
-Merging the adapter into the weights its layers wrap makes sampling run at
-base-model speed, at the cost of one weight push per adapter version.
+every token (on vLLM's CPU build a call took 1.33x the base model's, with
+twinkle's replacement ops; 2.48x with vLLM's own). Merging the adapter into
+the weights its layers wrap makes sampling run at base-model speed, at the
+cost of one weight push per adapter version.
 
 This module is the part every engine shares (``add_adapter_to_model(...,
 merge=True)`` on the ``torch`` and ``vllm`` engines):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -264,3 +265,61 @@ def test_cpu_engines_default_to_whole_prompt_prefills(tiny_model: Path) -> None:
         pytest.skip("vLLM's GPU backends keep chunked prefill")
     assert build_engine_args(tiny_model, 1, {}).enable_chunked_prefill is False
     assert build_engine_args(tiny_model, 1, {"enable_chunked_prefill": True}).enable_chunked_prefill is True
+
+
+def _vllm_lora_ops() -> dict[str, Any]:
+    """vLLM's CPU LoRA ops as vLLM ships them (unwrapped), with the rows without an adapter zeroed (its bug fixed)."""
+    from vllm.lora.ops.torch_ops import lora_ops
+
+    from twinkle_vllm.extension import _LORA_OPS, _zero_rows_without_lora
+
+    reference = {}
+    for name in _LORA_OPS:
+        op = getattr(lora_ops, name)
+        while hasattr(op, "__wrapped__"):
+            op = op.__wrapped__
+        reference[name] = _zero_rows_without_lora(op)
+    return reference
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pattern", ["one slot", "mixed", "none"])
+def test_grouped_lora_ops_compute_what_vllms_ops_do(dtype: torch.dtype, pattern: str) -> None:
+    """The CPU LoRA ops twinkle installs (one product per adapter slot) against vLLM's own gather-and-multiply."""
+    from twinkle_vllm.extension import _grouped_lora_ops
+
+    reference = _vllm_lora_ops()
+    grouped = _grouped_lora_ops(reference)
+    gen = torch.Generator().manual_seed(1)
+    tokens, width, rank, out = 33, 40, 4, 24
+    indices = {
+        "one slot": torch.full((tokens,), 2),
+        "mixed": torch.randint(-1, 3, (tokens,), generator=gen),
+        "none": torch.full((tokens,), -1),
+    }[pattern]
+    x = torch.randn(tokens, width, generator=gen)
+    a = torch.randn(3, 1, rank, width, generator=gen).to(dtype)
+    b = torch.randn(3, 1, out, rank, generator=gen).to(dtype)
+    mid = torch.randn(tokens, rank, generator=gen)
+    for add in (True, False):
+        for name, args in (
+            ("bgmv_shrink", (x, a, torch.zeros(tokens, rank), indices, 0.25)),
+            ("bgmv_expand", (mid, b, torch.randn(tokens, out, generator=gen), indices, add)),
+            ("bgmv_expand_slice", (mid, b, torch.randn(tokens, 2 * out, generator=gen), indices, out // 2, out, add)),
+        ):
+            mine, theirs = args[2].clone(), args[2].clone()
+            grouped[name](args[0], args[1], mine, *args[3:])
+            reference[name](args[0], args[1], theirs, *args[3:])
+            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_the_lora_ops_probe_refuses_ops_that_compute_something_else() -> None:
+    from twinkle_vllm.extension import _grouped_lora_ops, _lora_ops_agree
+
+    reference = _vllm_lora_ops()
+    grouped = _grouped_lora_ops(reference)
+    assert _lora_ops_agree(grouped, reference)
+    unscaled = dict(grouped, bgmv_shrink=lambda x, w, out, idx, scaling=1.0: grouped["bgmv_shrink"](x, w, out, idx))
+    assert not _lora_ops_agree(unscaled, reference)
+    base_gets_adapter = dict(grouped, bgmv_expand=reference["bgmv_expand"].__wrapped__)  # vLLM's -1 bug
+    assert not _lora_ops_agree(base_gets_adapter, reference)
