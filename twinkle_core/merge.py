@@ -41,7 +41,7 @@ import attrs
 
 from twinkle_core.errors import AdapterError, MergedAdapterError
 
-__all__ = ["MergePlan", "MergedLoRA", "check_merge_flag", "lora_deltas", "read_adapter"]
+__all__ = ["MergePlan", "MergedLoRA", "check_merge_flag", "lora_deltas", "peft_pattern_value", "read_adapter"]
 
 _PREFIXES = ("base_model.model.", "base_model.")
 _LORA_KINDS = ("lora_A", "lora_B")
@@ -140,10 +140,14 @@ def _module_of(name: str) -> tuple[str, str] | None:
     return path, kind
 
 
-def _pattern_value(patterns: Mapping[str, Any], module: str, default: Any) -> Any:
-    # PEFT matches a pattern key against the end of the module's dotted name.
-    for key, value in patterns.items():
-        if re.fullmatch(rf"(.*\.)?{key}", module):
+def peft_pattern_value(patterns: Mapping[str, Any] | None, module: str, default: Any) -> Any:
+    """The value of ``module`` in a PEFT ``rank_pattern`` / ``alpha_pattern``, else ``default``.
+
+    As PEFT matches them: a key (a regular expression) matches the end of the
+    module's dotted name, starting at a dot; the first matching key wins.
+    """
+    for key, value in (patterns or {}).items():
+        if re.fullmatch(rf"(.*\.)?(?:{key})", module):
             return value
     return default
 
@@ -201,7 +205,7 @@ def lora_deltas(name: str, config: Mapping[str, Any], tensors: list[tuple[str, A
                 " expected (r, in) and (out, r) with r >= 1."
             )
         rank = a.shape[0]
-        layer_alpha = float(_pattern_value(alpha_pattern, module, alpha))
+        layer_alpha = float(peft_pattern_value(alpha_pattern, module, alpha))
         scale = layer_alpha / (math.sqrt(rank) if rslora else rank)
         delta = (b.to(a.device) @ a) * scale
         # Whatever check_finite says: a non-finite merged weight would spoil every token. One

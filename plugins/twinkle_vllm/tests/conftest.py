@@ -41,18 +41,21 @@ def make_sampler(model: Path, **engine_args: Any) -> Any:
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_peft_adapter(model_dir: Path, out_dir: Path, seed: int, rank: int = 4, scale: float = 0.3) -> Path:
+def make_peft_adapter(
+    model_dir: Path, out_dir: Path, seed: int, rank: int = 4, scale: float = 0.3, **options: Any
+) -> Path:
     """Save a PEFT LoRA adapter for the tiny model whose ``lora_B`` is random.
 
     PEFT initialises ``lora_B`` to zero (a no-op adapter); randomising it makes
     the adapter change the model's outputs, so a wrong or missing adapter shows.
+    ``options`` go to ``LoraConfig`` (``rank_pattern``, ...).
     """
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, lora_dropout=0.0, **options)
     torch.manual_seed(seed)  # lora_A is initialised from the global generator
     peft_model = get_peft_model(base, config)
     gen = torch.Generator().manual_seed(seed)

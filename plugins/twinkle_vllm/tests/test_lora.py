@@ -183,3 +183,23 @@ def test_bad_adapters_are_typed_errors(clean: Any, tiny_model: Path, adapters: d
     # nothing is broken
     sampler.add_adapter_to_model("a", adapters["a"])
     assert len(tokens(sampler, "a")) == len(PROMPTS)
+
+
+def test_per_module_ranks_and_alphas_load_and_merge(clean: Any, tiny_model: Path, tmp_path: Path) -> None:
+    """PEFT's rank_pattern / alpha_pattern: the shape check reads each module's own rank (it refused these before)."""
+    folder = make_peft_adapter(
+        tiny_model, tmp_path / "patterns", seed=3, rank=4, rank_pattern={"v_proj": 2}, alpha_pattern={"down_proj": 1}
+    )
+    sampler = clean
+    base = tokens(sampler)
+    sampler.add_adapter_to_model("p", folder)
+    out = sampler.sample(PROMPTS[0], GREEDY, adapter_name="p")[0]
+    seq = out.sequences[0]
+    assert tokens(sampler, "p") != base
+    reference = hf_logprobs(tiny_model, out.prompt_token_ids, seq.tokens, adapter=folder)
+    assert seq.logprobs == pytest.approx(reference, abs=1e-3)
+    unmerged = tokens(sampler, "p")
+    sampler.add_adapter_to_model("p", folder, merge=True)
+    assert tokens(sampler, "p") == unmerged
+    sampler.remove_adapter("p")
+    assert tokens(sampler) == base

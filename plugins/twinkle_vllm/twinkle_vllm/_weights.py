@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from twinkle_core.errors import AdapterError, UnsupportedFeatureError, WeightUpdateError
+from twinkle_core.merge import peft_pattern_value
 from twinkle_core.weights import TensorSpec, check_update
 
 __all__ = ["WeightSpec"]
@@ -174,8 +175,9 @@ class WeightSpec:
     def check_lora(self, adapter: str, config: dict[str, Any], tensors: list[tuple[str, Any]]) -> None:
         """Check LoRA tensors against the model: each ``lora_A`` is ``(r, in)``, each ``lora_B`` ``(out, r)``.
 
-        Names are PEFT's (``base_model.model.<module>.lora_A.weight``). vLLM
-        itself loads a mis-shaped or half adapter without a word.
+        Names are PEFT's (``base_model.model.<module>.lora_A.weight``); ``r`` is
+        the config's, or the module's entry in ``rank_pattern``. vLLM itself
+        loads a mis-shaped or half adapter without a word.
 
         Raises:
             AdapterError: an unknown module, a wrong shape, or an ``A`` without its ``B``.
@@ -197,11 +199,12 @@ class WeightSpec:
                     f"Adapter {adapter!r}: {name!r} targets {module!r}, which is not a linear layer of this model."
                 )
             out_features, in_features = base.shape
-            want = (rank, in_features) if parts[-2] == "lora_A" else (out_features, rank)
+            layer_rank = peft_pattern_value(config.get("rank_pattern"), module, rank)
+            want = (layer_rank, in_features) if parts[-2] == "lora_A" else (out_features, layer_rank)
             if tuple(tensor.shape) != tuple(want):
                 raise AdapterError(
                     f"Adapter {adapter!r}: {name!r} has shape {tuple(tensor.shape)}, expected {want}"
-                    f" (r={rank}, layer {module!r} is {out_features}x{in_features})."
+                    f" (r={layer_rank}, layer {module!r} is {out_features}x{in_features})."
                 )
             seen.setdefault(module, set()).add(parts[-2])
         half = sorted(m for m, kinds in seen.items() if len(kinds) != 2)
