@@ -232,6 +232,17 @@ def test_hermes_parser() -> None:
     assert unclosed.tool_calls == [] and "not closed" in unclosed.errors[0]
     nameless = parser.parse('<tool_call>{"arguments": {}}</tool_call>')
     assert "non-empty string 'name'" in nameless.errors[0]
+    # Whatever a model writes is an error on the turn, never an exception: nesting deeper than
+    # Python's parser goes, and numbers strict JSON does not have (a call could not be sent on).
+    deep = "[" * 100_000 + "]" * 100_000
+    for text, needle in (
+        (f"<tool_call>{deep}</tool_call>", "nested too deeply"),
+        ('<tool_call>{"name": "f", "arguments": "' + deep + '"}</tool_call>', "not a JSON object"),
+        ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', "NaN is not a JSON value"),
+        ('<tool_call>{"name": "f", "arguments": {"x": 1e999}}</tool_call>', "beyond float range"),
+    ):
+        bad = parser.parse(text)
+        assert bad.tool_calls == [] and needle in bad.errors[0], bad.errors
     assert get_tool_parser("none").parse("<tool_call>{}</tool_call>").tool_calls == []
 
 

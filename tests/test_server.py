@@ -192,6 +192,20 @@ def test_malformed_json_and_unknown_route(server: RunningServer) -> None:
         server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
     assert r.status_code == 400 and "error" in r.json()
+    # JSON nested deeper than the parser goes: a 400, in the body and in a tool call's arguments
+    deep = "[" * 100_000 + "]" * 100_000
+    body = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "x": ' + deep + "}"
+    r = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "error" in r.json(), r.text
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "1"},
+    ]
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": messages})
+    assert r.status_code == 400 and "are not JSON" in r.json()["error"]["message"], r.text
+    assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/v1/nothing").json()["error"]["code"] == "not_found"
 
 

@@ -23,6 +23,7 @@ Built in: ``hermes`` (Hermes / Qwen / the tiny model's ChatML,
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from typing import Any, ClassVar
@@ -129,20 +130,48 @@ class HermesToolParser(ToolCallParser):
         if not closed:
             return None, f"{where} is not closed by </tool_call> (the completion ended inside it): {body[:200]!r}"
         try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as exc:
-            return None, f"{where} is not valid JSON ({exc.msg} at position {exc.pos}): {body[:200]!r}"
+            obj = _strict_json(body)
+        except ValueError as exc:
+            return None, f"{where} is not valid JSON ({_json_problem(exc)}): {body[:200]!r}"
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
             return None, f"{where} must be a JSON object with a non-empty string 'name': {body[:200]!r}"
         args = obj.get("arguments", obj.get("parameters", {}))
         if isinstance(args, str):  # some models emit the arguments as a JSON string
             try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
+                args = _strict_json(args)
+            except ValueError:
                 return None, f"{where} ({obj['name']}) has 'arguments' that are not a JSON object: {args[:200]!r}"
         if not isinstance(args, dict):
             return None, f"{where} ({obj['name']}) has 'arguments' that are not a JSON object: {args!r:.200}"
         return {"id": new_call_id(), "type": "function", "function": {"name": obj["name"], "arguments": args}}, None
+
+
+def _strict_json(text: str) -> Any:
+    """``json.loads`` as the JSON standard reads it: no NaN or Infinity, no number beyond float range.
+
+    Raises:
+        ValueError: anything that is not such JSON, nesting too deep for the parser included.
+    """
+
+    def number(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            raise ValueError(f"the number {literal[:40]} is beyond float range")
+        return value
+
+    def constant(literal: str) -> Any:
+        raise ValueError(f"{literal} is not a JSON value")
+
+    try:
+        return json.loads(text, parse_float=number, parse_constant=constant)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
+def _json_problem(exc: ValueError) -> str:
+    if isinstance(exc, json.JSONDecodeError):
+        return f"{exc.msg} at position {exc.pos}"
+    return str(exc)
 
 
 tool_parser_registry: Registry[type[ToolCallParser]] = Registry(

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import reprlib
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -121,6 +122,15 @@ class ApiError(Exception):
         return JSONResponse(body, status_code=self.status)
 
 
+#: Short, bounded reprs of what a client sent, for error messages (a deeply nested value cannot blow the stack).
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother = 3, 60, 60
+
+
+def _brief(value: Any) -> str:
+    return _BRIEF.repr(value)[:60]
+
+
 def _twinkle_status(exc: TwinkleError) -> ApiError:
     if isinstance(exc, (SamplerClosedError, EngineDeadError)):
         return ApiError(503, str(exc), kind="server_error", code="engine_unavailable")
@@ -147,7 +157,7 @@ def _openai_messages(raw: list[dict[str, Any]]) -> list[Message]:
                 if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
                     try:
                         fn["arguments"] = json.loads(fn["arguments"])
-                    except json.JSONDecodeError:
+                    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
                         raise ApiError(
                             400,
                             f"messages[{i}].tool_calls: arguments {fn['arguments']!r:.80} are not JSON.",
@@ -434,7 +444,7 @@ def create_app(
         parts = []
         for e in exc.errors():
             loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            parts.append(f"{loc}: {e.get('msg')}" + (f" (got {e['input']!r:.60})" if "input" in e else ""))
+            parts.append(f"{loc}: {e.get('msg')}" + (f" (got {_brief(e['input'])})" if "input" in e else ""))
         first = exc.errors()[0].get("loc", ()) if exc.errors() else ()
         param = ".".join(str(x) for x in first if x != "body") or None
         return ApiError(400, "Invalid request: " + "; ".join(parts), param=param).response()

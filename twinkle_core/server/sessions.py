@@ -35,7 +35,7 @@ def _args(arguments: Any) -> str:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # not JSON, or nested deeper than the parser goes
             return str(arguments)
     return json.dumps(arguments, sort_keys=True)
 
