@@ -110,6 +110,10 @@ def test_trajectory_round_trip_with_tools_and_tool_messages():
         ({"messages": [{"role": "user", "content": 3}]}, "content=3"),
         ({"messages": [{"role": "user", "content": "x"}], "toolz": []}, "Did you mean 'tools'"),
         ({"messages": "hi"}, "non-empty list"),
+        ({"messages": [{"role": "user", "content": ["hi"]}]}, r"content\[0\]='hi'.*content part"),
+        ({"messages": [{"role": "user", "content": [{"text": "hi"}]}]}, "string 'type'"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "needs a string 'text'"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}, "lone surrogate"),
     ],
 )
 def test_malformed_trajectories_raise_invalid_input(data, match):

@@ -280,3 +280,22 @@ def test_tool_parser_registry() -> None:
         assert get_tool_parser("upper").parse("hi").content == "HI"
     finally:
         tool_parser_registry.unregister("upper")
+
+
+def test_text_parts_render_as_text_and_other_parts_are_refused(torch_sampler: Any) -> None:
+    """OpenAI-style content parts: text parts are joined one per line; an image is refused, never dropped."""
+    from twinkle_core import Trajectory
+    from twinkle_core.errors import InvalidInputError
+
+    template = torch_sampler.template
+
+    def ids(content: Any) -> list[int]:
+        return template.encode(Trajectory(messages=[{"role": "user", "content": content}])).input_ids
+
+    assert ids([{"type": "text", "text": "Hello"}]) == ids("Hello")
+    assert ids([{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]) == ids("Hello\nthere")
+    image = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}
+    with pytest.raises(InvalidInputError, match="content part of type 'image_url'"):
+        ids([{"type": "text", "text": "What is this?"}, image])
+    with pytest.raises(InvalidInputError, match="image_url"):
+        torch_sampler.sample([Trajectory(messages=[{"role": "user", "content": [image]}])], GREEDY)

@@ -38,11 +38,25 @@ def _check_opt_str(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> No
 
 
 def _check_content(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    # Multimodal content arrives as a list of parts; text-only as a string.
+    # Text arrives as a string or as OpenAI-style parts ({"type": "text", "text": ...}); parts of other
+    # types are kept here for engines that take them, and refused where text is rendered (Template.render).
     if not isinstance(value, (str, list)):
         raise InvalidInputError(f"Message.content={value!r} is invalid: expected a string or a list of content parts.")
     if isinstance(value, str):
         _check_text("Message.content", value)
+        return
+    for i, part in enumerate(value):
+        if not (isinstance(part, dict) and isinstance(part.get("type"), str)):
+            raise InvalidInputError(
+                f"Message.content[{i}]={part!r:.80} is invalid: expected a content part, a dict with a string"
+                " 'type' (e.g. {'type': 'text', 'text': '...'})."
+            )
+        if part["type"] == "text":
+            if not isinstance(part.get("text"), str):
+                raise InvalidInputError(
+                    f"Message.content[{i}]={part!r:.80} is invalid: a text part needs a string 'text'."
+                )
+            _check_text(f"Message.content[{i}].text", part["text"])
 
 
 def _check_list_of_dicts(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:

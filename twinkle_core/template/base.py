@@ -33,6 +33,25 @@ CHATML_JINJA = (
 )
 
 
+def _text_only(index: int, message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with content parts joined into one string (one line per part), as templates expect.
+
+    Raises:
+        InvalidInputError: a part that is not text: a template renders text only,
+            and dropping the part would change the prompt without a word.
+    """
+    parts = message.get("content")
+    if not isinstance(parts, list):
+        return message
+    for part in parts:
+        if part.get("type") != "text":
+            raise InvalidInputError(
+                f"messages[{index}] has a content part of type {part.get('type')!r}: the chat template renders"
+                " text only (this engine passes no images or audio to the model). Send text parts or a string."
+            )
+    return {**message, "content": "\n".join(part["text"] for part in parts)}
+
+
 def load_tokenizer(model_dir: str | os.PathLike[str], **kwargs: Any) -> Any:
     """Load a Hugging Face tokenizer from a local folder (imports transformers lazily)."""
     from transformers import AutoTokenizer
@@ -90,7 +109,7 @@ class Template:
                 " be encoded. Set one with sampler.set_template('chatml') (or another registered template),"
                 " or pass InputFeature token ids."
             )
-        messages = [m.to_hf() for m in trajectory.messages]
+        messages = [_text_only(i, m.to_hf()) for i, m in enumerate(trajectory.messages)]
         tools = [t.to_hf() for t in trajectory.tools] or None
         try:
             return str(
