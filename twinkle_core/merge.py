@@ -40,6 +40,7 @@ from typing import Any
 import attrs
 
 from twinkle_core.errors import AdapterError, MergedAdapterError
+from twinkle_core.weights import find_non_finite, find_not_floating
 
 __all__ = ["MergePlan", "MergedLoRA", "check_merge_flag", "lora_deltas", "peft_pattern_value", "read_adapter"]
 
@@ -192,12 +193,9 @@ def lora_deltas(name: str, config: Mapping[str, Any], tensors: list[tuple[str, A
             raise AdapterError(
                 f"Adapter {name!r}: layer {module!r} has only {sorted(pair)[0]}; it needs lora_A and lora_B."
             )
-        for kind in _LORA_KINDS:
-            if not pair[kind].is_floating_point():
-                raise AdapterError(
-                    f"Adapter {name!r}: layer {module!r} has {kind} of dtype {pair[kind].dtype}; expected a"
-                    " floating-point tensor."
-                )
+        not_floating = find_not_floating([(f"{module}.{kind}", pair[kind]) for kind in _LORA_KINDS])
+        if not_floating is not None:
+            raise AdapterError(f"Adapter {name!r}: {not_floating}.")
         a, b = pair["lora_A"].detach().float(), pair["lora_B"].detach().float()
         if a.dim() != 2 or b.dim() != 2 or b.shape[1] != a.shape[0] or a.shape[0] == 0:
             raise AdapterError(
@@ -208,9 +206,9 @@ def lora_deltas(name: str, config: Mapping[str, Any], tensors: list[tuple[str, A
         layer_alpha = float(peft_pattern_value(alpha_pattern, module, alpha))
         scale = layer_alpha / (math.sqrt(rank) if rslora else rank)
         delta = (b.to(a.device) @ a) * scale
-        # Whatever check_finite says: a non-finite merged weight would spoil every token. One
-        # reduction per layer, small beside the product (NaN and infinity reach the sum).
-        if not math.isfinite(float(delta.sum())) and not bool(delta.isfinite().all()):
+        # Whatever check_finite says: a non-finite merged weight would spoil every token. The
+        # scan is one reduction per layer, small beside the product.
+        if find_non_finite([(module, delta)]) is not None:
             raise AdapterError(
                 f"Adapter {name!r}: the merged update of layer {module!r} (scale * lora_B @ lora_A) holds NaN or"
                 " infinity (non-finite adapter values, or a product beyond float32's range); nothing was merged."

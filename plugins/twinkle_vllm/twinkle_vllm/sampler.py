@@ -583,18 +583,32 @@ class vLLMSampler(EngineRecovery):
         """
         spec = self._weight_spec()
         wanted = list(dict.fromkeys(member for name in names for member in spec.group_of(name)))
-        kept = {name: self._replay_tensors[name].clone() for name in wanted if name in self._replay_tensors}
-        changed = sorted(name for name in self._pushed.intersection(wanted) if name not in kept)
-        if changed:
+        held, unknown = self._held_values(wanted, replaced=self._pushed)
+        if unknown:
             raise AdapterError(
-                f"merge=True needs the base values of {changed[:3]}, which update_weights replaced, and this sampler"
-                " keeps no copy of them (replay_weights=False). Merge first and update after (the merged adapter's"
-                " base values are kept), start the sampler with replay_weights=True, or load the adapter with"
-                " merge=False."
+                f"merge=True needs the base values of {sorted(unknown)[:3]}, which update_weights replaced, and this"
+                " sampler keeps no copy of them (replay_weights=False). Merge first and update after (the merged"
+                " adapter's base values are kept), start the sampler with replay_weights=True, or load the adapter"
+                " with merge=False."
             )
-        rest = [name for name in wanted if name not in kept]
+        # MergedLoRA keeps these; the replay copies are written over by later pushes.
+        return {name: value.clone() if value is self._replay_tensors.get(name) else value for name, value in held}
+
+    def _held_values(self, names: list[str], *, replaced: set[str]) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
+        """The values the engine holds for ``names`` (replay copies, else the checkpoint's), and the unknown names.
+
+        A name in ``replaced`` without a replay copy (``replay_weights=False``)
+        is unknown: the checkpoint no longer holds its value. If any is, no
+        value is read and the first list is empty.
+        """
+        rest = [name for name in names if name not in self._replay_tensors]
+        unknown = [name for name in rest if name in replaced]
+        if unknown:
+            return [], unknown
+        spec = self._weight_spec()
         read = spec.read_checkpoint(rest, getattr(torch, spec.engine_dtype)) if rest else {}
-        return {name: kept[name] if name in kept else read[name] for name in wanted}
+        held = [(name, self._replay_tensors[name] if name in self._replay_tensors else read[name]) for name in names]
+        return held, []
 
     def _unmerge(self) -> None:
         plan = self._merged.plan_unmerge()
@@ -777,15 +791,11 @@ class vLLMSampler(EngineRecovery):
         pushed again: the engine may run a mix that no weights version names.
         """
         assert self._channel is not None
-        dtype = getattr(torch, self._weight_spec().engine_dtype)
-        old = [(n, self._replay_tensors[n]) for n in names if n in self._replay_tensors]
-        rest = [n for n in names if n not in self._replay_tensors]
-        unknown = [n for n in rest if n in self._pushed_names]  # replaced by a push (an update or a merge)
         try:
+            # Replaced by any push (an update or a merge): the checkpoint is not what the engine held.
+            old, unknown = self._held_values(names, replaced=self._pushed_names)
             if unknown:
                 raise LookupError(f"no copy of the values before it (replay_weights=False) for {unknown[:3]}")
-            if rest:
-                old += list(self._weight_spec().read_checkpoint(rest, dtype).items())
             self._channel.push("weights", old)
         except Exception as exc:
             self._mark_weights_lost(
