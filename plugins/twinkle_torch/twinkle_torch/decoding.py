@@ -39,7 +39,9 @@ generated, and continue where they were). A single row that does not fit fails i
 
 from __future__ import annotations
 
+import atexit
 import threading
+import weakref
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -56,6 +58,23 @@ __all__ = ["Decoder", "DecoderStats", "PromptScores", "RunControl", "SequenceRes
 
 #: A batch drops its finished rows once at least this share of it has finished.
 _PRUNE_FRACTION = 1 / 8
+#: How long closing waits for the decode loop to end (it checks between steps, so about one step).
+_JOIN_TIMEOUT_S = 120.0
+
+#: Decoders alive in this process: stopped at exit, before the interpreter stops daemon threads.
+_LIVE: weakref.WeakSet[Decoder] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    # The loop thread is a daemon: at interpreter exit it would be stopped wherever it is, and
+    # when that is inside a tensor's destructor (the loop frees the batch's KV cache after its
+    # last run is reported, with the GIL released), the unwind through C++ aborts the whole
+    # process ("terminate called without an active exception", exit 134). Atexit handlers run
+    # before daemon threads are stopped, so every loop is ended and joined here.
+    for decoder in list(_LIVE):
+        decoder.close()
+
 
 OutOfMemoryError: type[BaseException] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
@@ -271,6 +290,7 @@ class Decoder:
         self._jobs: list[_Job] = []  # runs with rows queued or in the batch
         self._looping = False
         self._closed = False
+        self._thread: threading.Thread | None = None
         # Decode-loop state, touched by the loop's thread only.
         self._batch: _Batch | None = None
         self._adapter: str | None = None
@@ -330,7 +350,9 @@ class Decoder:
                 self._jobs.append(job)
                 if not self._looping:
                     self._looping = True
-                    threading.Thread(target=self._loop, name="twinkle-torch-decode", daemon=True).start()
+                    _LIVE.add(self)
+                    self._thread = threading.Thread(target=self._loop, name="twinkle-torch-decode", daemon=True)
+                    self._thread.start()
                 self._cond.notify_all()
             job.done.wait()
             if job.error is not None:
@@ -350,10 +372,19 @@ class Decoder:
         return sequences, [job.scores.get(p) for p in range(len(prompts))]
 
     def close(self) -> None:
-        """Refuse new runs and let the loop end (runs in flight fail)."""
+        """Refuse new runs, end the loop (runs in flight fail) and wait for its thread to finish.
+
+        Waiting matters: the loop frees the batch (its KV cache) after its last
+        run returns, and a process that exits while that thread is still inside
+        a tensor's destructor aborts. Called from the loop's own thread (a
+        finish callback), it does not wait.
+        """
         with self._cond:
             self._closed = True
             self._cond.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(_JOIN_TIMEOUT_S)
 
     # -- the loop -----------------------------------------------------------------------------
     def _loop(self) -> None:
