@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -9,7 +10,14 @@ import pytest
 from twinkle_core.errors import ConfigError, UnsupportedFeatureError
 from twinkle_core.mesh import DeviceMesh
 from twinkle_vllm import IPC_TIMEOUT_ENV
-from twinkle_vllm._engine_args import DEFAULT_IPC_TIMEOUT_S, build_engine_args, read_ipc_timeout
+from twinkle_vllm._engine_args import (
+    DEFAULT_IPC_TIMEOUT_S,
+    THREADS_BIND_ENV,
+    build_engine_args,
+    cpu_threads_bind,
+    platform_environment,
+    read_ipc_timeout,
+)
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "abc", "nan", "inf", "-0.5"])
@@ -77,3 +85,31 @@ def test_options_are_forwarded_explicitly_false_included(tiny_model: Path) -> No
     assert args.logprobs_mode == "processed_logprobs"
     args = build_engine_args(tiny_model, 1, {"logits_processors": ["my.pkg:Proc"]})
     assert args.logits_processors == ["twinkle_vllm._logits:TemperatureProcessor", "my.pkg:Proc"]
+
+
+def test_cpu_thread_binding_gives_each_worker_its_own_cores() -> None:
+    assert cpu_threads_bind(2, [0, 1]) == "0|1"
+    assert cpu_threads_bind(2, {3, 0, 1, 2}) == "0,1|2,3"
+    assert cpu_threads_bind(2, [4, 5, 6]) == "4,5|6"  # uneven: the first worker takes the extra core
+    assert cpu_threads_bind(1, [0, 1]) == "0,1"
+    with pytest.raises(ConfigError, match=THREADS_BIND_ENV) as info:
+        cpu_threads_bind(3, [0, 1])
+    assert "tensor_parallel_size=3" in str(info.value) and "2 core(s)" in str(info.value)
+
+
+def test_thread_binding_is_chosen_only_when_the_user_did_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    cores = len(os.sched_getaffinity(0))
+    assert platform_environment(1, {}) == {}
+    assert platform_environment(2, {THREADS_BIND_ENV: "0-1|2-3"}) == {}  # the user's own binding wins
+    assert platform_environment(2, {THREADS_BIND_ENV: "nobind"}) == {}
+    if cores >= 2:
+        assert platform_environment(2, {}) == {THREADS_BIND_ENV: cpu_threads_bind(2, os.sched_getaffinity(0))}
+        assert platform_environment(2, {THREADS_BIND_ENV: "auto"}) == platform_environment(2, {})
+
+
+def test_more_tp_workers_than_cores_is_a_config_error_before_any_engine_starts(tiny_model: Path) -> None:
+    from twinkle_vllm.sampler import vLLMSampler
+
+    too_many = len(os.sched_getaffinity(0)) + 1
+    with pytest.raises(ConfigError, match=THREADS_BIND_ENV):
+        vLLMSampler(tiny_model, DeviceMesh.from_sizes(tp_size=too_many))

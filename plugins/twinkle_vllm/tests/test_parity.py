@@ -1,6 +1,7 @@
 """Cross-engine parity: vLLMSampler and TorchSampler agree on the same tiny float32 model.
 
-Greedy tokens must be identical and the processed log-probs of those tokens
+Greedy tokens must be identical (up to a divergence at a true near-tie, see
+:mod:`twinkle_core.testing.parity`) and the processed log-probs of those tokens
 within ``ATOL``: on the base model, with one LoRA adapter loaded in both, and
 after the same weight update was pushed into both. Runs when ``twinkle_torch``
 is installed (it is in the monorepo's test environment).
@@ -16,6 +17,7 @@ import pytest
 
 from twinkle_core.data_format import SamplingParams, Trajectory
 from twinkle_core.testing import TINY_CHAT_PROMPTS
+from twinkle_core.testing.parity import assert_greedy_parity
 
 from .conftest import make_sampler, perturbed_state
 
@@ -46,10 +48,9 @@ def run(sampler: Any, adapter: str = "") -> list[Any]:
 
 def assert_same(vllm_out: list[Any], torch_out: list[Any]) -> None:
     assert len(vllm_out) == len(torch_out) == 8
-    for i, (a, b) in enumerate(zip(vllm_out, torch_out)):
-        assert len(a.tokens) == 32
-        assert a.tokens == b.tokens, f"prompt {i}: greedy tokens differ"
-        assert a.logprobs == pytest.approx(b.logprobs, abs=ATOL), f"prompt {i}: log-probs differ"
+    assert all(len(a.tokens) == 32 for a in vllm_out)
+    # exact up to a divergence at a true near-tie, where the two engines' kernels may round either way
+    assert_greedy_parity(vllm_out, torch_out, atol=ATOL)
 
 
 def test_base_model_parity(vllm_sampler: Any, torch_sampler: Any) -> None:

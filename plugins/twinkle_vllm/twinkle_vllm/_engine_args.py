@@ -9,9 +9,11 @@ and cannot be overridden.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +25,12 @@ __all__ = [
     "EXTENSION_CLS",
     "LOGITS_PROCESSOR",
     "RESERVED",
+    "THREADS_BIND_ENV",
     "build_engine_args",
+    "cpu_threads_bind",
     "engine_option_names",
     "platform_defaults",
+    "platform_environment",
     "read_ipc_timeout",
 ]
 
@@ -91,6 +96,71 @@ def platform_defaults() -> dict[str, Any]:
     from vllm.platforms import current_platform
 
     return {"enable_chunked_prefill": False} if current_platform.is_cpu() else {}
+
+
+#: vLLM's CPU backend: which cores each worker's OpenMP threads are bound to, '|' between workers.
+THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
+
+
+def cpu_threads_bind(tp_size: int, cores: Iterable[int]) -> str:
+    """A ``VLLM_CPU_OMP_THREADS_BIND`` value giving each of ``tp_size`` workers its own cores.
+
+    vLLM's default (``auto``) binds one NUMA node per worker, so on a machine
+    with one node any ``tp_size > 1`` fails at engine start ("Not enough
+    allowed NUMA nodes"). This splits the cores the process may run on into
+    ``tp_size`` contiguous groups as even as they can be (``"0|1"``,
+    ``"0,1|2,3"``); the first groups take one core more when they do not divide.
+
+    Raises:
+        ConfigError: fewer cores than workers (a worker per core at least).
+    """
+    ids = sorted(set(cores))
+    if tp_size > len(ids):
+        raise ConfigError(
+            f"tensor_parallel_size={tp_size} needs a core per worker on vLLM's CPU backend, but this process may"
+            f" run on {len(ids)} core(s) ({', '.join(map(str, ids))}): use a smaller tp_size, or set"
+            f" {THREADS_BIND_ENV} yourself (cores per worker, '|' between workers, e.g. '0-3|4-7'; 'nobind' to"
+            " leave threads unbound)."
+        )
+    base, extra = divmod(len(ids), tp_size)
+    groups: list[str] = []
+    start = 0
+    for rank in range(tp_size):
+        size = base + (1 if rank < extra else 0)
+        groups.append(",".join(map(str, ids[start : start + size])))
+        start += size
+    return "|".join(groups)
+
+
+def platform_environment(tp_size: int, environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Environment variables the engine's processes need on this platform (what the user set wins).
+
+    On vLLM's CPU backend with ``tp_size > 1``: a thread binding with a core
+    set per worker (see :func:`cpu_threads_bind`), unless the user set one.
+    """
+    env = os.environ if environ is None else environ
+    if tp_size <= 1 or env.get(THREADS_BIND_ENV, "").strip() not in ("", "auto"):
+        return {}
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    return {THREADS_BIND_ENV: cpu_threads_bind(tp_size, os.sched_getaffinity(0))}
+
+
+@contextlib.contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` while the engine's processes are spawned, then restore it."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def build_engine_args(model_dir: Path, tp_size: int, options: dict[str, Any]) -> Any:

@@ -50,7 +50,13 @@ from twinkle_core.merge import MergedLoRA, check_merge_flag, lora_deltas, read_a
 from twinkle_core.mesh import DeviceMesh
 from twinkle_core.requests import EngineRun
 from twinkle_vllm._convert import Plan, flat_entries, make_plan, scoring_params
-from twinkle_vllm._engine_args import LOGITS_PROCESSOR, build_engine_args, read_ipc_timeout
+from twinkle_vllm._engine_args import (
+    LOGITS_PROCESSOR,
+    build_engine_args,
+    environment,
+    platform_environment,
+    read_ipc_timeout,
+)
 from twinkle_vllm._files import sweep_stale
 from twinkle_vllm._loop import LoopThread
 from twinkle_vllm._reaper import Reaper
@@ -177,6 +183,8 @@ class vLLMSampler(EngineRecovery):
         self.model_dir = _resolve_model(model_id)
         self.model_id = str(model_id)
         engine_args_obj = build_engine_args(self.model_dir, mesh.tp_size, options)
+        # Read once: a restart spawns its processes with the same environment.
+        self._spawn_env = platform_environment(mesh.tp_size)
         self._temperature_processor = LOGITS_PROCESSOR in (engine_args_obj.logits_processors or [])
         self._init_template(template, self.model_dir)
 
@@ -212,7 +220,8 @@ class vLLMSampler(EngineRecovery):
         sweep_stale()
         before = process_snapshot()
         # A copy: vLLM may fill in the arguments it is given, and a restart needs them as they were.
-        self._engine = self._loop.run(self._start_engine(copy.deepcopy(self._engine_args_obj)))
+        with environment(self._spawn_env):
+            self._engine = self._loop.run(self._start_engine(copy.deepcopy(self._engine_args_obj)))
         # If this process is killed, the reaper stops the engine's processes and removes their files.
         self._reaper = Reaper.start(before)
         config = self._engine.vllm_config
