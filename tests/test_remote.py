@@ -388,7 +388,7 @@ def test_greedy_matches_local_and_keeps_order_with_uneven_prompts(remote, local)
     assert [r.prompt_token_ids for r in got] == [r.prompt_token_ids for r in expected]
     assert tokens(got) == tokens(expected)
     assert [r.sequences[0].text for r in got] == [r.sequences[0].text for r in expected]
-    assert got[0].sequences[0].text == "The capital of France is Paris."
+    assert all(r.sequences[0].text for r in got)  # real text, whatever the model says
     # a single Trajectory is one input
     one = remote.sample(chats()[1], GREEDY)
     assert len(one) == 1 and one[0].sequences[0].tokens == local.sample(chats()[1], GREEDY)[0].sequences[0].tokens
@@ -396,7 +396,7 @@ def test_greedy_matches_local_and_keeps_order_with_uneven_prompts(remote, local)
 
 
 def test_seeded_requests_give_the_same_tokens_on_any_replica(remote, local):
-    params = {"temperature": 1.5, "max_tokens": 24, "seed": 1234}
+    params = {"temperature": 1.5, "max_tokens": 24, "seed": 1234, "ignore_eos": True}
     expected = local.sample(chats(), params, num_samples=2)
     assert sum(r.sequences[0].tokens != r.sequences[1].tokens for r in expected) >= 5  # really random
     crowd = remote.sample(chats() * 2, params, num_samples=2)  # each prompt twice: on either replica
@@ -496,7 +496,7 @@ def test_adapters_and_weights_reach_every_replica(remote, local, model_dir, lora
     assert remote.update_weights(original_weights(model_dir), version=v0 + 10) == v0 + 10
     local.update_weights(original_weights(model_dir), version=v0 + 10)
     out = remote.sample(many, GREEDY)
-    assert out[0].sequences[0].text == "The capital of France is Paris."
+    assert [r.sequences[0].text for r in out] == [r.sequences[0].text for r in local.sample(many, GREEDY)]
     assert tokens(out) == base * 2
 
 

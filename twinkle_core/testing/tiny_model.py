@@ -47,6 +47,7 @@ __all__ = [
     "TINY_MODEL_VERSION",
     "TINY_SPECIAL_TOKENS",
     "build_tiny_model",
+    "perturbed_tiny_model",
     "tiny_corpus",
     "train_tiny_tokenizer",
     "write_tiny_model",
@@ -705,6 +706,52 @@ def build_tiny_model(arch: str = "llama", cache_dir: str | Path | None = None) -
 
     def build(out: Path) -> None:
         write_tiny_model(out, arch)
+
+    return build_cached_folder(final, _MARKER, build)
+
+
+def perturbed_tiny_model(arch: str = "llama", seed: int = 1, scale: float = 0.05) -> Path:
+    """The tiny model with every weight nudged: a second model for checking that tests do not lean on luck.
+
+    A test whose expectation holds only because the tiny model's greedy
+    decoding emitted (or did not emit) one particular token passes on the CPU
+    it was written on and fails on a CPU whose kernels round a near-tie the
+    other way. Running the same test on this model (each tensor plus
+    ``scale x std(tensor)`` Gaussian noise from ``seed``: the same tokenizer
+    and template, different near-ties everywhere) shows such a test on the
+    developer's own machine. Cached next to the base model.
+
+    Args:
+        arch: ``"llama"`` or ``"qwen2"``.
+        seed: the noise's seed; each seed is another model.
+        scale: the noise relative to each tensor's standard deviation.
+
+    Returns:
+        The model folder, loadable like :func:`build_tiny_model`'s.
+    """
+    base = build_tiny_model(arch)
+    final = base.parent / f"{base.name}-perturbed-{int(seed)}-{scale:g}"
+
+    def build(out: Path) -> None:
+        import shutil
+
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        for path in base.iterdir():
+            if path.name not in ("model.safetensors", _MARKER):
+                shutil.copy2(path, out / path.name)
+        gen = torch.Generator().manual_seed(int(seed))
+        weights = load_file(str(base / "model.safetensors"))
+        nudged = {
+            name: (t + scale * t.float().std() * torch.randn(t.shape, generator=gen)).to(t.dtype).contiguous()
+            for name, t in sorted(weights.items())
+        }
+        save_file(nudged, str(out / "model.safetensors"), metadata={"format": "pt"})
+        (out / "model.safetensors").chmod(0o644)
+        meta = json.loads((base / _MARKER).read_text(encoding="utf-8"))
+        meta["perturbed"] = {"seed": int(seed), "scale": scale}
+        (out / _MARKER).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")  # last: marks it complete
 
     return build_cached_folder(final, _MARKER, build)
 

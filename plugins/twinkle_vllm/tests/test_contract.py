@@ -76,8 +76,14 @@ def test_temperatures_outside_vllms_range(engine: Any, temperature: float) -> No
     seq = engine.sample(PROMPTS[1], params)[0].sequences[0]
     assert len(seq.tokens) == 12 and all(math.isfinite(x) and x <= 1e-6 for x in seq.logprobs)
     if temperature < 0.01:
-        greedy = engine.sample(PROMPTS[1], params.replace(temperature=0.0))[0].sequences[0]
-        assert seq.tokens == greedy.tokens
+        # Near greedy, not greedy: where the top two logits are within a few T of each other the runner-up
+        # has real odds. Compare up to the first step whose gap is under 20 T (odds under e^-20).
+        greedy = engine.sample(PROMPTS[1], params.replace(temperature=0.0, logprobs=2, logprobs_mode="raw"))
+        best = greedy[0].sequences[0]
+        gaps = [sorted((v for _, v in top), reverse=True) for top in best.top_logprobs]
+        n = next((j for j, g in enumerate(gaps) if g[0] - g[1] < 20 * temperature), len(best.tokens))
+        assert n >= 4, f"the greedy continuation has a near-tie at step {n}: pick another prompt"
+        assert seq.tokens[:n] == best.tokens[:n]
 
 
 def test_high_temperature_with_min_p_keeps_the_distribution_truncated(engine: Any) -> None:
@@ -146,7 +152,6 @@ def test_exit_without_close_does_not_hang(tiny_model: Path, tmp_path: Path) -> N
     """A script that forgets close() still exits promptly, leaving no engine process behind."""
     import subprocess
     import sys
-    import time
 
     script = tmp_path / "forget_close.py"
     script.write_text(
@@ -157,13 +162,11 @@ def test_exit_without_close_does_not_hang(tiny_model: Path, tmp_path: Path) -> N
         "    out = s.sample({'input_ids': [1, 2, 3]}, {'max_tokens': 3, 'temperature': 0})\n"
         "    print(len(out[0].sequences[0].tokens))\n"
     )
-    started = time.monotonic()
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    # the timeout only turns a hang into a failure; what is asserted is that the processes ended themselves
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "3" in done.stdout.splitlines()
     assert "force killing" not in done.stdout + done.stderr, "vLLM's processes did not exit on their own"
-    # engine start is ~30-40 s here; a hang at exit would run into the timeout
-    assert time.monotonic() - started < 200
 
 
 # Keep last: it closes the module's shared engine.

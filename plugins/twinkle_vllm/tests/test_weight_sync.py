@@ -140,7 +140,9 @@ def test_stalled_worker_times_out_and_the_next_sync_works(
     elapsed = time.monotonic() - started
     assert info.value.stage.startswith("bucket 1/")
     assert isinstance(info.value, TimeoutError) and IPC_TIMEOUT_ENV in str(info.value)
-    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 2.0
+    # It waited the timeout and no less; that it raised at all shows it did not wait out the 60 s
+    # stall (the stalled worker would have answered then). No upper bound: a loaded machine is slow.
+    assert elapsed >= TIMEOUT_S
     assert sampler.weights_version == version
     # the channel was reset: the next sync goes through and the engine serves it
     new = perturbed(original, seed=4, token=first_token)
