@@ -20,6 +20,7 @@ from twinkle_core import SamplingParams, Template, TemplateError
 from twinkle_core.data_format import IGNORE_INDEX
 from twinkle_core.episode import Episode, asample_episodes, sample_episodes
 from twinkle_core.errors import InvalidInputError
+from twinkle_core.testing.expect import tool_calls_of
 from twinkle_core.tools import (
     HermesToolParser,
     ParsedToolCalls,
@@ -81,14 +82,18 @@ def test_tool_loop_is_token_exact(torch_sampler: Any) -> None:
     assert same is ep
     first = ep.last_turn
     assert first is not None and first.tool_call_errors == []
-    assert [c["function"] for c in first.tool_calls] == [{"name": "get_weather", "arguments": {"city": "Paris"}}]
+    # the calls the engine itself makes for this conversation, whichever city the tiny model names
+    expected = tool_calls_of(torch_sampler, {"input_ids": prompt_ids}, GREEDY)
+    assert [c["function"] for c in first.tool_calls] == expected
     # What the engine returns for that prompt is what the episode holds, token for token.
     direct = torch_sampler.sample({"input_ids": prompt_ids}, GREEDY.replace(logprobs=0))[0].sequences[0]
     assert first.tokens == direct.tokens and first.logprobs == direct.logprobs
 
     ep.add_tool_result("20 degrees and sunny", tool_call_id=first.tool_calls[0]["id"])
     ep.sample(torch_sampler, GREEDY)
-    assert "Paris" in ep.last_turn.text  # type: ignore[union-attr]
+    before = ep.tokens[: ep.turns[1].start]  # type: ignore[union-attr]
+    again = torch_sampler.sample({"input_ids": before}, GREEDY)[0].sequences[0]
+    assert ep.last_turn.tokens == again.tokens  # type: ignore[union-attr]
 
     feature = ep.training_feature()
     # The tokens are the concatenation of what was encoded, sampled and appended.
@@ -149,11 +154,11 @@ def test_num_samples_forks_the_episode(torch_sampler: Any) -> None:
 
 
 def test_asample_many_episodes_in_flight(torch_sampler: Any) -> None:
+    def conversation(city: str) -> dict[str, Any]:
+        return {"messages": [{"role": "user", "content": f"What is the weather in {city}?"}], "tools": [WEATHER]}
+
     async def agent(city: str) -> Episode:
-        ep = Episode(
-            torch_sampler,
-            {"messages": [{"role": "user", "content": f"What is the weather in {city}?"}], "tools": [WEATHER]},
-        )
+        ep = Episode(torch_sampler, conversation(city))
         await ep.asample(torch_sampler, GREEDY)
         ep.add_tool_result(f"{len(city)} degrees and sunny")
         await ep.asample(torch_sampler, GREEDY)
@@ -164,7 +169,9 @@ def test_asample_many_episodes_in_flight(torch_sampler: Any) -> None:
 
     episodes = asyncio.run(main())
     for ep, city in zip(episodes, ("Paris", "Rome", "Oslo")):
-        assert ep.turns[0].tool_calls[0]["function"]["arguments"] == {"city": city}
+        # each episode in flight got what that conversation alone gets
+        alone = tool_calls_of(torch_sampler, conversation(city), GREEDY)
+        assert [c["function"] for c in ep.turns[0].tool_calls] == alone
         assert len(ep.turns) == 2
     batched = sample_episodes(torch_sampler, [weather_episode(torch_sampler), weather_episode(torch_sampler)], GREEDY)
     assert [len(b) for b in batched] == [1, 1]

@@ -51,6 +51,8 @@ def test_episode_through_ray_matches_local() -> None:
     finally:
         tw.shutdown()
     remote_ep, local_ep = episodes
-    assert remote_ep.turns[0].tool_calls[0]["function"]["arguments"] == {"city": "Cairo"}
+    # a real tool loop (a call, then its result) whichever city the tiny model names; equal to the local one
+    assert remote_ep.turns[0].tool_calls and len(remote_ep.turns) == 2
+    assert remote_ep.turns[0].tool_calls[0]["function"] == local_ep.turns[0].tool_calls[0]["function"]
     assert remote_ep.tokens == local_ep.tokens and remote_ep.loss_mask == local_ep.loss_mask
     assert remote_ep.logprobs == pytest.approx(local_ep.logprobs, abs=1e-4)
