@@ -9,8 +9,8 @@ models decode the suites' prompts differently: the Qwen2 tiny model and the
 Llama one with noise on every weight
 (:func:`twinkle_core.testing.tiny_model.perturbed_tiny_model`), so such a
 test fails here too, on the developer's machine, before a user on another
-CPU sees it. The torch engine is the cheap one to
-run them on; the suites are the same for every engine.
+CPU sees it. The torch engine is the cheap one to run them on; the suites
+are the same for every engine.
 """
 
 from __future__ import annotations
