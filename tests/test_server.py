@@ -241,7 +241,7 @@ def test_client_leaving_mid_stream_aborts_the_engine_call(server: RunningServer,
     [turn] = aborted["extra"]["turns"]
     assert turn["stop_reason"] == "abort"
     kept = turn["end"] - turn["start"]
-    assert 0 < kept < max_tokens  # what was sampled before the abort is kept, and generation stopped early
+    assert kept < max_tokens  # generation stopped early (the abort may even land before the first token)
     assert aborted["extra"]["loss_mask"][turn["start"] : turn["end"]] == [1] * kept
 
 

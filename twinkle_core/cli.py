@@ -410,13 +410,15 @@ def sample(
 
 
 @cli.command()
+@click.argument("model_arg", metavar="[MODEL]", required=False)
 @click.option("--engine", "-e", default=None, help=f"Engine name (default: the config's, else {DEFAULT_ENGINE}).")
 @click.option(
     "--model",
     "-m",
     "model_id",
     default=None,
-    help="Model id: a folder, hf://, ms://, builtin:// (default: the built-in SmolLM2-135M-Instruct).",
+    help="Model id: a folder, hf://, ms://, builtin:// (default: the built-in SmolLM2-135M-Instruct);"
+    " also accepted as the first argument, as `vllm serve MODEL` takes it.",
 )
 @click.option(
     "--config", "-c", "config_path", default=None, help="YAML/JSON config: sampler, model_id and engine options."
@@ -440,9 +442,32 @@ def sample(
     help="Required as 'Authorization: Bearer KEY' (env TWINKLE_API_KEY).",
 )
 @click.option(
+    "--served-model-name",
     "--model-name",
+    "model_name",
     default=None,
     help="The name the base model is listed under (default: the model id; 'base' always works).",
+)
+@click.option(
+    "--lora-modules",
+    "lora_modules",
+    multiple=True,
+    metavar="NAME=DIR",
+    help="vLLM's spelling of --adapter: NAME=DIR or a JSON object with 'name' and 'path' (repeatable).",
+)
+@click.option(
+    "--enable-lora",
+    is_flag=True,
+    help="Accepted for vLLM command lines: twinkle engines always take adapters at run time.",
+)
+@click.option("--max-model-len", type=int, default=None, help="The engine's context window (engine option).")
+@click.option("--dtype", default=None, help="Weights dtype: auto, float32, bfloat16, float16 (engine option).")
+@click.option(
+    "--tensor-parallel-size",
+    "-tp",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Devices per engine (a DeviceMesh tp_size; the vllm engine).",
 )
 @click.option(
     "--tool-parser",
@@ -466,6 +491,7 @@ def sample(
     help="max_tokens when a request gives none.",
 )
 def serve(
+    model_arg: str | None,
     engine: str | None,
     model_id: str | None,
     config_path: str | None,
@@ -475,6 +501,11 @@ def serve(
     port: int,
     api_key: str | None,
     model_name: str | None,
+    lora_modules: tuple[str, ...],
+    enable_lora: bool,
+    max_model_len: int | None,
+    dtype: str | None,
+    tensor_parallel_size: int | None,
     tool_parser: str,
     on_template_mismatch: str,
     default_max_tokens: int,
@@ -489,12 +520,18 @@ def serve(
     config.pop("sampler", None)
     config.pop("engine", None)
     config.pop("sampling_params", None)
-    pairs = []
-    for item in adapters:
-        name, sep, folder = item.partition("=")
-        if not sep or not name or not folder:
-            raise click.BadParameter(f"{item!r} (expected NAME=DIR)", param_hint="--adapter")
-        pairs.append((name, folder))
+    if model_arg is not None and model_id is not None and model_arg != model_id:
+        raise click.UsageError(f"The model is given twice: {model_arg!r} and --model {model_id!r}.")
+    model_id = model_id or model_arg
+    pairs = [_adapter_pair(item, "--adapter") for item in adapters]
+    pairs += [_adapter_pair(item, "--lora-modules") for item in lora_modules]
+    for key, value in (("max_model_len", max_model_len), ("dtype", dtype)):
+        if value is not None:
+            config[key] = value
+    if tensor_parallel_size is not None and tensor_parallel_size > 1:
+        from twinkle_core.mesh import DeviceMesh
+
+        config["device_mesh"] = DeviceMesh.from_sizes(tp_size=tensor_parallel_size)
     # Fail fast, before any model is loaded: the engine, the parser and the key.
     engine_cls = get_sampler_class(engine_name)
     get_tool_parser(tool_parser)
@@ -513,6 +550,22 @@ def serve(
             on_template_mismatch=on_template_mismatch,
             default_max_tokens=default_max_tokens,
         )
+
+
+def _adapter_pair(item: str, option: str) -> tuple[str, str]:
+    """``NAME=DIR``, or vLLM's JSON form ``{"name": ..., "path": ...}``."""
+    if item.lstrip().startswith("{"):
+        try:
+            spec = json.loads(item)
+        except ValueError:
+            spec = None
+        if isinstance(spec, dict) and isinstance(spec.get("name"), str) and isinstance(spec.get("path"), str):
+            return spec["name"], spec["path"]
+        raise click.BadParameter(f"{item!r} (expected a JSON object with 'name' and 'path')", param_hint=option)
+    name, sep, folder = item.partition("=")
+    if not sep or not name or not folder:
+        raise click.BadParameter(f"{item!r} (expected NAME=DIR)", param_hint=option)
+    return name, folder
 
 
 def _as_text(index: int, item: Any, resp: Any) -> str:

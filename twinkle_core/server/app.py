@@ -24,22 +24,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import reprlib
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from twinkle_core.data_format import InputFeature, Message, SampleResponse, SamplingParams, Trajectory
+from twinkle_core.data_format import SamplingParams, Trajectory
 from twinkle_core.episode import Episode, OnTemplateMismatch, Turn, _extend, _prepare
 from twinkle_core.errors import (
     EngineDeadError,
@@ -48,8 +46,22 @@ from twinkle_core.errors import (
     UnknownAdapterError,
     UnsupportedFeatureError,
 )
-from twinkle_core.requests import Finished, SampleHandle
+from twinkle_core.requests import Finished
+from twinkle_core.server.calls import Pending
+from twinkle_core.server.completions import complete
+from twinkle_core.server.control import add_control_routes
+from twinkle_core.server.protocol import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Route,
+    brief,
+    neutral_violation,
+    openai_messages,
+    openai_tools,
+)
 from twinkle_core.server.sessions import Session, SessionStore
+from twinkle_core.server.shapes import TokenNames
 from twinkle_core.tools import get_tool_parser
 
 __all__ = ["create_app"]
@@ -60,116 +72,12 @@ log = logging.getLogger("twinkle.server")
 SESSION_HEADER = "X-Session-Id"
 
 
-class _Request(BaseModel):
-    # Unknown fields are refused: an option the server would silently ignore is a bug.
-    model_config = ConfigDict(extra="forbid")
-
-    model: str
-    n: int = 1
-    temperature: float | None = None
-    top_p: float | None = None
-    max_tokens: int | None = None
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    stream_options: dict[str, Any] | None = None
-    user: str | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    # twinkle extensions (as vLLM's server has them), passed with the openai client's extra_body
-    ignore_eos: bool = False
-    top_k: int | None = None
-
-
-class ChatRequest(_Request):
-    """The ``/v1/chat/completions`` body (the OpenAI fields twinkle honours)."""
-
-    messages: list[dict[str, Any]] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-
-
-class CompletionRequest(_Request):
-    """The ``/v1/completions`` body."""
-
-    prompt: str | list[str] | list[int]
-    logprobs: int | None = None
-    echo: bool = False
-
-
-class ApiError(Exception):
-    """An OpenAI-style error answer."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        kind: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
-
-    def response(self) -> JSONResponse:
-        """The error as OpenAI's ``{"error": {...}}`` body."""
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
-
-
-#: Short, bounded reprs of what a client sent, for error messages (a deeply nested value cannot blow the stack).
-_BRIEF = reprlib.Repr()
-_BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother = 3, 60, 60
-
-
-def _brief(value: Any) -> str:
-    return _BRIEF.repr(value)[:60]
-
-
 def _twinkle_status(exc: TwinkleError) -> ApiError:
     if isinstance(exc, (SamplerClosedError, EngineDeadError)):
         return ApiError(503, str(exc), kind="server_error", code="engine_unavailable")
     if isinstance(exc, LookupError):
         return ApiError(404, str(exc), code="not_found")
     return ApiError(400, str(exc))
-
-
-def _openai_messages(raw: list[dict[str, Any]]) -> list[Message]:
-    """OpenAI message dicts to :class:`Message` (``arguments`` JSON strings become dicts)."""
-    out = []
-    for i, m in enumerate(raw):
-        m = dict(m)
-        if m.get("role") == "tool":
-            m.pop("name", None)  # OpenAI's legacy function name on tool results; templates key on tool_call_id
-        if m.get("content") is None:
-            m["content"] = ""
-        calls = m.get("tool_calls")
-        if isinstance(calls, list):
-            fixed = []
-            for c in calls:
-                c = json.loads(json.dumps(c))
-                fn = c.get("function") if isinstance(c, dict) else None
-                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-                    try:
-                        fn["arguments"] = json.loads(fn["arguments"])
-                    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
-                        raise ApiError(
-                            400,
-                            f"messages[{i}].tool_calls: arguments {fn['arguments']!r:.80} are not JSON.",
-                            param=f"messages[{i}]",
-                        ) from None
-                fixed.append(c)
-            m["tool_calls"] = fixed
-        try:
-            out.append(Message.from_dict(m))
-        except TwinkleError as exc:
-            raise ApiError(400, f"messages[{i}]: {exc}", param=f"messages[{i}]") from None
-    return out
 
 
 def _openai_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -203,6 +111,14 @@ class _Server:
         self.on_template_mismatch = on_template_mismatch
         self.default_max_tokens = default_max_tokens
         self.sessions = sessions
+        #: the calls in flight by request id (the server's own calls only)
+        self.in_flight: dict[str, list[Pending]] = {}
+        #: set while the server takes new calls; cleared by /pause (made in the app's event loop)
+        self.running = asyncio.Event()
+        self.running.set()
+        self.pause_mode: str | None = None
+        self.waiting = 0  # calls held by /pause
+        self.prompt_tokens = self.generated_tokens = self.finished_calls = 0
 
     # -- request pieces ----------------------------------------------------------------------------
     def adapter(self, model: str) -> str:
@@ -215,50 +131,86 @@ class _Server:
             404, f"The model {model!r} does not exist: this server has {names}.", param="model", code="model_not_found"
         )
 
-    def params(self, req: _Request, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        for name in ("frequency_penalty", "presence_penalty"):
-            if getattr(req, name) not in (None, 0, 0.0):
-                raise ApiError(400, f"{name}={getattr(req, name)!r} is not supported: leave it unset or 0.", param=name)
-        fields: dict[str, Any] = {"num_samples": req.n, "max_tokens": max_tokens or self.default_max_tokens}
-        if req.ignore_eos:
-            fields["ignore_eos"] = True
-        for name in ("temperature", "top_p", "seed", "top_k"):
-            if getattr(req, name) is not None:
-                fields[name] = getattr(req, name)
-        if req.stop is not None:
-            fields["stop"] = req.stop
-        fields["logprobs"] = logprobs if logprobs is not None else 0
+    def params(
+        self,
+        req: Any,
+        route: Route,
+        *,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+    ) -> SamplingParams:
+        """The engine's ``SamplingParams`` for a body (a 400 naming the field it cannot honour)."""
+        bad = neutral_violation(route, req.model_dump(exclude_unset=True))
+        if bad is not None:
+            raise ApiError(400, bad, param=bad.split("=", 1)[0])
         if req.stream_options is not None and set(req.stream_options) - {"include_usage"}:
             raise ApiError(
                 400,
-                f"stream_options={req.stream_options!r}: only 'include_usage' is supported.",
+                f"stream_options={brief(req.stream_options)}: only 'include_usage' is supported.",
                 param="stream_options",
             )
+        fields: dict[str, Any] = {
+            "num_samples": req.n,
+            "max_tokens": self.default_max_tokens if max_tokens is None else max_tokens,
+            # the sampled token's log-prob always comes back (as sampled_logprobs)
+            "logprobs": logprobs if logprobs is not None else 0,
+            "prompt_logprobs": prompt_logprobs,
+            "ignore_eos": req.ignore_eos,
+        }
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "seed"):
+            if getattr(req, name) is not None:
+                fields[name] = getattr(req, name)
+        if req.top_k is not None:
+            fields["top_k"] = -1 if req.top_k == 0 else req.top_k  # vLLM: 0 and -1 both mean off
+        if req.stop:
+            fields["stop"] = req.stop
+        if req.stop_token_ids:
+            fields["stop_token_ids"] = req.stop_token_ids
         try:
             return SamplingParams(**fields)
         except TwinkleError as exc:
             raise ApiError(400, str(exc)) from None
 
-    def token_text(self, token: int) -> str:
-        return str(self.sampler.template.decode([token], skip_special_tokens=False))
+    def refusal(self, exc: BaseException) -> BaseException:
+        """What a route raises for an engine call refused at submission (the error itself if unexpected)."""
+        if isinstance(exc, UnsupportedFeatureError):
+            return ApiError(400, str(exc))
+        if isinstance(exc, UnknownAdapterError):
+            return ApiError(404, str(exc), param="model", code="model_not_found")
+        if isinstance(exc, TwinkleError):
+            return _twinkle_status(exc)
+        return exc
 
-    def logprobs_content(self, tokens: list[int], logprobs: list[float] | None, top: Any) -> list[dict[str, Any]]:
-        out = []
-        for i, t in enumerate(tokens):
-            s = self.token_text(t)
-            alts = top[i] if top is not None and i < len(top) else []
-            out.append(
-                {
-                    "token": s,
-                    "logprob": logprobs[i] if logprobs else 0.0,
-                    "bytes": list(s.encode()),
-                    "top_logprobs": [
-                        {"token": self.token_text(a), "logprob": lp, "bytes": list(self.token_text(a).encode())}
-                        for a, lp in alts
-                    ],
-                }
-            )
-        return out
+    # -- calls in flight, pause --------------------------------------------------------------------
+    @contextmanager
+    def tracked(self, request_id: str, pending: Pending) -> Iterator[None]:
+        """Name a call in flight (``/abort_requests`` takes the name) while the block runs."""
+        self.in_flight.setdefault(request_id, []).append(pending)
+        try:
+            yield
+        finally:
+            calls = self.in_flight.get(request_id, [])
+            if pending in calls:
+                calls.remove(pending)
+            if not calls:
+                self.in_flight.pop(request_id, None)
+
+    async def unpaused(self) -> None:
+        """Wait while the server is paused (``/pause``): new calls start after ``/resume``."""
+        if self.running.is_set():
+            return
+        self.waiting += 1
+        try:
+            await self.running.wait()
+        finally:
+            self.waiting -= 1
+
+    def count(self, prompt_tokens: int, generated_tokens: int) -> None:
+        """Add a finished call to ``/metrics``."""
+        self.prompt_tokens += prompt_tokens
+        self.generated_tokens += generated_tokens
+        self.finished_calls += 1
 
 
 class _KeyCheck:
@@ -280,63 +232,6 @@ class _KeyCheck:
         await self.app(scope, receive, send)
 
 
-async def _client_gone(request: Request) -> None:
-    """Return when the client disconnects (the body has been read, so only a disconnect comes next)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-class _Pending:
-    """One engine call: a ``submit()`` handle, or ``sample()`` in a worker thread where there is none."""
-
-    def __init__(self, sampler: Any, prompts: list[InputFeature], params: SamplingParams, adapter: str) -> None:
-        submit = getattr(sampler, "submit", None)
-        self.handle: SampleHandle | None = None
-        self._thread: asyncio.Future[list[SampleResponse]] | None = None
-        if submit is not None:
-            self.handle = submit(prompts, params, adapter)
-        else:
-            self._thread = asyncio.ensure_future(asyncio.to_thread(sampler.sample, prompts, params, adapter))
-
-    async def responses(self) -> list[SampleResponse]:
-        """What ``sample()`` returns; awaiting it from a cancelled task never cancels the engine call."""
-        if self.handle is not None:
-            return list(await asyncio.shield(self.handle))
-        assert self._thread is not None
-        return list(await asyncio.shield(self._thread))
-
-    async def finished(self) -> AsyncIterator[Finished]:
-        """Each sequence as the engine finishes it (all at the end without a handle)."""
-        if self.handle is not None:
-            async for item in self.handle:
-                yield item
-            return
-        for p, response in enumerate(await self.responses()):
-            for k, seq in enumerate(response.sequences):
-                yield Finished(input_index=p, sample_index=k, sequence=seq)
-
-    def abort(self) -> bool:
-        """Stop the engine call (its unfinished sequences end with ``stop_reason="abort"``); whether it ran."""
-        if self.handle is None or self.handle.done():
-            return False
-        self.handle.abort()
-        return True
-
-    async def until_done_or_gone(self, request: Request) -> list[SampleResponse]:
-        """The responses; aborts the call first if the client disconnects while it runs."""
-        result = asyncio.ensure_future(self.responses())
-        gone = asyncio.ensure_future(_client_gone(request))
-        try:
-            await asyncio.wait({result, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not result.done() and self.abort():
-                log.info("client left before its reply; the engine call was aborted")
-            return await result
-        finally:
-            gone.cancel()
-
-
 class _Call:
     """A chat call in flight: the engine call, and the task that records its episodes.
 
@@ -356,7 +251,7 @@ class _Call:
         adapter: str,
     ) -> None:
         prompts, params = _prepare(sampler, [target], params, None)
-        self.pending = _Pending(sampler, prompts, params, adapter)
+        self.pending = Pending(sampler, prompts, params, adapter)
         self.session, self.base, self.target, self.n = session, base, target, params.num_samples
         self.episodes: asyncio.Future[list[Episode]] = asyncio.get_running_loop().create_future()
         # Retrieved here so that a stream whose client left never logs "exception never retrieved".
@@ -444,7 +339,7 @@ def create_app(
         parts = []
         for e in exc.errors():
             loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-            parts.append(f"{loc}: {e.get('msg')}" + (f" (got {_brief(e['input'])})" if "input" in e else ""))
+            parts.append(f"{loc}: {e.get('msg')}" + (f" (got {brief(e['input'])})" if "input" in e else ""))
         first = exc.errors()[0].get("loc", ()) if exc.errors() else ()
         param = ".".join(str(x) for x in first if x != "body") or None
         return ApiError(400, "Invalid request: " + "; ".join(parts), param=param).response()
@@ -472,44 +367,59 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        names = [state.model_name, "base", *sampler.adapters]
-        return {
-            "object": "list",
-            "data": [{"id": n, "object": "model", "created": 0, "owned_by": "twinkle"} for n in names],
-        }
+        base = {"object": "model", "created": 0, "owned_by": "twinkle", "max_model_len": sampler.max_model_len}
+        data = [
+            {"id": state.model_name, **base, "root": state.model_name, "parent": None},
+            {"id": "base", **base, "root": state.model_name, "parent": None},
+        ]
+        for name, info in sampler.adapters.items():
+            data.append({"id": name, **base, "root": info.source, "parent": state.model_name})
+        return {"object": "list", "data": data}
+
+    add_control_routes(app, state)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
-        adapter = state.adapter(req.model)
+        adapter = state.adapter(req.model or "")
         if req.tool_choice not in (None, "auto", "none"):
             raise ApiError(
                 400,
-                f"tool_choice={req.tool_choice!r} is not supported: use 'auto' or 'none'"
-                " (twinkle does not constrain decoding to force a call).",
+                f"tool_choice={brief(req.tool_choice)} is not supported: use 'auto' or 'none'"
+                " (forcing a call needs constrained decoding, which the engines do not have yet).",
                 param="tool_choice",
             )
-        if req.top_logprobs is not None and not req.logprobs:
+        if req.top_logprobs and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
-        params = state.params(req, req.max_completion_tokens or req.max_tokens, req.top_logprobs or 0)
-        messages = _openai_messages(req.messages)
+        params = state.params(
+            req,
+            "chat",
+            max_tokens=req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens,
+            logprobs=req.top_logprobs or 0,
+            prompt_logprobs=req.prompt_logprobs,
+        )
+        messages = openai_messages(req.messages)
         try:
-            trajectory = Trajectory(messages=messages, tools=req.tools or [])
+            trajectory = Trajectory(messages=messages, tools=openai_tools(req.tools))
         except TwinkleError as exc:
             raise ApiError(400, str(exc), param="tools") from None
         parser = state.no_parser if req.tool_choice == "none" else state.tool_parser
-        session_id = request.headers.get(SESSION_HEADER) or req.user
+        session_id = request.headers.get(SESSION_HEADER) or req.session_id or req.user
+        await state.unpaused()
         call = await _start(state, session_id, trajectory, parser, params, adapter)
-        rid = "chatcmpl-" + uuid.uuid4().hex
-        prompt_len = len(call.target.tokens)
+        rid = req.request_id or ("chatcmpl-" + uuid.uuid4().hex)
+        prompt_ids = list(call.target.tokens)
+        names = TokenNames(sampler.template, bool(req.return_tokens_as_token_ids))
         if req.stream:
             return StreamingResponse(
-                _stream_chat(state, rid, req, call, prompt_len, session_id), media_type="text/event-stream"
+                _stream_chat(state, rid, req, call, prompt_ids, session_id, names), media_type="text/event-stream"
             )
-        await call.pending.until_done_or_gone(request)
+        with state.tracked(rid, call.pending):
+            responses = await call.pending.until_done_or_gone(request)
         episodes = await call.episodes
         turns = [t for t in (e.last_turn for e in episodes) if t is not None]
-        choices = [_chat_choice(state, i, t, bool(req.logprobs)) for i, t in enumerate(turns)]
+        choices = [_chat_choice(i, t, names if req.logprobs else None) for i, t in enumerate(turns)]
         completion = sum(len(t.tokens) for t in turns)
+        state.count(len(prompt_ids), completion)
         body: dict[str, Any] = {
             "id": rid,
             "object": "chat.completion",
@@ -517,74 +427,26 @@ def create_app(
             "model": req.model,
             "choices": choices,
             "usage": {
-                "prompt_tokens": prompt_len,
+                "prompt_tokens": len(prompt_ids),
                 "completion_tokens": completion,
-                "total_tokens": prompt_len + completion,
+                "total_tokens": len(prompt_ids) + completion,
             },
             "session_id": session_id,
         }
+        if req.return_token_ids:
+            body["prompt_token_ids"] = prompt_ids
+        if req.prompt_logprobs is not None:
+            first = responses[0] if responses else None
+            body["prompt_logprobs"] = names.prompt_logprobs(
+                prompt_ids,
+                first.prompt_logprobs if first is not None else None,
+                first.prompt_top_logprobs if first is not None else None,
+            )
         return body
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request) -> Any:
-        adapter = state.adapter(req.model)
-        if req.stream or req.echo:
-            raise ApiError(
-                400,
-                "stream and echo are not supported on /v1/completions; use /v1/chat/completions for streaming.",
-                param="stream" if req.stream else "echo",
-            )
-        params = state.params(req, req.max_tokens or 16, req.logprobs)
-        prompts = (
-            req.prompt
-            if isinstance(req.prompt, list) and req.prompt and isinstance(req.prompt[0], str)
-            else [req.prompt]
-        )
-        features = []
-        for p in prompts:
-            ids = p if isinstance(p, list) else sampler.template.tokenizer.encode(p, add_special_tokens=False)
-            features.append(InputFeature(input_ids=list(ids)))
-        try:
-            pending = _Pending(sampler, features, params, adapter)
-        except UnsupportedFeatureError as exc:
-            raise ApiError(400, str(exc)) from None
-        responses = await pending.until_done_or_gone(request)
-        choices: list[dict[str, Any]] = []
-        used = 0
-        for resp in responses:
-            for seq in resp.sequences:
-                used += len(seq.tokens)
-                lp = None
-                if req.logprobs is not None:
-                    lp = {
-                        "tokens": [state.token_text(t) for t in seq.tokens],
-                        "token_logprobs": seq.logprobs,
-                        "top_logprobs": [{state.token_text(a): v for a, v in pos} for pos in seq.top_logprobs]
-                        if seq.top_logprobs
-                        else None,
-                        "text_offset": None,
-                    }
-                choices.append(
-                    {
-                        "index": len(choices),
-                        "text": seq.text,
-                        "finish_reason": _finish(seq, False),
-                        "logprobs": lp,
-                        "token_ids": seq.tokens,
-                        "sampled_logprobs": seq.logprobs,
-                        "weights_version": seq.weights_version,
-                        "adapter_name": seq.adapter_name,
-                    }
-                )
-        prompt_tokens = sum(len(f.input_ids) for f in features)
-        return {
-            "id": "cmpl-" + uuid.uuid4().hex,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": req.model,
-            "choices": choices,
-            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used},
-        }
+        return await complete(state, req, request)
 
     @app.get("/v1/sessions")
     async def list_sessions() -> dict[str, Any]:
@@ -678,10 +540,11 @@ def _extras(turn: Turn) -> dict[str, Any]:
     }
 
 
-def _chat_choice(state: _Server, index: int, turn: Turn, logprobs: bool) -> dict[str, Any]:
+def _chat_choice(index: int, turn: Turn, names: TokenNames | None) -> dict[str, Any]:
+    """One choice of a whole reply (``names``: the log-prob block is wanted, with these token names)."""
     lp = None
-    if logprobs:
-        lp = {"content": state.logprobs_content(turn.tokens, turn.logprobs, turn.top_logprobs)}
+    if names is not None:
+        lp = {"content": names.chat_content(turn.tokens, turn.logprobs, turn.top_logprobs)}
     return {
         "index": index,
         "message": _message(turn),
@@ -696,8 +559,9 @@ async def _stream_chat(
     rid: str,
     req: ChatRequest,
     call: _Call,
-    prompt_len: int,
+    prompt_ids: list[int],
     session_id: str | None,
+    names: TokenNames,
 ) -> AsyncIterator[str]:
     """Send each choice as OpenAI chunks as soon as the engine finishes it.
 
@@ -724,46 +588,52 @@ async def _stream_chat(
     complete = False
     try:
         # The role chunks go out at once: the client sees the stream open before any choice is done.
+        first: dict[str, Any] = {"prompt_token_ids": prompt_ids} if req.return_token_ids else {}
         for index in range(call.n):
-            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
-        async for item in call.pending.finished():
-            index = item.input_index * call.n + item.sample_index
-            turn = call.turn(item)
-            completion += len(turn.tokens)
-            pieces: list[str] = []
-            if turn.tool_calls:
-                pieces = [str(turn.message.content)] if turn.message.content else []
-            else:
-                # One chunk per token: the decoded text grows by each token's share (cut at a stop string).
-                shown = 0
-                for i in range(1, len(turn.tokens) + 1):
-                    text = decode(turn.tokens[:i])[: len(turn.text)]
-                    if len(text) > shown and turn.text.startswith(text):
-                        pieces.append(text[shown:])
-                        shown = len(text)
-                if shown < len(turn.text):
-                    pieces.append(turn.text[shown:])
-            for text in pieces:
-                yield chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}])
-            if turn.tool_calls:
-                calls = [{"index": k, **c} for k, c in enumerate(_openai_calls(turn.tool_calls))]
-                yield chunk([{"index": index, "delta": {"tool_calls": calls}, "finish_reason": None}])
-            final: dict[str, Any] = {
-                "index": index,
-                "delta": {},
-                "finish_reason": _finish(turn, bool(turn.tool_calls)),
-                **_extras(turn),
-            }
-            if req.logprobs:
-                final["logprobs"] = {"content": state.logprobs_content(turn.tokens, turn.logprobs, turn.top_logprobs)}
-            yield chunk([final], session_id=session_id)
+            yield chunk(
+                [{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                **(first if index == 0 else {}),
+            )
+        with state.tracked(rid, call.pending):
+            async for item in call.pending.finished():
+                index = item.input_index * call.n + item.sample_index
+                turn = call.turn(item)
+                completion += len(turn.tokens)
+                pieces: list[str] = []
+                if turn.tool_calls:
+                    pieces = [str(turn.message.content)] if turn.message.content else []
+                else:
+                    # One chunk per token: the decoded text grows by each token's share (cut at a stop string).
+                    shown = 0
+                    for i in range(1, len(turn.tokens) + 1):
+                        text = decode(turn.tokens[:i])[: len(turn.text)]
+                        if len(text) > shown and turn.text.startswith(text):
+                            pieces.append(text[shown:])
+                            shown = len(text)
+                    if shown < len(turn.text):
+                        pieces.append(turn.text[shown:])
+                for text in pieces:
+                    yield chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}])
+                if turn.tool_calls:
+                    calls = [{"index": k, **c} for k, c in enumerate(_openai_calls(turn.tool_calls))]
+                    yield chunk([{"index": index, "delta": {"tool_calls": calls}, "finish_reason": None}])
+                final: dict[str, Any] = {
+                    "index": index,
+                    "delta": {},
+                    "finish_reason": _finish(turn, bool(turn.tool_calls)),
+                    **_extras(turn),
+                }
+                if req.logprobs:
+                    final["logprobs"] = {"content": names.chat_content(turn.tokens, turn.logprobs, turn.top_logprobs)}
+                yield chunk([final], session_id=session_id)
         if req.stream_options and req.stream_options.get("include_usage"):
             usage = {
-                "prompt_tokens": prompt_len,
+                "prompt_tokens": len(prompt_ids),
                 "completion_tokens": completion,
-                "total_tokens": prompt_len + completion,
+                "total_tokens": len(prompt_ids) + completion,
             }
             yield chunk([], usage=usage)
+        state.count(len(prompt_ids), completion)
         yield "data: [DONE]\n\n"
         complete = True
     finally:

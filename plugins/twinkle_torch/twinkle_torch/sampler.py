@@ -161,6 +161,8 @@ class TorchSampler(Sampler):
             holds rows whose ``(longest prompt + max_tokens) * rows`` fits.
             Bigger is faster until memory runs out; on CUDA an out-of-memory
             error splits the batch and retries.
+        max_model_len: the context window (prompt + completion), at most the
+            model's positions; default: the model's positions.
         trust_remote_code: passed to ``from_pretrained``.
         **model_kwargs: more ``AutoModelForCausalLM.from_pretrained`` arguments
             (e.g. ``attn_implementation="eager"``); ``revision=`` goes to the model-id resolver.
@@ -190,6 +192,7 @@ class TorchSampler(Sampler):
         device: str | torch.device | None = None,
         template: Any = None,
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
+        max_model_len: int | None = None,
         trust_remote_code: bool = False,
         **model_kwargs: Any,
     ) -> None:
@@ -197,6 +200,10 @@ class TorchSampler(Sampler):
         _check_mesh(device_mesh)
         if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise ConfigError(f"max_batch_tokens={max_batch_tokens!r} is invalid: expected an integer >= 1.")
+        if max_model_len is not None and (
+            isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1
+        ):
+            raise ConfigError(f"max_model_len={max_model_len!r} is invalid: expected an integer >= 1 or None.")
         from transformers import AutoConfig
 
         path = resolve_model_id(model_id, revision=model_kwargs.pop("revision", None))
@@ -208,11 +215,16 @@ class TorchSampler(Sampler):
         self._model: torch.nn.Module = model.to(self.device).eval()
         self._init_template(template, path)
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        self._max_model_len = int(
+        positions = int(
             getattr(text_config, "max_position_embeddings", None)
             or getattr(self.tokenizer, "model_max_length", None)
             or 2048
         )
+        if max_model_len is not None and max_model_len > positions:
+            raise ConfigError(
+                f"max_model_len={max_model_len} is invalid: expected at most the model's {positions} positions."
+            )
+        self._max_model_len = positions if max_model_len is None else max_model_len
         self._vocab_size = int(self._model.get_input_embeddings().num_embeddings)
         self._weights = WeightTable(self._model)
         self._adapter_set = AdapterSet(self._model, self.device)

@@ -185,6 +185,8 @@ class vLLMSampler(EngineRecovery):
         engine_args_obj = build_engine_args(self.model_dir, mesh.tp_size, options)
         # Read once: a restart spawns its processes with the same environment.
         self._spawn_env = platform_environment(mesh.tp_size)
+        #: the devices of this engine (``/get_world_size`` of ``twinkle serve`` reads it)
+        self.device_mesh = mesh
         self._temperature_processor = LOGITS_PROCESSOR in (engine_args_obj.logits_processors or [])
         self._init_template(template, self.model_dir)
 

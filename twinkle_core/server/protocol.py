@@ -1,0 +1,366 @@
+"""The request fields of ``twinkle serve``, as vLLM's server names them, and what twinkle does with each.
+
+vLLM's OpenAI server is the reference for names, types and defaults: the
+clients RL and eval people run (TRL's ``VLLMClient``, lm-evaluation-harness,
+agent SDKs on the ``openai`` client) send its fields, often at their default
+values. Every field a route accepts is in :data:`FIELDS`, with one of three
+treatments:
+
+- ``implemented``: honoured, as vLLM honours it.
+- ``neutral``: accepted only at a value that changes nothing (its default,
+  e.g. ``presence_penalty`` 0); any other value is a 400 that names the field.
+  These are the fields the engines cannot honour yet; a field that changes
+  what is sampled is never silently ignored.
+- ``no effect``: accepted at any value because it does not change what is
+  sampled or returned here (``user``, ``cache_salt``...).
+
+A field that is not in the table is refused (``extra="forbid"``). The table
+is also the one ``docs/server.md`` shows; a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import reprlib
+from typing import Any, Literal
+
+import attrs
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from twinkle_core.data_format import Message
+from twinkle_core.errors import TwinkleError
+
+__all__ = [
+    "FIELDS",
+    "ApiError",
+    "ChatRequest",
+    "CompletionRequest",
+    "FieldRule",
+    "brief",
+    "neutral_violation",
+    "openai_messages",
+    "openai_tools",
+]
+
+Route = Literal["completions", "chat"]
+Treatment = Literal["implemented", "neutral", "no effect"]
+
+BOTH: tuple[Route, ...] = ("completions", "chat")
+COMPLETIONS: tuple[Route, ...] = ("completions",)
+CHAT: tuple[Route, ...] = ("chat",)
+
+
+@attrs.frozen
+class FieldRule:
+    """How one request field is treated.
+
+    Attributes:
+        name: the JSON key.
+        routes: the routes that take it.
+        treatment: ``implemented``, ``neutral`` or ``no effect`` (see the module).
+        neutral: for ``neutral`` fields, the values accepted (``None`` always is).
+        note: one line for the docs' table.
+    """
+
+    name: str
+    routes: tuple[Route, ...]
+    treatment: Treatment
+    neutral: tuple[Any, ...] = ()
+    note: str = ""
+
+
+class ApiError(Exception):
+    """An OpenAI-style error answer."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+
+    def response(self) -> JSONResponse:
+        """The error as OpenAI's ``{"error": {...}}`` body."""
+        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+        return JSONResponse(body, status_code=self.status)
+
+
+#: Short, bounded reprs of what a client sent, for error messages (a deeply nested value cannot blow the stack).
+_BRIEF = reprlib.Repr()
+_BRIEF.maxlevel, _BRIEF.maxstring, _BRIEF.maxother = 3, 60, 60
+
+
+def brief(value: Any) -> str:
+    return _BRIEF.repr(value)[:60]
+
+
+def openai_messages(raw: list[dict[str, Any]]) -> list[Message]:
+    """OpenAI message dicts to :class:`Message` (``arguments`` JSON strings become dicts)."""
+    out = []
+    for i, m in enumerate(raw):
+        m = dict(m)
+        if m.get("role") == "tool":
+            m.pop("name", None)  # OpenAI's legacy function name on tool results; templates key on tool_call_id
+        if m.get("content") is None:
+            m["content"] = ""
+        calls = m.get("tool_calls")
+        if isinstance(calls, list):
+            fixed = []
+            for c in calls:
+                c = json.loads(json.dumps(c))
+                fn = c.get("function") if isinstance(c, dict) else None
+                if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+                    try:
+                        fn["arguments"] = json.loads(fn["arguments"])
+                    except (ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
+                        raise ApiError(
+                            400,
+                            f"messages[{i}].tool_calls: arguments {fn['arguments']!r:.80} are not JSON.",
+                            param=f"messages[{i}]",
+                        ) from None
+                fixed.append(c)
+            m["tool_calls"] = fixed
+        try:
+            out.append(Message.from_dict(m))
+        except TwinkleError as exc:
+            raise ApiError(400, f"messages[{i}]: {exc}", param=f"messages[{i}]") from None
+    return out
+
+
+def openai_tools(raw: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """OpenAI function tools for the template: ``strict`` (a boolean OpenAI's schema has, which vLLM
+    does not enforce either) is checked and left out; every other key goes on to ``Tool``'s checks."""
+    out = []
+    for i, tool in enumerate(raw or []):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if isinstance(fn, dict) and "strict" in fn:
+            if fn["strict"] is not None and not isinstance(fn["strict"], bool):
+                raise ApiError(
+                    400,
+                    f"tools[{i}].function.strict={brief(fn['strict'])} is invalid: expected a boolean.",
+                    param=f"tools[{i}]",
+                )
+            tool = {**tool, "function": {k: v for k, v in fn.items() if k != "strict"}}
+        out.append(tool)
+    return out
+
+
+_NEEDS_ENGINE = "needs the engine-side field (sampling breadth issue)"
+
+#: Every accepted request field, in the order of the docs' table.
+FIELDS: tuple[FieldRule, ...] = (
+    # -- shared sampling fields ----------------------------------------------------------
+    FieldRule("model", BOTH, "implemented", note="the served name, `base`, or a loaded adapter's name"),
+    FieldRule("n", BOTH, "implemented", note="choices per prompt, prompt-major (`index` = prompt * n + sample)"),
+    FieldRule("temperature", BOTH, "implemented", note="0 is greedy; default 1"),
+    FieldRule("top_p", BOTH, "implemented"),
+    FieldRule("top_k", BOTH, "implemented", note="0 and -1 mean off"),
+    FieldRule("min_p", BOTH, "implemented"),
+    FieldRule("repetition_penalty", BOTH, "implemented"),
+    FieldRule("seed", BOTH, "implemented", note="reproducible whatever is batched with it"),
+    FieldRule("stop", BOTH, "implemented", note="a string or a list; the text is cut before it"),
+    FieldRule("stop_token_ids", BOTH, "implemented"),
+    FieldRule("ignore_eos", BOTH, "implemented"),
+    FieldRule("max_tokens", BOTH, "implemented", note="completions default 16; 0 scores the prompt only"),
+    FieldRule("include_stop_str_in_output", COMPLETIONS, "implemented", note="the matched stop string ends the text"),
+    FieldRule("include_stop_str_in_output", CHAT, "neutral", (False,), note="a turn's content is parsed text"),
+    FieldRule("skip_special_tokens", COMPLETIONS, "implemented", note="text only; tokens are the same"),
+    FieldRule("skip_special_tokens", CHAT, "neutral", (True,), note="a turn's content is parsed text"),
+    FieldRule(
+        "prompt_logprobs", BOTH, "implemented", note="vLLM's shape: `{token_id: {logprob, rank, decoded_token}}`"
+    ),
+    FieldRule("return_token_ids", BOTH, "implemented", note="`prompt_token_ids` (and `token_ids`, always sent)"),
+    FieldRule("return_tokens_as_token_ids", BOTH, "implemented", note="logprob tokens as `token_id:N`"),
+    FieldRule("stream", BOTH, "implemented", note="each choice is sent when the engine finishes it"),
+    FieldRule("stream_options", BOTH, "implemented", note="`include_usage` only"),
+    FieldRule("request_id", BOTH, "implemented", note="the reply's id; `/abort_requests` takes it"),
+    FieldRule("user", BOTH, "no effect", note="on chat: the session id when no header or `session_id` names one"),
+    FieldRule("session_id", BOTH, "implemented", note="chat: the twinkle session; completions: no effect"),
+    FieldRule("cache_salt", BOTH, "no effect", note="prefix caches here never change what is sampled"),
+    FieldRule("priority", BOTH, "neutral", (0,), note="no priority scheduling"),
+    FieldRule("presence_penalty", BOTH, "neutral", (0, 0.0), note=_NEEDS_ENGINE),
+    FieldRule("frequency_penalty", BOTH, "neutral", (0, 0.0), note=_NEEDS_ENGINE),
+    FieldRule("min_tokens", BOTH, "neutral", (0,), note=_NEEDS_ENGINE),
+    FieldRule("logit_bias", BOTH, "neutral", ({},), note=_NEEDS_ENGINE),
+    FieldRule("allowed_token_ids", BOTH, "neutral", ([],), note=_NEEDS_ENGINE),
+    FieldRule("bad_words", BOTH, "neutral", ([],), note=_NEEDS_ENGINE),
+    FieldRule("structured_outputs", BOTH, "neutral", ({},), note=_NEEDS_ENGINE),
+    FieldRule("response_format", BOTH, "neutral", ({"type": "text"},), note=_NEEDS_ENGINE),
+    FieldRule("logprob_token_ids", BOTH, "neutral", (), note="chosen logprob ids: not yet"),
+    FieldRule("spaces_between_special_tokens", BOTH, "neutral", (True,), note="fast tokenizers have one spacing"),
+    FieldRule("truncation_side", BOTH, "implemented", note="`left` (default: keep the last N) or `right`"),
+    FieldRule("use_beam_search", BOTH, "neutral", (False,), note="no beam search"),
+    FieldRule("length_penalty", BOTH, "neutral", (1, 1.0), note="beam search only"),
+    FieldRule("watermarking", BOTH, "neutral", (False,)),
+    FieldRule("routed_experts_prompt_start", BOTH, "neutral", (0,), note="no expert routing data"),
+    FieldRule("return_token_offsets", BOTH, "neutral", (False,), note="render routes only in vLLM"),
+    FieldRule("mm_payload", BOTH, "neutral", ("tensors",), note="text models"),
+    FieldRule("return_mm_kwargs", BOTH, "neutral", (False,), note="text models"),
+    FieldRule("kv_transfer_params", BOTH, "neutral", ({},), note="no disaggregated prefill"),
+    FieldRule("ec_transfer_params", BOTH, "neutral", ({},), note="no disaggregated prefill"),
+    FieldRule("vllm_xargs", BOTH, "neutral", ({},), note="vLLM plugins' own arguments"),
+    FieldRule("repetition_detection", BOTH, "neutral", (), note="not yet"),
+    FieldRule("thinking_token_budget", BOTH, "neutral", (), note="not yet"),
+    FieldRule("stream_interval", BOTH, "no effect", note="streams send whole choices"),
+    # -- /v1/completions ----------------------------------------------------------------
+    FieldRule("prompt", COMPLETIONS, "implemented", note="a string, strings, token ids, or lists of token ids"),
+    FieldRule("echo", COMPLETIONS, "implemented", note="the prompt's text, tokens and log-probs come first"),
+    FieldRule("logprobs", BOTH, "implemented", note="completions: top-k count; chat: a boolean"),
+    FieldRule("add_special_tokens", COMPLETIONS, "implemented", note="for string prompts; default true, as vLLM"),
+    FieldRule("truncate_prompt_tokens", COMPLETIONS, "implemented", note="keep N tokens (-1: the model's limit)"),
+    FieldRule("suffix", COMPLETIONS, "neutral", ("",), note="no insertion"),
+    FieldRule("prompt_embeds", COMPLETIONS, "neutral", (), note="token prompts only"),
+    # -- /v1/chat/completions -----------------------------------------------------------
+    FieldRule("messages", CHAT, "implemented", note="OpenAI messages; text content parts"),
+    FieldRule("tools", CHAT, "implemented", note="OpenAI function tools; `strict` accepted (not enforced, as in vLLM)"),
+    FieldRule("tool_choice", CHAT, "implemented", note="`none` and `auto`; `required` / a named function are a 400"),
+    FieldRule("parallel_tool_calls", CHAT, "neutral", (True,), note="every call the model makes is returned"),
+    FieldRule("top_logprobs", CHAT, "implemented"),
+    FieldRule("max_completion_tokens", CHAT, "implemented", note="wins over `max_tokens`"),
+    FieldRule("add_generation_prompt", CHAT, "neutral", (True,), note="sessions sample a new assistant turn"),
+    FieldRule("continue_final_message", CHAT, "neutral", (False,), note="sessions sample a new assistant turn"),
+    FieldRule("chat_template", CHAT, "neutral", (), note="the server's template (`--template`)"),
+    FieldRule("chat_template_kwargs", CHAT, "neutral", ({},), note="the server's template options"),
+    FieldRule("documents", CHAT, "neutral", ([],), note="no RAG templates"),
+    FieldRule("media_io_kwargs", CHAT, "neutral", ({},), note="text models"),
+    FieldRule("mm_processor_kwargs", CHAT, "neutral", ({},), note="text models"),
+    FieldRule("reasoning_effort", CHAT, "neutral", (), note="no reasoning parser"),
+    FieldRule("include_reasoning", CHAT, "neutral", (True,), note="no reasoning parser"),
+    FieldRule("return_prompt_text", CHAT, "neutral", (False,), note="not yet"),
+    FieldRule("echo", CHAT, "neutral", (False,), note="chat replies hold the new turn only"),
+    FieldRule("add_special_tokens", CHAT, "neutral", (False,), note="the template writes every special token"),
+    FieldRule("truncate_prompt_tokens", CHAT, "neutral", (), note="a session's prompt is never cut"),
+)
+
+_BY_ROUTE: dict[Route, dict[str, FieldRule]] = {
+    route: {f.name: f for f in FIELDS if route in f.routes} for route in ("completions", "chat")
+}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal and of the same kind (``False`` is not ``0`` here, nor ``1`` ``True``)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return isinstance(a, bool) and isinstance(b, bool) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return math.isfinite(a) and a == b
+    return type(a) is type(b) and a == b
+
+
+def neutral_violation(route: Route, body: dict[str, Any]) -> str | None:
+    """The first ``neutral`` field of ``body`` set to a value that would change something, as an error message."""
+    for name, value in body.items():
+        rule = _BY_ROUTE[route].get(name)
+        if rule is None or rule.treatment != "neutral" or value is None:
+            continue
+        if not any(_same(value, ok) for ok in rule.neutral):
+            accepted = " or ".join(["unset", *(repr(v) for v in rule.neutral)])
+            why = f" ({rule.note})" if rule.note else ""
+            return f"{name}={value!r:.80} is not supported by twinkle serve{why}: leave it {accepted}."
+    return None
+
+
+class _Request(BaseModel):
+    # Unknown fields are refused: an option the server would silently ignore is a bug.
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = None
+    prompt_logprobs: int | None = None
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
+    request_id: str | None = None
+    user: str | None = None
+    session_id: str | None = None
+    cache_salt: str | None = None
+    truncation_side: Literal["left", "right"] | None = None
+    stream_interval: int | None = None
+    # Accepted only at their neutral values (checked against FIELDS before anything runs).
+    priority: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    min_tokens: Any = None
+    logit_bias: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    structured_outputs: Any = None
+    response_format: Any = None
+    logprob_token_ids: Any = None
+    spaces_between_special_tokens: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    watermarking: Any = None
+    routed_experts_prompt_start: Any = None
+    return_token_offsets: Any = None
+    mm_payload: Any = None
+    return_mm_kwargs: Any = None
+    kv_transfer_params: Any = None
+    ec_transfer_params: Any = None
+    vllm_xargs: Any = None
+    repetition_detection: Any = None
+    thinking_token_budget: Any = None
+
+
+class CompletionRequest(_Request):
+    """The ``/v1/completions`` body (vLLM's fields; see :data:`FIELDS`)."""
+
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(min_length=1)
+    echo: bool | None = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    add_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)
+    suffix: Any = None
+    prompt_embeds: Any = None
+
+
+class ChatRequest(_Request):
+    """The ``/v1/chat/completions`` body (vLLM's fields; see :data:`FIELDS`)."""
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: Any = None
+    include_stop_str_in_output: Any = None
+    skip_special_tokens: Any = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    max_completion_tokens: int | None = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    documents: Any = None
+    media_io_kwargs: Any = None
+    mm_processor_kwargs: Any = None
+    reasoning_effort: Any = None
+    include_reasoning: Any = None
+    return_prompt_text: Any = None
+    echo: Any = None
+    add_special_tokens: Any = None
+    truncate_prompt_tokens: Any = None
+
+
+def model_fields(route: Route) -> set[str]:
+    """The body keys a route's model accepts (the table must name exactly these)."""
+    cls = CompletionRequest if route == "completions" else ChatRequest
+    return set(cls.model_fields)
