@@ -1,7 +1,15 @@
-"""``twinkle serve`` against in-process ``sample()``: 32 concurrent clients, same requests.
+"""``twinkle serve`` against in-process ``sample()``: concurrent clients, same requests, two patterns.
 
-    python bench/bench_server.py                     # vLLM CPU engine, the tiny model
-    python bench/bench_server.py --engine torch --clients 8
+    python bench/bench_server.py                     # vLLM CPU engine, the tiny model, both patterns
+    python bench/bench_server.py --engine torch --clients 8 --pattern chat
+
+Patterns: ``chat`` (an agent framework's calls: one conversation each,
+``max_tokens`` generated) and ``score`` (lm-evaluation-harness's
+loglikelihood requests: ``/v1/completions`` with a batch of ``--batch``
+token-id prompts, ``echo``, ``logprobs: 1``, ``max_tokens: 1``; in process,
+the same prompts through ``sample()`` with ``prompt_logprobs=1``). The
+throughput counted is generated tokens for ``chat`` and scored prompt
+tokens for ``score``.
 
 One engine is started; the same workload runs on it in two arms:
 
@@ -76,11 +84,46 @@ def _messages(c: int, k: int) -> list[dict[str, str]]:
     return [{"role": "user", "content": PROMPTS[(c + k) % len(PROMPTS)]}]
 
 
+def _score_batch(prompts: list[list[int]], batch: int, c: int, k: int) -> list[list[int]]:
+    start = ((c * 7 + k) * batch) % len(prompts)
+    return [prompts[(start + i) % len(prompts)] for i in range(batch)]
+
+
+def _score_prompts(sampler: Any, n: int = 64, length: int = 96) -> list[list[int]]:
+    """Token-id prompts of ``length`` tokens, as lm-eval sends context + continuation."""
+    text = " ".join(PROMPTS) + " The quick brown fox jumps over the lazy dog. "
+    ids = sampler.template.tokenizer.encode(text * 20)
+    return [ids[i : i + length] for i in range(n)]
+
+
 def _clients(args: argparse.Namespace) -> None:
     """The child process: ``clients`` threads of ``openai`` clients against the server."""
     import openai
 
     local = threading.local()
+    if args.pattern == "score":
+        import httpx
+
+        with open(args.prompts_file) as f:
+            prompts = json.load(f)
+
+        def score(c: int, k: int) -> int:
+            if not hasattr(local, "client"):
+                local.client = httpx.Client(base_url=args.client_of, timeout=600)
+            body = {
+                "model": "base",
+                "prompt": _score_batch(prompts, args.batch, c, k),
+                "echo": True,
+                "logprobs": 1,
+                "max_tokens": 1,
+                "temperature": 0,
+            }
+            r = local.client.post("/v1/completions", json=body).json()
+            return sum(len(ch["logprobs"]["token_logprobs"]) - 1 - len(ch["token_ids"]) for ch in r["choices"])
+
+        _run(min(4, args.clients), 1, score)  # warm-up
+        print(json.dumps(_run(args.clients, args.requests, score)))
+        return
 
     def via_server(c: int, k: int) -> int:
         if not hasattr(local, "client"):
@@ -106,11 +149,28 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4, help="requests per client")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5, help="rounds of the two arms, alternating")
+    ap.add_argument("--pattern", default="both", choices=["chat", "score", "both"])
+    ap.add_argument("--batch", type=int, default=8, help="prompts per scoring request (lm-eval's batch_size)")
     ap.add_argument("--client-of", default=None, help=argparse.SUPPRESS)  # internal: run the clients against URL
+    ap.add_argument("--prompts-file", default=None, help=argparse.SUPPRESS)  # internal: the scoring prompts
     args = ap.parse_args()
     if args.client_of:
         _clients(args)
         return
+    patterns = ["chat", "score"] if args.pattern == "both" else [args.pattern]
+    summary = {p: _bench(args, p) for p in patterns}
+    for pattern, result in summary.items():
+        print(
+            f"{pattern}: server / in-process: median {result['ratio_median']:.2f}x over {len(result['rounds'])} rounds"
+            f" (range {result['ratio_min']:.2f}-{result['ratio_max']:.2f}); added p50 latency"
+            f" {result['added_p50_ms_median']:.0f} ms"
+        )
+    print(json.dumps(summary))
+
+
+def _bench(args: argparse.Namespace, pattern: str) -> dict[str, Any]:
+    """Both arms of one pattern, alternating for ``repeats`` rounds."""
+    import tempfile
 
     from twinkle_core import SamplingParams, create_sampler
     from twinkle_core.server import start_server
@@ -131,11 +191,19 @@ def main() -> None:
 
     rounds: list[dict[str, Any]] = []
     with create_sampler(args.engine, **kwargs) as sampler:
+        prompts = _score_prompts(sampler)
+        scoring = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=1, logprobs=1)
 
         def direct(c: int, k: int) -> int:
+            if pattern == "score":
+                batch = _score_batch(prompts, args.batch, c, k)
+                responses = sampler.sample([{"input_ids": p} for p in batch], scoring)
+                return sum(len(r.prompt_logprobs or []) - 1 for r in responses)
             return len(sampler.sample({"messages": _messages(c, k)}, params)[0].sequences[0].tokens)
 
         _run(min(4, args.clients), 1, direct)  # warm-up
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as prompts_file:
+            json.dump(prompts, prompts_file)
         with start_server(sampler, log_level="error") as srv:
             argv = [
                 sys.executable,
@@ -148,6 +216,12 @@ def main() -> None:
                 str(args.requests),
                 "--max-tokens",
                 str(args.max_tokens),
+                "--pattern",
+                pattern,
+                "--batch",
+                str(args.batch),
+                "--prompts-file",
+                prompts_file.name,
             ]
             for r in range(args.repeats):
                 arms: dict[str, tuple[float, int, list[float]]] = {}
@@ -162,30 +236,26 @@ def main() -> None:
                 row["added_p50_s"] = row["server"]["p50_s"] - row["in-process"]["p50_s"]
                 rounds.append(row)
                 print(
-                    f"round {r}: in-process {row['in-process']['tokens_per_s']:.1f} tok/s"
+                    f"{pattern} round {r}: in-process {row['in-process']['tokens_per_s']:.1f} tok/s"
                     f" p50 {row['in-process']['p50_s']:.3f}s | server {row['server']['tokens_per_s']:.1f} tok/s"
                     f" p50 {row['server']['p50_s']:.3f}s | ratio {row['ratio']:.2f}x,"
                     f" added p50 {row['added_p50_s'] * 1000:.0f} ms",
                     flush=True,
                 )
 
-    print(f"engine={args.engine} clients={args.clients} requests/client={args.requests} max_tokens={args.max_tokens}")
+    os.unlink(prompts_file.name)
     ratios = [r["ratio"] for r in rounds]
     added = [r["added_p50_s"] * 1000 for r in rounds]
-    print(
-        f"server / in-process tokens/s: median {statistics.median(ratios):.2f}x over {len(rounds)} rounds"
-        f" (range {min(ratios):.2f}-{max(ratios):.2f}; target >= 0.8x); added p50 latency: median"
-        f" {statistics.median(added):.0f} ms (range {min(added):.0f} to {max(added):.0f} ms)"
-    )
-    print(
-        json.dumps(
-            {
-                "ratio_median": statistics.median(ratios),
-                "added_p50_ms_median": statistics.median(added),
-                "rounds": rounds,
-            }
-        )
-    )
+    return {
+        "engine": args.engine,
+        "clients": args.clients,
+        "requests_per_client": args.requests,
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "added_p50_ms_median": statistics.median(added),
+        "rounds": rounds,
+    }
 
 
 if __name__ == "__main__":

@@ -4,13 +4,16 @@ Needs the ``server`` extra (``pip install "twinkle-core[server]"``: FastAPI and
 uvicorn). Nothing here is imported by ``import twinkle_core``; FastAPI is
 imported when an app is built.
 
-Routes: ``/health`` (never needs the key), ``/v1/models``,
-``/v1/chat/completions``, ``/v1/completions``, and the sessions:
-``GET /v1/sessions``, ``GET /v1/sessions/{id}`` (the episodes with their
-training features), ``GET /v1/sessions/{id}/export`` and
-``GET /v1/sessions/export`` (JSONL), ``DELETE /v1/sessions/{id}``.
-A call joins session ``id`` through the ``X-Session-Id`` header or the
-body's ``user`` field.
+The server speaks vLLM's protocol (``docs/server.md`` has every route and
+field): ``/v1/completions`` and ``/v1/chat/completions`` with vLLM's
+extensions (``server/protocol.py`` says how each field is treated), the
+tokenizer, RL-control and runtime-LoRA routes of ``vllm serve``
+(``server/control.py``), and twinkle's sessions: ``GET /v1/sessions``,
+``GET /v1/sessions/{id}`` (the episodes with their training features),
+``GET /v1/sessions/{id}/export`` and ``GET /v1/sessions/export`` (JSONL),
+``DELETE /v1/sessions/{id}``. ``/health`` never needs the key. A chat call
+joins session ``id`` through the ``X-Session-Id`` header, the body's
+``session_id``, or its ``user`` field.
 """
 
 from __future__ import annotations

@@ -404,8 +404,14 @@ def create_app(
             raise ApiError(400, str(exc), param="tools") from None
         parser = state.no_parser if req.tool_choice == "none" else state.tool_parser
         session_id = request.headers.get(SESSION_HEADER) or req.session_id or req.user
+        template = None
+        if req.chat_template_kwargs:
+            try:
+                template = sampler.template.with_options(**req.chat_template_kwargs)
+            except TwinkleError as exc:
+                raise ApiError(400, str(exc), param="chat_template_kwargs") from None
         await state.unpaused()
-        call = await _start(state, session_id, trajectory, parser, params, adapter)
+        call = await _start(state, session_id, trajectory, parser, params, adapter, template)
         rid = req.request_id or ("chatcmpl-" + uuid.uuid4().hex)
         prompt_ids = list(call.target.tokens)
         names = TokenNames(sampler.template, bool(req.return_tokens_as_token_ids))
@@ -489,17 +495,23 @@ async def _start(
     parser: Any,
     params: SamplingParams,
     adapter: str,
+    template: Any = None,
 ) -> _Call:
     """Find or start the episode and submit its next turn (``n > 1`` forks it).
 
     A session's calls run one at a time: its lock is taken here and released
-    by the call's recorder once the turn is in the session.
+    by the call's recorder once the turn is in the session. ``template``: the
+    sampler's template with the call's ``chat_template_kwargs``; an episode
+    rendered with other options is not continued (the call starts a new one).
     """
     session = state.sessions.get_or_create(session_id) if session_id else None
     if session is not None:
         await session.lock.acquire()
     try:
         found = session.match(trajectory.messages) if session is not None else None
+        options = template.options if template is not None else {}
+        if found is not None and found[0].template.options != options:
+            found = None
         base: Episode | None = None
         if found is not None:
             base, new = found
@@ -508,7 +520,10 @@ async def _start(
             target.add_messages(new)
         else:
             target = Episode(
-                state.sampler, trajectory, tool_parser=parser, on_template_mismatch=state.on_template_mismatch
+                template if template is not None else state.sampler,
+                trajectory,
+                tool_parser=parser,
+                on_template_mismatch=state.on_template_mismatch,
             )
         return _Call(state.sampler, session, base, target, params, adapter)
     except BaseException as exc:

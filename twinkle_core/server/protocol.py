@@ -39,6 +39,7 @@ __all__ = [
     "CompletionRequest",
     "FieldRule",
     "brief",
+    "fields_table",
     "neutral_violation",
     "openai_messages",
     "openai_tools",
@@ -227,7 +228,9 @@ FIELDS: tuple[FieldRule, ...] = (
     FieldRule("add_generation_prompt", CHAT, "neutral", (True,), note="sessions sample a new assistant turn"),
     FieldRule("continue_final_message", CHAT, "neutral", (False,), note="sessions sample a new assistant turn"),
     FieldRule("chat_template", CHAT, "neutral", (), note="the server's template (`--template`)"),
-    FieldRule("chat_template_kwargs", CHAT, "neutral", ({},), note="the server's template options"),
+    FieldRule(
+        "chat_template_kwargs", CHAT, "implemented", note="chat template variables (`enable_thinking`...)"
+    ),
     FieldRule("documents", CHAT, "neutral", ([],), note="no RAG templates"),
     FieldRule("media_io_kwargs", CHAT, "neutral", ({},), note="text models"),
     FieldRule("mm_processor_kwargs", CHAT, "neutral", ({},), note="text models"),
@@ -348,7 +351,7 @@ class ChatRequest(_Request):
     add_generation_prompt: Any = None
     continue_final_message: Any = None
     chat_template: Any = None
-    chat_template_kwargs: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
     documents: Any = None
     media_io_kwargs: Any = None
     mm_processor_kwargs: Any = None
@@ -364,3 +367,26 @@ def model_fields(route: Route) -> set[str]:
     """The body keys a route's model accepts (the table must name exactly these)."""
     cls = CompletionRequest if route == "completions" else ChatRequest
     return set(cls.model_fields)
+
+
+def fields_table() -> str:
+    """The request fields as the Markdown table ``docs/server.md`` shows (a test keeps the two equal)."""
+    rows = ["| field | completions | chat | note |", "|---|---|---|---|"]
+    names = list(dict.fromkeys(f.name for f in FIELDS))
+    for name in names:
+        cells: list[str] = []
+        notes: list[str] = []
+        routes: tuple[Route, ...] = ("completions", "chat")
+        for route in routes:
+            rule = _BY_ROUTE[route].get(name)
+            if rule is None:
+                cells.append("—")
+                continue
+            cell: str = rule.treatment
+            if rule.treatment == "neutral":
+                cell += " (" + ", ".join(["unset", *(f"`{json.dumps(v)}`" for v in rule.neutral)]) + ")"
+            cells.append(cell)
+            if rule.note and rule.note not in notes:
+                notes.append(rule.note)
+        rows.append(f"| `{name}` | {cells[0]} | {cells[1]} | {'; '.join(notes)} |")
+    return "\n".join(rows) + "\n"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any, ClassVar
 
@@ -59,6 +60,28 @@ def load_tokenizer(model_dir: str | os.PathLike[str], **kwargs: Any) -> Any:
     return AutoTokenizer.from_pretrained(str(model_dir), **kwargs)
 
 
+#: The arguments of ``apply_chat_template`` that are not template variables.
+_RENDER_ARGUMENTS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
+
+
 class Template:
     """A Hugging Face tokenizer and the chat template that renders conversations.
 
@@ -79,6 +102,31 @@ class Template:
     def __init__(self, tokenizer: Any, *, chat_template: str | None = None) -> None:
         self.tokenizer = tokenizer
         self._jinja = chat_template or type(self).chat_template or getattr(tokenizer, "chat_template", None)
+        self._options: dict[str, Any] = {}
+
+    def with_options(self, **options: Any) -> Template:
+        """A copy whose chat template also sees ``options`` as variables (``enable_thinking=False``...).
+
+        The names the renderer itself takes (``messages``, ``tools``,
+        ``add_generation_prompt``...) are not options.
+
+        Raises:
+            InvalidInputError: such a name.
+        """
+        taken = sorted(set(options) & _RENDER_ARGUMENTS)
+        if taken:
+            raise InvalidInputError(
+                f"chat template option {taken[0]!r} is invalid: it is an argument of the renderer itself"
+                f" (reserved: {', '.join(sorted(_RENDER_ARGUMENTS))})."
+            )
+        clone = copy.copy(self)
+        clone._options = {**getattr(self, "_options", {}), **options}
+        return clone
+
+    @property
+    def options(self) -> dict[str, Any]:
+        """The variables given with :meth:`with_options` (empty for the template as built)."""
+        return dict(getattr(self, "_options", {}))
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike[str], **kwargs: Any) -> Template:
@@ -119,6 +167,7 @@ class Template:
                     chat_template=self._jinja,
                     add_generation_prompt=add_generation_prompt,
                     tokenize=False,
+                    **getattr(self, "_options", {}),
                 )
             )
         except Exception as exc:  # jinja raises TemplateError/UndefinedError on malformed chats
