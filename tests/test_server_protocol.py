@@ -354,14 +354,7 @@ async def _until_running(h: httpx.AsyncClient, rid: str) -> None:
 
 
 def test_runtime_lora_routes(server: RunningServer, sampler: Any, model_dir: Path, tmp_path: Path) -> None:
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
-    get_peft_model(base, config).save_pretrained(str(tmp_path / "a"))
+    _save_adapter(model_dir, tmp_path / "a")
     out = _post(server, "/v1/load_lora_adapter", {"lora_name": "style", "lora_path": str(tmp_path / "a")})
     assert out["weights_version"] == sampler.weights_version and "style" in sampler.adapters
     listed = {m["id"]: m for m in httpx.get(server.url + "/v1/models").json()["data"]}
