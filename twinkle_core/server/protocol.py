@@ -228,9 +228,7 @@ FIELDS: tuple[FieldRule, ...] = (
     FieldRule("add_generation_prompt", CHAT, "neutral", (True,), note="sessions sample a new assistant turn"),
     FieldRule("continue_final_message", CHAT, "neutral", (False,), note="sessions sample a new assistant turn"),
     FieldRule("chat_template", CHAT, "neutral", (), note="the server's template (`--template`)"),
-    FieldRule(
-        "chat_template_kwargs", CHAT, "implemented", note="chat template variables (`enable_thinking`...)"
-    ),
+    FieldRule("chat_template_kwargs", CHAT, "implemented", note="chat template variables (`enable_thinking`...)"),
     FieldRule("documents", CHAT, "neutral", ([],), note="no RAG templates"),
     FieldRule("media_io_kwargs", CHAT, "neutral", ({},), note="text models"),
     FieldRule("mm_processor_kwargs", CHAT, "neutral", ({},), note="text models"),
