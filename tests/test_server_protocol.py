@@ -120,10 +120,12 @@ def test_prompt_logprobs_in_vllms_shape(server: RunningServer, sampler: Any) -> 
 
 def test_token_names_stop_reason_and_texts(server: RunningServer, sampler: Any) -> None:
     ids = _ids(sampler, "Count to five.")
-    free = sampler.sample({"input_ids": ids}, {"temperature": 0, "max_tokens": 12})[0].sequences[0]
+    # ignore_eos: the greedy completion runs all 12 tokens, so it has text to take a stop string from
+    free = sampler.sample({"input_ids": ids}, {"temperature": 0, "max_tokens": 12, "ignore_eos": True})[0].sequences[0]
+    assert len(free.text) >= 5, f"12 greedy tokens decoded to only {free.text!r}"
     # a stop string the greedy completion reaches: the text is cut before it, and kept with include_stop_str_in_output
     stop = free.text[3:5]
-    base = {"model": "tiny", "prompt": ids, "temperature": 0, "max_tokens": 12, "stop": [stop]}
+    base = {"model": "tiny", "prompt": ids, "temperature": 0, "max_tokens": 12, "ignore_eos": True, "stop": [stop]}
     cut = _post(server, "/v1/completions", base)["choices"][0]
     kept = _post(server, "/v1/completions", {**base, "include_stop_str_in_output": True})["choices"][0]
     assert cut["stop_reason"] == stop and cut["finish_reason"] == "stop"

@@ -529,10 +529,8 @@ async def _start(
     except BaseException as exc:
         if session is not None:
             session.lock.release()
-        if isinstance(exc, UnsupportedFeatureError):
-            raise ApiError(400, str(exc)) from None
-        if isinstance(exc, UnknownAdapterError):
-            raise ApiError(404, str(exc), param="model", code="model_not_found") from None
+        if isinstance(exc, TwinkleError):
+            raise state.refusal(exc) from None
         raise
 
 
