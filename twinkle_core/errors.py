@@ -24,8 +24,10 @@ __all__ = [
     "MergedAdapterError",
     "ModelNotFoundError",
     "PluginLoadError",
+    "PolicyMismatchError",
     "PromptTooLongError",
     "SamplerClosedError",
+    "StalePolicyError",
     "TemplateError",
     "TwinkleError",
     "UnknownAdapterError",
@@ -163,6 +165,15 @@ class WeightSyncTimeoutError(TwinkleError, TimeoutError):
 
 class UnsupportedFeatureError(TwinkleError, NotImplementedError):
     """The engine cannot honour a requested feature or parameter."""
+
+
+class StalePolicyError(TwinkleError, RuntimeError):
+    """A sample was produced by weights (or an adapter) other than the ones the trainer last pushed."""
+
+
+class PolicyMismatchError(TwinkleError, RuntimeError):
+    """The sampler's log-probs of its own samples differ from the trainer's by more than the tolerance:
+    the sampler is not running the trainer's policy."""
 
 
 class SamplerClosedError(TwinkleError, RuntimeError):

@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tasks import make_task
 
 from twinkle_core import SamplingParams, Trajectory, create_sampler
-from twinkle_core.errors import TwinkleError
+from twinkle_core.errors import StalePolicyError
 
 __all__ = ["GRPOConfig", "StalePolicyError", "main", "train"]
 
@@ -46,10 +46,6 @@ __all__ = ["GRPOConfig", "StalePolicyError", "main", "train"]
 #: SmolLM2, where merging made both engines' steps faster (docs/grpo.md, "Merged LoRA"). Engines
 #: not listed are served unmerged.
 MERGE_LORA_DEFAULT: dict[str, bool] = {"vllm": True, "torch": True}
-
-
-class StalePolicyError(TwinkleError, RuntimeError):
-    """A sample was produced by weights other than the ones the trainer last pushed."""
 
 
 @dataclass

@@ -1,0 +1,339 @@
+"""TRL's real ``GRPOTrainer`` training the tiny model with twinkle generating (``twinkle_core.integrations.trl``).
+
+Each run is a few optimizer steps. What is asserted is what a TRL user relies
+on: every completion TRL trains on carries the version of the trainer's latest
+push (read from TRL's side, through a reward function's arguments), the
+sampler's log-probs equal the trainer's to float-32 noise, the policy really
+moved (so those checks could fail), and a run whose weights do not follow the
+policy is stopped by the integration itself. One sampler per engine serves the
+module; the Ray replicas get their own.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from twinkle_core import create_sampler  # noqa: E402
+from twinkle_core.errors import (  # noqa: E402
+    ConfigError,
+    InvalidSamplingParams,
+    PolicyMismatchError,
+    UnsupportedFeatureError,
+)
+from twinkle_core.integrations.trl import TwinkleRollout, trl_sampling_params  # noqa: E402
+from twinkle_core.testing import build_tiny_model  # noqa: E402
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+#: Prompts the tiny model answers with some spread at temperature 1.5, so groups have reward signal.
+QUESTIONS = [
+    "Count from 3 to 7.",
+    "What is 2 plus 5?",
+    "Tell me a story about a cat.",
+    "List three colors.",
+    "Count from 1 to 4.",
+    "What is the capital of France?",
+    "Write 9 in words.",
+    "What is 6 plus 1?",
+]
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+TOLERANCE = 1e-3  # the engines' parity tolerance with transformers in float32
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> Path:
+    return build_tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def torch_sampler(model_dir: Path) -> Iterator[Any]:
+    with create_sampler("torch", model_id=str(model_dir)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def vllm_sampler(model_dir: Path) -> Iterator[Any]:
+    pytest.importorskip("vllm")
+    from twinkle_vllm.sampler import vLLMSampler
+
+    args = {
+        "enforce_eager": True,
+        "kv_cache_memory_bytes": 1 << 30,
+        "dtype": "float32",
+        "max_num_seqs": 64,
+        "enable_lora": True,
+        "max_lora_rank": 8,
+    }
+    with vLLMSampler(model_dir, engine_args=args) as s:
+        yield s
+
+
+@pytest.fixture(params=["torch", "vllm"])
+def sampler(request: pytest.FixtureRequest) -> Any:
+    return request.getfixturevalue(f"{request.param}_sampler")
+
+
+def digit_share(completions: list[Any], **kwargs: Any) -> list[float]:
+    """The share of digits among a completion's non-space characters (dense, learnable by the tiny model)."""
+    out = []
+    for c in completions:
+        text = c[0]["content"] if isinstance(c, list) else c
+        chars = [x for x in text if not x.isspace()]
+        out.append(sum(x.isdigit() for x in chars) / len(chars) if chars else 0.0)
+    return out
+
+
+def config(tmp_path: Path, **overrides: Any) -> Any:
+    settings: dict[str, Any] = {
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": 8,
+        "num_generations": 4,
+        "max_completion_length": 16,
+        "temperature": 1.5,
+        "max_steps": 3,
+        "learning_rate": 1e-3,
+        "logging_steps": 1,
+        "report_to": "none",
+        "save_strategy": "no",
+        "use_cpu": True,
+        "seed": 0,
+    }
+    settings.update(overrides)
+    return trl.GRPOConfig(**settings)
+
+
+def trainer_for(
+    model_dir: Path,
+    rollout: TwinkleRollout,
+    args: Any,
+    *,
+    lora: bool = False,
+    prompts: list[Any] | None = None,
+    seen: list[dict[str, Any]] | None = None,
+) -> Any:
+    """A ``GRPOTrainer`` on the tiny model; ``seen`` collects what each reward call is handed."""
+
+    def reward(completions: list[Any], **kwargs: Any) -> list[float]:
+        if seen is not None:
+            seen.append({"weights_version": kwargs["weights_version"], "stop_reason": kwargs["stop_reason"]})
+        return digit_share(completions)
+
+    reward.__name__ = "digit_share"
+    if prompts is None:
+        prompts = [[{"role": "user", "content": q}] for q in QUESTIONS * 4]
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=8, lora_alpha=16, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    return trl.GRPOTrainer(
+        model=AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=datasets.Dataset.from_dict({"prompt": prompts}),
+        processing_class=AutoTokenizer.from_pretrained(str(model_dir)),
+        rollout_func=rollout,
+        peft_config=peft_config,
+    )
+
+
+def base_state(sampler: Any, model_dir: Path) -> None:
+    """Put the shared sampler back on the tiny model's own weights, with no adapter (tests share it)."""
+    for name in list(sampler.adapters):
+        sampler.remove_adapter(name)
+    start = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    sampler.update_weights(list(start.state_dict().items()))
+
+
+def assert_followed(rollout: TwinkleRollout, seen: list[dict[str, Any]], steps: int) -> None:
+    """Every completion TRL scored carries the version pushed for its step; each push made a new version."""
+    assert [h["step"] for h in rollout.history] == list(range(steps))
+    versions = [h["version"] for h in rollout.history]
+    assert versions == sorted(set(versions)), versions  # one new version per step
+    assert len(seen) == steps
+    for record, call in zip(rollout.history, seen):
+        assert call["weights_version"] == [record["version"]] * 8
+        assert set(call["stop_reason"]) <= {"stop", "length"}
+    for record in rollout.history:
+        assert record["logp_diff_max"] < TOLERANCE, record
+
+
+# -- the recipe, in process, on each engine ---------------------------------------------------------
+
+
+def test_full_finetune_samples_the_current_policy(sampler: Any, model_dir: Path, tmp_path: Path) -> None:
+    base_state(sampler, model_dir)
+    seen: list[dict[str, Any]] = []
+    rollout = TwinkleRollout(sampler)
+    trainer = trainer_for(model_dir, rollout, config(tmp_path), seen=seen)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.train()
+    assert_followed(rollout, seen, steps=3)
+    moved = max((v - before[k]).abs().max().item() for k, v in trainer.model.state_dict().items())
+    assert moved > 1e-4  # the policy changed, so a sampler left on the old weights would have been caught
+    assert rollout.serving == ""
+    # TRL's own log carries the integration's figures
+    logged = [row for row in trainer.state.log_history if "twinkle/sampling_logp_difference/max" in row]
+    assert len(logged) == 3
+    assert all(row["twinkle/sampling_logp_difference/max"] < TOLERANCE for row in logged)
+    assert [row["twinkle/weights_version"] for row in logged] == [h["version"] for h in rollout.history]
+    # the sampler now serves what the trainer ends with: greedy tokens and log-probs agree
+    prompt = sampler.encode({"messages": [{"role": "user", "content": "Count from 3 to 7."}]})
+    out = sampler.sample([prompt], {"temperature": 0, "max_tokens": 8, "logprobs": 0})[0].sequences[0]
+    from twinkle_core.integrations.trl import _model_logprobs
+
+    want = _model_logprobs(trainer.model, [(list(prompt.input_ids), list(out.tokens))], 0.0)[0]
+    assert out.logprobs == pytest.approx(want, abs=TOLERANCE)
+
+
+def test_lora_policy_is_pushed_as_an_adapter(sampler: Any, model_dir: Path, tmp_path: Path) -> None:
+    base_state(sampler, model_dir)
+    version_before = sampler.weights_version
+    seen: list[dict[str, Any]] = []
+    rollout = TwinkleRollout(sampler, adapter_name="grpo")
+    trainer = trainer_for(model_dir, rollout, config(tmp_path, learning_rate=1e-2), lora=True, seen=seen)
+    trainer.train()
+    assert_followed(rollout, seen, steps=3)
+    assert rollout.serving == "grpo" and "grpo" in sampler.adapters
+    assert rollout.history[0]["version"] == version_before + 1
+    # only the adapter was pushed: the base model still gives the base model's numbers
+    prompt = sampler.encode({"messages": [{"role": "user", "content": "What is 2 plus 5?"}]})
+    params = {"temperature": 0, "max_tokens": 8, "logprobs": 0}
+    base = sampler.sample([prompt], params)[0].sequences[0]
+    tuned = sampler.sample([prompt], params, adapter_name="grpo")[0].sequences[0]
+    plain = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    from twinkle_core.integrations.trl import _model_logprobs
+
+    assert base.logprobs == pytest.approx(
+        _model_logprobs(plain, [(list(prompt.input_ids), list(base.tokens))], 0.0)[0], abs=TOLERANCE
+    )
+    assert tuned.logprobs == pytest.approx(
+        _model_logprobs(trainer.model, [(list(prompt.input_ids), list(tuned.tokens))], 0.0)[0], abs=TOLERANCE
+    )
+    assert tuned.adapter_name == "grpo"
+
+
+def test_a_policy_the_sampler_does_not_follow_is_caught(torch_sampler: Any, model_dir: Path, tmp_path: Path) -> None:
+    """No pushes (the sampler keeps the start weights): the integration's own check stops the run."""
+    base_state(torch_sampler, model_dir)
+    rollout = TwinkleRollout(torch_sampler, sync_weights=False)
+    trainer = trainer_for(model_dir, rollout, config(tmp_path, max_steps=4))
+    with pytest.raises(PolicyMismatchError, match="not running the trainer's policy"):
+        trainer.train()
+    assert rollout.history[0]["logp_diff_max"] < TOLERANCE  # step 0: same weights, the check passes
+    assert 1 <= len(rollout.history) < 4
+
+
+def test_mixed_precision_trainer_and_settings_through_the_scoring_check(
+    torch_sampler: Any, model_dir: Path, tmp_path: Path
+) -> None:
+    """bf16 autocast (TRL's default), top-k / top-p / repetition penalty, and two generations per step."""
+    base_state(torch_sampler, model_dir)
+    seen: list[dict[str, Any]] = []
+    rollout = TwinkleRollout(torch_sampler)
+    args = config(
+        tmp_path,
+        bf16=True,
+        top_k=20,
+        top_p=0.95,
+        repetition_penalty=1.1,
+        steps_per_generation=2,
+        per_device_train_batch_size=4,
+        max_steps=4,
+    )
+    assert rollout.history == []
+    trainer = trainer_for(model_dir, rollout, args, seen=seen)
+    trainer.train()
+    # one generation feeds two optimizer steps: pushes at steps 0 and 2, and nothing is stale
+    assert [h["step"] for h in rollout.history] == [0, 2]
+    assert all(h["logp_diff_max"] < TOLERANCE for h in rollout.history)
+    assert [call["weights_version"] for call in seen] == [[h["version"]] * 8 for h in rollout.history]
+
+
+def test_uneven_and_plain_prompts(torch_sampler: Any, model_dir: Path, tmp_path: Path) -> None:
+    """Runs of equal prompts of any length come back in TRL's order; plain strings are tokenized as TRL does."""
+    base_state(torch_sampler, model_dir)
+    rollout = TwinkleRollout(torch_sampler, verify_every=0)
+    trainer = trainer_for(model_dir, rollout, config(tmp_path), prompts=["Numbers: 1 2 3"] * 8)
+    prompts = ["Numbers: 1 2 3"] * 2 + ["The quick brown fox"] * 3 + ["Hello"]
+    out = rollout(prompts, trainer)
+    assert len(out["completion_ids"]) == len(out["logprobs"]) == len(prompts)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    assert out["prompt_ids"] == tokenizer(text=prompts)["input_ids"]  # TRL's own tokenization of plain prompts
+    for ids, lps in zip(out["completion_ids"], out["logprobs"]):
+        assert len(ids) == len(lps) > 0
+    chat = [[{"role": "user", "content": "Hi"}]] * 2
+    out = rollout(chat, trainer)
+    assert out["prompt_ids"] == [list(torch_sampler.encode({"messages": chat[0]}).input_ids)] * 2
+    with pytest.raises(UnsupportedFeatureError, match="plain strings"):
+        rollout([{"text": "not a prompt"}], trainer)
+
+
+# -- settings ------------------------------------------------------------------------------------------
+
+
+def test_settings_map_faithfully(tmp_path: Path) -> None:
+    params = trl_sampling_params(config(tmp_path, temperature=0.7, top_p=0.9, max_completion_length=12))
+    assert (params.temperature, params.top_p, params.top_k, params.min_p) == (0.7, 0.9, -1, 0.0)
+    assert (params.max_tokens, params.logprobs, params.logprobs_mode) == (12, 0, "processed")
+    params = trl_sampling_params(config(tmp_path, top_k=5, min_p=0.05, repetition_penalty=1.2))
+    assert (params.top_k, params.min_p, params.repetition_penalty) == (5, 0.05, 1.2)
+    gen = {"max_new_tokens": 7, "top_k": 0, "stop_strings": "\n", "seed": None, "do_sample": False}
+    params = trl_sampling_params(config(tmp_path, top_k=3, generation_kwargs=gen))
+    assert (params.max_tokens, params.top_k, params.stop, params.temperature) == (7, -1, ("\n",), 0.0)
+    with pytest.raises(UnsupportedFeatureError, match=r"generation_kwargs\['num_beams'\]"):
+        trl_sampling_params(config(tmp_path, generation_kwargs={"num_beams": 4}))
+    with pytest.raises(UnsupportedFeatureError, match="Did you mean 'top_p'"):
+        trl_sampling_params(config(tmp_path, generation_kwargs={"top_pp": 0.5}))
+    with pytest.raises(UnsupportedFeatureError, match="num_generations"):
+        trl_sampling_params(config(tmp_path, generation_kwargs={"n": 2}))
+    with pytest.raises(InvalidSamplingParams, match=r"GRPOConfig.temperature=20000.0"):
+        trl_sampling_params(config(tmp_path, temperature=20000.0))
+    with pytest.raises(InvalidSamplingParams, match=r"generation_kwargs\['min_p'\]=2"):
+        trl_sampling_params(config(tmp_path, generation_kwargs={"min_p": 2}))
+    with pytest.raises(UnsupportedFeatureError, match="vllm_structured_outputs_regex"):
+        trl_sampling_params(config(tmp_path, vllm_structured_outputs_regex="[0-9]+"))
+
+
+def test_what_twinkle_cannot_do_is_refused(torch_sampler: Any, model_dir: Path, tmp_path: Path) -> None:
+    rollout = TwinkleRollout(torch_sampler)
+    trainer = trainer_for(model_dir, rollout, config(tmp_path))
+    trainer.args.use_vllm = True  # as if GRPOConfig(use_vllm=True): TRL would start its own vLLM too
+    with pytest.raises(ConfigError, match="use_vllm"):
+        rollout(["Hello"], trainer)
+    for bad in ({"tolerance": 0}, {"on_mismatch": "ignore"}, {"verify_every": -1}, {"adapter_name": ""}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            TwinkleRollout(torch_sampler, **bad)
+
+
+# -- on Ray -------------------------------------------------------------------------------------------
+
+
+def test_remote_group_sampler(model_dir: Path, tmp_path: Path) -> None:
+    """The same recipe with the sampler as two Ray replicas (dp=2, CPU)."""
+    pytest.importorskip("ray")
+    import twinkle_core as tw
+
+    tw.initialize("ray", groups=[tw.DeviceGroup(name="rollout", ranks=2, device_type="cpu")], num_cpus=2)
+    try:
+        with create_sampler(
+            "torch", model_id=str(model_dir), remote_group="rollout", device_mesh=tw.DeviceMesh.from_sizes(dp_size=2)
+        ) as remote:
+            seen: list[dict[str, Any]] = []
+            rollout = TwinkleRollout(remote)
+            trainer = trainer_for(model_dir, rollout, config(tmp_path), seen=seen)
+            trainer.train()
+            assert_followed(rollout, seen, steps=3)
+    finally:
+        tw.shutdown()
