@@ -29,6 +29,7 @@ from twinkle_core.errors import (  # noqa: E402
     ConfigError,
     InvalidSamplingParams,
     PolicyMismatchError,
+    StalePolicyError,
     UnsupportedFeatureError,
 )
 from twinkle_core.integrations.trl import TwinkleRollout, trl_sampling_params  # noqa: E402
@@ -292,6 +293,7 @@ def test_settings_map_faithfully(tmp_path: Path) -> None:
     gen = {"max_new_tokens": 7, "top_k": 0, "stop_strings": "\n", "seed": None, "do_sample": False}
     params = trl_sampling_params(config(tmp_path, top_k=3, generation_kwargs=gen))
     assert (params.max_tokens, params.top_k, params.stop, params.temperature) == (7, -1, ("\n",), 0.0)
+    assert trl_sampling_params(config(tmp_path, generation_kwargs={"seed": 5})).seed == 5
     with pytest.raises(UnsupportedFeatureError, match=r"generation_kwargs\['num_beams'\]"):
         trl_sampling_params(config(tmp_path, generation_kwargs={"num_beams": 4}))
     with pytest.raises(UnsupportedFeatureError, match="Did you mean 'top_p'"):
@@ -304,6 +306,22 @@ def test_settings_map_faithfully(tmp_path: Path) -> None:
         trl_sampling_params(config(tmp_path, generation_kwargs={"min_p": 2}))
     with pytest.raises(UnsupportedFeatureError, match="vllm_structured_outputs_regex"):
         trl_sampling_params(config(tmp_path, vllm_structured_outputs_regex="[0-9]+"))
+
+
+def test_a_sampler_serving_someone_elses_weights_is_caught(
+    torch_sampler: Any, model_dir: Path, tmp_path: Path
+) -> None:
+    """Two trainers share one sampler: the second's push makes the first's next samples stale."""
+    base_state(torch_sampler, model_dir)
+    first, second = TwinkleRollout(torch_sampler), TwinkleRollout(torch_sampler)
+    trainer_a = trainer_for(model_dir, first, config(tmp_path))
+    trainer_b = trainer_for(model_dir, second, config(tmp_path))
+    prompts = ["Numbers: 1 2 3"] * 4
+    out = first(prompts, trainer_a)
+    assert out["weights_version"] == [first.version] * 4
+    second(prompts, trainer_b)  # pushes its own weights into the shared sampler
+    with pytest.raises(StalePolicyError, match=f"weights_version {second.version} .* last push made version"):
+        first(prompts, trainer_a)  # same step: no push of its own, and the sampler now runs trainer b's weights
 
 
 def test_what_twinkle_cannot_do_is_refused(torch_sampler: Any, model_dir: Path, tmp_path: Path) -> None:

@@ -335,6 +335,8 @@ class TwinkleRollout(TrainerCallback):  # type: ignore[misc]
         self._template = template.with_options(**options) if options else template
         self._rng = random.Random(args.seed)
         self._trainer = trainer
+        self._pushed_step = None  # a new trainer starts from its own weights: push them on this call
+        self.version = None
         # first in line, so TRL's printer and the reporters (wandb, trackio, ...) see the figures it adds
         handler = trainer.callback_handler
         if self not in handler.callbacks:
@@ -367,6 +369,12 @@ class TwinkleRollout(TrainerCallback):  # type: ignore[misc]
             " conversational prompts (a list of {'role', 'content'} messages) or plain strings."
         )
 
+    def _seed(self) -> int:
+        """A seed drawn from ``GRPOConfig.seed`` per call (a run is reproducible), or the one
+        ``generation_kwargs`` fixed."""
+        assert self._params is not None
+        return self._params.seed if self._params.seed is not None else self._rng.randrange(2**31)
+
     def _generate(self, prompts: list[Any]) -> tuple[list[SampledSequence], list[list[int]]]:
         """One completion per prompt, in order: each run of equal prompts is one input with that many samples."""
         assert self._params is not None
@@ -379,7 +387,7 @@ class TwinkleRollout(TrainerCallback):  # type: ignore[misc]
         handles = {
             length: self.sampler.submit(
                 [features[r] for r in members],
-                self._params.replace(num_samples=length, seed=self._rng.randrange(2**31)),
+                self._params.replace(num_samples=length, seed=self._seed()),
                 adapter_name=self.serving,
             )
             for length, members in by_length.items()
@@ -430,10 +438,17 @@ class TwinkleRollout(TrainerCallback):  # type: ignore[misc]
             )
             sampler_lp = [list(r.prompt_logprobs or ())[len(p) :] for r, (p, _) in zip(scored, rows)]
             temperature = 1.0
+        for (_, c), row in zip(rows, sampler_lp):
+            if len(row) != len(c) or any(x is None for x in row):
+                raise PolicyMismatchError(
+                    f"step {step}: the sampler returned {len(row)} log-probs for a completion of {len(c)} tokens"
+                    " (or a missing one): it does not report what it sampled."
+                )
         model = trainer.accelerator.unwrap_model(trainer.model)
         trainer_lp = _model_logprobs(model, rows, temperature)
-        diffs = [abs(a - float(b)) for t_row, s_row in zip(trainer_lp, sampler_lp) for a, b in zip(t_row, s_row)]
-        ratios = [math.exp(a - float(b)) for t_row, s_row in zip(trainer_lp, sampler_lp) for a, b in zip(t_row, s_row)]
+        log_ratios = [a - float(b) for t_row, s_row in zip(trainer_lp, sampler_lp) for a, b in zip(t_row, s_row)]
+        diffs = [abs(x) if math.isfinite(x) else math.inf for x in log_ratios]  # NaN must fail, not pass
+        ratios = [math.exp(min(x, 80.0)) for x in log_ratios]  # capped: a wild mismatch must not overflow
         figures = {
             "logp_diff_mean": sum(diffs) / len(diffs),
             "logp_diff_max": max(diffs),
