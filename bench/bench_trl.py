@@ -39,7 +39,7 @@ from typing import Any
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "grpo"))
 
-from tasks import make_task  # noqa: E402
+from tasks import make_task
 
 
 def model_path(model: str) -> str:

@@ -294,6 +294,10 @@ def test_settings_map_faithfully(tmp_path: Path) -> None:
     params = trl_sampling_params(config(tmp_path, top_k=3, generation_kwargs=gen))
     assert (params.max_tokens, params.top_k, params.stop, params.temperature) == (7, -1, ("\n",), 0.0)
     assert trl_sampling_params(config(tmp_path, generation_kwargs={"seed": 5})).seed == 5
+    unbounded = config(tmp_path, max_completion_length=None)
+    assert trl_sampling_params(unbounded, context_window=128).max_tokens == 128
+    with pytest.raises(ConfigError, match="context_window"):
+        trl_sampling_params(unbounded)
     with pytest.raises(UnsupportedFeatureError, match=r"generation_kwargs\['num_beams'\]"):
         trl_sampling_params(config(tmp_path, generation_kwargs={"num_beams": 4}))
     with pytest.raises(UnsupportedFeatureError, match="Did you mean 'top_p'"):
@@ -308,9 +312,7 @@ def test_settings_map_faithfully(tmp_path: Path) -> None:
         trl_sampling_params(config(tmp_path, vllm_structured_outputs_regex="[0-9]+"))
 
 
-def test_a_sampler_serving_someone_elses_weights_is_caught(
-    torch_sampler: Any, model_dir: Path, tmp_path: Path
-) -> None:
+def test_a_sampler_serving_someone_elses_weights_is_caught(torch_sampler: Any, model_dir: Path, tmp_path: Path) -> None:
     """Two trainers share one sampler: the second's push makes the first's next samples stale."""
     base_state(torch_sampler, model_dir)
     first, second = TwinkleRollout(torch_sampler), TwinkleRollout(torch_sampler)

@@ -98,13 +98,15 @@ def _checked(source: str, field: str, value: Any) -> Any:
     return value
 
 
-def trl_sampling_params(args: Any) -> SamplingParams:
+def trl_sampling_params(args: Any, *, context_window: int | None = None) -> SamplingParams:
     """The ``SamplingParams`` a ``GRPOConfig`` asks for (``num_samples`` is set per call).
 
     ``top_k=0`` and ``min_p=None`` (TRL's "off") become twinkle's ``-1`` and
     ``0``; ``max_completion_length=None`` leaves generation bounded by the
-    context window only. ``generation_kwargs`` override the named settings, as
-    in TRL; an unknown key, or one the integration sets itself, is an error.
+    context window only (``max_tokens=context_window``, the sampler's
+    ``max_model_len``; a sequence ends where the window does). ``generation_kwargs``
+    override the named settings, as in TRL; an unknown key, or one the
+    integration sets itself, is an error.
 
     Raises:
         InvalidSamplingParams: a value out of range, naming the TRL setting.
@@ -119,6 +121,13 @@ def trl_sampling_params(args: Any) -> SamplingParams:
     }
     if args.max_completion_length is not None:
         fields["max_tokens"] = _checked("GRPOConfig.max_completion_length", "max_tokens", args.max_completion_length)
+    elif context_window is not None:
+        fields["max_tokens"] = context_window
+    else:
+        raise ConfigError(
+            "GRPOConfig.max_completion_length=None needs the sampler's context window:"
+            " pass context_window=sampler.max_model_len (TwinkleRollout does)."
+        )
     if getattr(args, "vllm_structured_outputs_regex", None) is not None:
         raise UnsupportedFeatureError(
             f"GRPOConfig.vllm_structured_outputs_regex={args.vllm_structured_outputs_regex!r}: twinkle does not"
@@ -329,7 +338,7 @@ class TwinkleRollout(TrainerCallback):  # type: ignore[misc]
                 "GRPOTrainer(tools=... / environment_factory=...) runs TRL's own tool loop, which generates"
                 " with TRL's generator, not the rollout_func; use twinkle's agent loop (docs/agents.md) instead."
             )
-        self._params = trl_sampling_params(args)
+        self._params = trl_sampling_params(args, context_window=self.sampler.max_model_len)
         options = getattr(trainer, "chat_template_kwargs", None) or {}
         template = self.sampler.template
         self._template = template.with_options(**options) if options else template
