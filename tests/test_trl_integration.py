@@ -332,7 +332,13 @@ def test_what_twinkle_cannot_do_is_refused(torch_sampler: Any, model_dir: Path, 
     trainer.args.use_vllm = True  # as if GRPOConfig(use_vllm=True): TRL would start its own vLLM too
     with pytest.raises(ConfigError, match="use_vllm"):
         rollout(["Hello"], trainer)
-    for bad in ({"tolerance": 0}, {"on_mismatch": "ignore"}, {"verify_every": -1}, {"adapter_name": ""}):
+    for bad in (
+        {"tolerance": 0},
+        {"on_mismatch": "ignore"},
+        {"verify_every": -1},
+        {"adapter_name": ""},
+        {"sync_weights": "yes"},
+    ):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             TwinkleRollout(torch_sampler, **bad)
 

@@ -234,9 +234,10 @@ class TwinkleRollout(TrainerCallback):  # type: ignore[misc]
         verify_every: score ``verify_samples`` completions with the trainer's model every this many
             calls (1: every call; 0: never).
         verify_samples: how many completions a check scores, spread over the batch.
-        tolerance: the largest sampler/trainer log-prob difference a check accepts. The engines
-            agree with transformers to about 1e-4 in float32 (``docs/rl-correctness.md``); a
-            bfloat16 trainer needs more.
+        tolerance: the largest sampler/trainer log-prob difference a check accepts. The check
+            runs the trainer's weights in their own precision (not under accelerate's autocast):
+            float32 weights agree with twinkle's float32 engines to about 1e-5; bfloat16 weights,
+            or a sampler in another precision than the trainer, need more.
         on_mismatch: ``"raise"`` (default) or ``"warn"`` when a check exceeds ``tolerance``.
 
     Attributes:
@@ -258,6 +259,8 @@ class TwinkleRollout(TrainerCallback):  # type: ignore[misc]
     ) -> None:
         if not isinstance(adapter_name, str) or not adapter_name:
             raise ConfigError(f"adapter_name={adapter_name!r} is invalid: expected a non-empty string.")
+        if not isinstance(sync_weights, bool):
+            raise ConfigError(f"sync_weights={sync_weights!r} is invalid: expected True or False.")
         if merge is not None and not isinstance(merge, bool):
             raise ConfigError(f"merge={merge!r} is invalid: expected True, False or None.")
         for name, value in (("verify_every", verify_every), ("verify_samples", verify_samples)):
