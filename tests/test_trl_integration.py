@@ -37,7 +37,7 @@ from twinkle_core.testing import build_tiny_model  # noqa: E402
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
-#: Prompts the tiny model answers with some spread at temperature 1.5, so groups have reward signal.
+#: Prompts for the tiny model, sampled at temperature 1.5 so a group's completions differ.
 QUESTIONS = [
     "Count from 3 to 7.",
     "What is 2 plus 5?",
@@ -85,14 +85,10 @@ def sampler(request: pytest.FixtureRequest) -> Any:
     return request.getfixturevalue(f"{request.param}_sampler")
 
 
-def digit_share(completions: list[Any], **kwargs: Any) -> list[float]:
-    """The share of digits among a completion's non-space characters (dense, learnable by the tiny model)."""
-    out = []
-    for c in completions:
-        text = c[0]["content"] if isinstance(c, list) else c
-        chars = [x for x in text if not x.isspace()]
-        out.append(sum(x.isdigit() for x in chars) / len(chars) if chars else 0.0)
-    return out
+def even_share(completion_ids: list[list[int]]) -> list[float]:
+    """The share of even token ids in each completion: any two different completions almost surely score
+    differently, so each group has reward signal whichever tokens this CPU's tiny model samples."""
+    return [sum(t % 2 == 0 for t in ids) / len(ids) if ids else 0.0 for ids in completion_ids]
 
 
 def config(tmp_path: Path, **overrides: Any) -> Any:
@@ -128,9 +124,9 @@ def trainer_for(
     def reward(completions: list[Any], **kwargs: Any) -> list[float]:
         if seen is not None:
             seen.append({"weights_version": kwargs["weights_version"], "stop_reason": kwargs["stop_reason"]})
-        return digit_share(completions)
+        return even_share(kwargs["completion_ids"])
 
-    reward.__name__ = "digit_share"
+    reward.__name__ = "even_share"
     if prompts is None:
         prompts = [[{"role": "user", "content": q}] for q in QUESTIONS * 4]
     peft_config = None
