@@ -40,57 +40,29 @@ os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "grpo"))
 
 from tasks import make_task
-
-
-def model_path(model: str) -> str:
-    if model == "tiny":
-        from twinkle_core.testing import build_tiny_model
-
-        return str(build_tiny_model("llama"))
-    from twinkle_core.hub import resolve_model_id
-
-    return str(resolve_model_id(model))
+from trl_grpo import dataset_for, grpo_config, model_path, reward_for
 
 
 def run_arm(arm: str, path: str, a: argparse.Namespace, sampler: Any) -> dict[str, Any]:
     import torch
-    from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from twinkle_core.integrations.trl import TwinkleRollout
-
-    task = make_task(a.task)
-    rows = task.batch(random.Random(a.seed), a.steps * a.prompts)
-    dataset = Dataset.from_dict({"prompt": [m for m, _ in rows], "info": [json.dumps(i) for _, i in rows]})
-
-    def reward(completions: list[Any], info: list[str], **kwargs: Any) -> list[float]:
-        texts = [c[0]["content"] for c in completions]
-        return [task.reward(t, json.loads(i)) for t, i in zip(texts, info)]
 
     torch.manual_seed(a.seed)
     rollout = TwinkleRollout(sampler) if arm == "twinkle" else None
     trainer = GRPOTrainer(
         model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
-        reward_funcs=reward,
-        args=GRPOConfig(
-            output_dir=f"/tmp/bench_trl/{arm}",
-            per_device_train_batch_size=a.prompts * a.generations,
-            num_generations=a.generations,
-            max_completion_length=a.max_tokens,
-            temperature=a.temperature,
-            learning_rate=a.lr,
-            max_steps=a.steps,
-            logging_steps=1,
-            report_to="none",
-            save_strategy="no",
-            use_cpu=True,
+        reward_funcs=reward_for(a.task),
+        args=grpo_config(
+            a,
+            f"/tmp/bench_trl/{arm}",
             bf16=False,
-            seed=a.seed,
             disable_tqdm=True,
             use_transformers_continuous_batching=arm == "trl-cb",
         ),
-        train_dataset=dataset,
+        train_dataset=dataset_for(a.task, a.steps * a.prompts, a.seed),
         processing_class=AutoTokenizer.from_pretrained(path),
         rollout_func=rollout,
     )

@@ -23,19 +23,15 @@ from typing import Any
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from grpo import _model_dir
 from tasks import make_task
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def model_path(model: str) -> str:
-    if model == "tiny":
-        from twinkle_core.testing import build_tiny_model
-
-        return str(build_tiny_model("llama"))
-    from twinkle_core.hub import resolve_model_id
-
-    return str(resolve_model_id(model))
+    """'tiny' (built offline) or a model id, as the GRPO example resolves it."""
+    return str(_model_dir(model))
 
 
 def reward_for(task_name: str) -> Any:
@@ -54,6 +50,27 @@ def dataset_for(task_name: str, n: int, seed: int) -> Any:
 
     rows = make_task(task_name).batch(random.Random(seed), n)
     return Dataset.from_dict({"prompt": [m for m, _ in rows], "info": [json.dumps(i) for _, i in rows]})
+
+
+def grpo_config(a: argparse.Namespace, output_dir: str, **overrides: Any) -> Any:
+    """The ``GRPOConfig`` of a run from this script's options (``--prompts``, ``--generations``, ...)."""
+    from trl import GRPOConfig
+
+    settings: dict[str, Any] = {
+        "output_dir": output_dir,
+        "per_device_train_batch_size": a.prompts * a.generations,
+        "num_generations": a.generations,
+        "max_completion_length": a.max_tokens,
+        "temperature": a.temperature,
+        "learning_rate": a.lr,
+        "max_steps": a.steps,
+        "logging_steps": 1,
+        "report_to": "none",
+        "save_strategy": "no",
+        "use_cpu": True,
+        "seed": a.seed,
+    }
+    return GRPOConfig(**{**settings, **overrides})
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
@@ -76,7 +93,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from twinkle_core import create_sampler
     from twinkle_core.integrations.trl import TwinkleRollout
@@ -93,21 +110,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         trainer = GRPOTrainer(
             model=AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
             reward_funcs=reward_for(a.task),
-            args=GRPOConfig(
-                output_dir=str(out),
-                per_device_train_batch_size=a.prompts * a.generations,
-                num_generations=a.generations,
-                max_completion_length=a.max_tokens,
-                temperature=a.temperature,
-                learning_rate=a.lr,
-                max_steps=a.steps,
-                logging_steps=1,
-                report_to="none",
-                save_strategy="no",
-                use_cpu=True,
-                bf16=a.bf16,
-                seed=a.seed,
-            ),
+            args=grpo_config(a, str(out), bf16=a.bf16),
             train_dataset=dataset_for(a.task, a.steps * a.prompts, a.seed),
             processing_class=AutoTokenizer.from_pretrained(path),
             peft_config=peft_config,
