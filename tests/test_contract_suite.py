@@ -124,14 +124,27 @@ def test_the_suite_catches_an_echo_engine_ignoring_any_field(pytester: pytest.Py
     _check(counts, fields)
 
 
-def test_the_suite_catches_a_torch_engine_ignoring_a_sampling_field(pytester: pytest.Pytester) -> None:
+@pytest.fixture(scope="module")
+def tiny_llama_dir() -> str:
+    """The tiny model, found before ``pytester`` points HOME (and so the model cache) at a new folder.
+
+    Built inside the nested session, it would be trained again there (minutes).
+    """
     pytest.importorskip("twinkle_torch")
+    from twinkle_core.testing import build_tiny_model
+
+    return str(build_tiny_model("llama"))
+
+
+def test_the_suite_catches_a_torch_engine_ignoring_a_sampling_field(
+    tiny_llama_dir: str, pytester: pytest.Pytester
+) -> None:
     pytester.makeconftest(
         "import pytest\n"
-        "from twinkle_core.testing import build_tiny_model\n\n"
+        "from pathlib import Path\n\n"
         "@pytest.fixture(scope='session')\n"
         "def tiny_llama():\n"
-        "    return build_tiny_model('llama')\n"
+        f"    return Path({tiny_llama_dir!r})\n"
     )
     engine = ("from twinkle_torch.sampler import TorchSampler", "TorchSampler", "{cls}(tiny_llama, device='cpu')")
     # The numeric checks only (the rest of the suite is the echo test's business), of each

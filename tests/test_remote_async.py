@@ -27,6 +27,7 @@ from twinkle_core.errors import InvalidInputError  # noqa: E402
 from twinkle_core.remote.sampler import RemoteSampler  # noqa: E402
 from twinkle_core.testing import TINY_CHAT_PROMPTS, build_tiny_model  # noqa: E402
 from twinkle_core.testing.async_contract import AsyncContractTests  # noqa: E402
+from twinkle_core.testing.policy import PolicyContractTests, checkpoint_weights  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -69,6 +70,21 @@ class TestRemoteAsync(AsyncContractTests):
     def weights_b(cls, weights_a: dict[str, Any]) -> dict[str, Any]:
         key = "lm_head.weight" if "lm_head.weight" in weights_a else "model.embed_tokens.weight"
         return {**weights_a, key: torch.roll(weights_a[key], 1, dims=0)}
+
+
+class TestRemotePolicy(PolicyContractTests):
+    """Updates and adapters reach every replica: each call's prompts are shared between the two."""
+
+    adapter_options = ({"merge": True},)
+
+    @pytest.fixture
+    def sampler(self, remote: RemoteSampler) -> RemoteSampler:
+        return remote
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def base_weights(cls, model_dir: Path) -> dict[str, Any]:
+        return checkpoint_weights(model_dir)
 
 
 def _features(sampler: RemoteSampler, n: int) -> list[InputFeature]:

@@ -7,12 +7,14 @@ otherwise ``conftest.py`` registers the engine in process from the sources.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import pytest
 
 from twinkle_core import Sampler, create_sampler
 from twinkle_core.testing import SamplerContractTests
+from twinkle_core.testing.policy import PolicyContractTests
 
 
 class TestEchoContract(SamplerContractTests):
@@ -34,3 +36,20 @@ class TestEchoContractFromConfig(SamplerContractTests):
         config = {"sampler": "echo", "model_id": "echo-b", "seed": 7, "vocab_size": 512}
         with create_sampler(config) as s:
             yield s
+
+
+class TestEchoPolicy(PolicyContractTests):
+    """The echo engine has no weights and no adapters: every such change is refused and changes nothing."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def sampler(cls) -> Iterator[Sampler]:
+        with create_sampler("echo") as s:
+            yield s
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def base_weights(cls) -> Mapping[str, Any]:
+        torch = pytest.importorskip("torch")
+        # stand-ins the suite's updates and adapters are built from (the engine refuses them all)
+        return {"model.norm.weight": torch.ones(4), "model.layers.0.self_attn.q_proj.weight": torch.zeros(4, 4)}

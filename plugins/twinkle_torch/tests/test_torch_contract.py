@@ -1,19 +1,41 @@
-"""TorchSampler passes the engine-independent conformance suite."""
+"""TorchSampler passes the engine-independent conformance suites: sampling, and the policy it serves.
+
+One engine serves both suites.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from twinkle_core.testing import SamplerContractTests
+from twinkle_core.testing.policy import PolicyContractTests, checkpoint_weights
 from twinkle_torch.sampler import TorchSampler
 
 
+@pytest.fixture(scope="module")
+def engine(tiny_llama: Path) -> Iterator[TorchSampler]:
+    with TorchSampler(tiny_llama, device="cpu") as s:
+        yield s
+
+
 class TestTorchSamplerContract(SamplerContractTests):
+    @pytest.fixture
+    def sampler(self, engine: TorchSampler) -> TorchSampler:
+        return engine
+
+
+class TestTorchSamplerPolicy(PolicyContractTests):
+    adapter_options = ({"merge": True},)
+
+    @pytest.fixture
+    def sampler(self, engine: TorchSampler) -> TorchSampler:
+        return engine
+
     @pytest.fixture(scope="class")
     @classmethod
-    def sampler(cls, tiny_llama: Path) -> Iterator[TorchSampler]:
-        with TorchSampler(tiny_llama, device="cpu") as s:
-            yield s
+    def base_weights(cls, tiny_llama: Path) -> Mapping[str, Any]:
+        return checkpoint_weights(tiny_llama)

@@ -1,10 +1,13 @@
-"""LoRA adapters on vLLMSampler: folders and in-memory tensors, the registry, concurrency."""
+"""LoRA adapters on vLLMSampler: folders and in-memory tensors, the registry, concurrency.
+
+The shared policy suite runs first on the module's engine (it leaves no adapter behind).
+"""
 
 from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +15,7 @@ import pytest
 
 from twinkle_core.data_format import SamplingParams, Trajectory
 from twinkle_core.errors import AdapterError, UnknownAdapterError
+from twinkle_core.testing.policy import PolicyContractTests, checkpoint_weights
 
 from .conftest import hf_logprobs, make_peft_adapter, make_sampler
 
@@ -38,6 +42,22 @@ def adapter_tensors(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
 
     config = json.loads((folder / "adapter_config.json").read_text())
     return config, load_file(str(folder / "adapter_model.safetensors"))
+
+
+class TestVLLMPolicy(PolicyContractTests):
+    """Weight updates and adapters reach vLLM's samples, on the module's engine."""
+
+    adapter_options = ({"merge": True},)
+    fused_weights = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+    @pytest.fixture
+    def sampler(self, sampler: Any) -> Any:
+        return sampler
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def base_weights(cls, tiny_model: Path) -> Mapping[str, Any]:
+        return checkpoint_weights(tiny_model)
 
 
 @pytest.fixture

@@ -507,6 +507,7 @@ def _fix_cpu_lora_ops() -> str:
     installed: str = getattr(lora_ops, "_twinkle_ops", "")
     if installed:
         return installed
+    _fix_prompt_logits(punica_cpu.PunicaWrapperCPU)
     originals = {name: getattr(lora_ops, name, None) for name in _LORA_OPS}
     if any(op is None for op in originals.values()):  # pragma: no cover - layout changed
         return ""
@@ -524,6 +525,33 @@ def _fix_cpu_lora_ops() -> str:
             setattr(punica_cpu, name, op)
     lora_ops._twinkle_ops = kind
     return kind
+
+
+def _fix_prompt_logits(wrapper: Any) -> None:
+    """Let prompt log-probs run on an engine with LoRA enabled (vLLM 0.32's CPU build killed the engine).
+
+    For prompt log-probs vLLM computes the logits of one request's prompt rows
+    through the LoRA logits processor, whose indices hold one row per request:
+    the shapes disagree and the worker raises, so any ``prompt_logprobs``
+    request on an engine started with ``enable_lora`` ended the engine. The
+    logits delta is ``B @ A`` of an adapter's ``lm_head`` LoRA; where no loaded
+    adapter has one (every ``B`` is zero) it is zero, and those rows are left
+    as they are. Otherwise vLLM's own op runs (and raises as before).
+    """
+    original = getattr(wrapper, "add_lora_logits", None)
+    if original is None or getattr(original, "_twinkle_fixed", False):  # pragma: no cover - layout changed
+        return
+
+    def add_lora_logits(
+        self: Any, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, *args: Any, **kw: Any
+    ) -> Any:
+        rows = x.reshape(-1, x.shape[-1]).shape[0]
+        if rows != self.sampler_indices.shape[0] and not bool(lora_b.any()):
+            return None  # updated in place on CPU: nothing to add
+        return original(self, y, x, lora_a, lora_b, *args, **kw)
+
+    add_lora_logits._twinkle_fixed = True  # type: ignore[attr-defined]
+    wrapper.add_lora_logits = add_lora_logits
 
 
 def _negative_index_bug(shrink: Any) -> bool:
