@@ -493,7 +493,7 @@ def _prepare(
     sampling_params: SamplingParams | dict[str, Any] | None,
     num_samples: int | None,
 ) -> tuple[list[InputFeature], SamplingParams]:
-    from twinkle_core.sampler import resolve_params
+    from twinkle_core.data_format.params import resolve_params
 
     if not isinstance(episodes, (list, tuple)) or not all(isinstance(e, Episode) for e in episodes):
         raise InvalidInputError(f"episodes={episodes!r:.80} is invalid: expected a list of Episode.")

@@ -33,8 +33,10 @@ from twinkle_core.data_format import (
     Trajectory,
     training_feature,
 )
+from twinkle_core.data_format.params import resolve_params
 from twinkle_core.errors import (
     AdapterError,
+    ConfigError,
     EngineDeadError,
     InvalidInputError,
     InvalidSamplingParams,
@@ -84,29 +86,6 @@ class AdapterInfo:
     adapter_id: int
     version: int
     source: str
-
-
-def resolve_params(sampling_params: SamplingParams | dict[str, Any] | None, num_samples: int | None) -> SamplingParams:
-    """Merge ``sampling_params`` and the ``num_samples`` keyword.
-
-    Raises:
-        InvalidSamplingParams: bad values, or ``num_samples`` given both ways with different values.
-    """
-    params = SamplingParams.coerce(sampling_params)
-    if num_samples is None:
-        return params
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise InvalidSamplingParams(f"num_samples={num_samples!r} is invalid: expected an integer >= 1.")
-    explicit = sampling_params is not None and (
-        (isinstance(sampling_params, dict) and ("num_samples" in sampling_params or "n" in sampling_params))
-        or (isinstance(sampling_params, SamplingParams) and params.num_samples != 1)
-    )
-    if explicit and params.num_samples != num_samples:
-        raise InvalidSamplingParams(
-            f"num_samples={num_samples} conflicts with SamplingParams.num_samples={params.num_samples}:"
-            " give it once, or give the same value."
-        )
-    return params.replace(num_samples=num_samples)
 
 
 def _one_input(item: Any, index: int) -> InputFeature | Trajectory:
@@ -182,8 +161,8 @@ class _RunSpec:
     responses: list[SampleResponse] | None
 
 
-#: Set by ``twinkle_core.remote`` when it is imported (``initialize`` does): builds a
-#: ``remote_group=`` sampler. The spec never imports ``remote`` itself.
+#: Set by ``twinkle_core.remote`` when it is imported (``import twinkle_core`` does): builds a
+#: ``remote_group=`` sampler. The spec never imports ``remote``, which stands above it.
 _remote_builder: Callable[[type, str, tuple[Any, ...], dict[str, Any]], Any] | None = None
 
 
@@ -199,10 +178,8 @@ class SamplerMeta(ABCMeta):
     def __call__(cls, *args: Any, remote_group: str | None = None, **kwargs: Any) -> Any:
         if remote_group is None:
             return super().__call__(*args, **kwargs)
-        if _remote_builder is None:
-            import twinkle_core.remote  # noqa: F401 - installs the builder
-
-        assert _remote_builder is not None
+        if _remote_builder is None:  # pragma: no cover - ``import twinkle_core`` imports the remote package
+            raise ConfigError(f"remote_group={remote_group!r} needs twinkle_core.remote: import twinkle_core first.")
         return _remote_builder(cls, remote_group, args, kwargs)
 
 

@@ -10,7 +10,7 @@ import attrs
 from twinkle_core.data_format._base import Record
 from twinkle_core.errors import InvalidSamplingParams
 
-__all__ = ["LogprobsMode", "SamplingParams"]
+__all__ = ["LogprobsMode", "SamplingParams", "resolve_params"]
 
 LogprobsMode = Literal["processed", "raw"]
 
@@ -193,3 +193,26 @@ class SamplingParams(Record):
         if isinstance(value, dict):
             return cls.from_dict(value)
         raise InvalidSamplingParams(f"sampling_params={value!r} is invalid: expected a SamplingParams, a dict or None.")
+
+
+def resolve_params(sampling_params: SamplingParams | dict[str, Any] | None, num_samples: int | None) -> SamplingParams:
+    """Merge ``sampling_params`` and the ``num_samples`` keyword.
+
+    Raises:
+        InvalidSamplingParams: bad values, or ``num_samples`` given both ways with different values.
+    """
+    params = SamplingParams.coerce(sampling_params)
+    if num_samples is None:
+        return params
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise InvalidSamplingParams(f"num_samples={num_samples!r} is invalid: expected an integer >= 1.")
+    explicit = sampling_params is not None and (
+        (isinstance(sampling_params, dict) and ("num_samples" in sampling_params or "n" in sampling_params))
+        or (isinstance(sampling_params, SamplingParams) and params.num_samples != 1)
+    )
+    if explicit and params.num_samples != num_samples:
+        raise InvalidSamplingParams(
+            f"num_samples={num_samples} conflicts with SamplingParams.num_samples={params.num_samples}:"
+            " give it once, or give the same value."
+        )
+    return params.replace(num_samples=num_samples)

@@ -47,8 +47,8 @@ from typing import Any, ClassVar, Generic, TypeVar
 import attrs
 import pluggy
 
+import twinkle_core.plugins.hookspecs as hookspecs
 from twinkle_core.errors import DuplicateSamplerError, PluginLoadError, TwinkleError, did_you_mean
-from twinkle_core.plugins import hookspecs
 
 __all__ = [
     "ENTRY_POINT_GROUP",

@@ -446,7 +446,7 @@ def _is_loopback(address: str | None) -> bool:
     """Whether a ``host:port`` cluster address names this machine's loopback."""
     if not address or "://" in address:
         return False
-    from twinkle_core.server import is_loopback  # the server's own bind check; imports no web framework
+    from twinkle_core.net import is_loopback  # the server's own bind check
 
     return is_loopback(address.rsplit(":", 1)[0].strip("[]"))
 

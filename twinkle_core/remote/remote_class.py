@@ -21,13 +21,14 @@ process, exactly as if undecorated.
 from __future__ import annotations
 
 import functools
+import inspect
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
-from twinkle_core.errors import InvalidInputError
+from twinkle_core.errors import InvalidInputError, InvalidMeshError
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
-from twinkle_core.remote._runtime import PlacedGroup, register_owner
+from twinkle_core.remote._runtime import PlacedGroup, current_session, get_group, register_owner
 
 if TYPE_CHECKING:  # pragma: no cover
     from twinkle_core.remote._pool import ReplicaInfo, ReplicaPool
@@ -44,6 +45,70 @@ _ATTR = "__twinkle_dispatch__"
 
 F = TypeVar("F", bound=Callable[..., Any])
 C = TypeVar("C", bound=type)
+
+
+def _coerce_mesh(value: Any) -> DeviceMesh:
+    if value is None:
+        return DeviceMesh()
+    if isinstance(value, DeviceMesh):
+        return value
+    if isinstance(value, Mapping):
+        return DeviceMesh(**value)
+    raise InvalidMeshError(
+        f"device_mesh={value!r} is invalid: expected a DeviceMesh, e.g. DeviceMesh.from_sizes(dp_size=2)."
+    )
+
+
+def split_mesh(
+    cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[DeviceMesh, tuple[Any, ...], dict[str, Any]]:
+    """Take the layout out of a constructor call; return it with the arguments each replica gets.
+
+    The constructor arguments are checked against the signature here, in the
+    driver, so a typo fails before any actor starts. If the class takes a
+    ``device_mesh`` parameter, each replica gets
+    ``DeviceMesh(dp_size=1, tp_size=mesh.tp_size)`` in its place; otherwise
+    ``device_mesh`` is only the layout and is not passed on.
+    """
+    try:
+        # the class's own __init__, not the metaclass's __call__ that inspect.signature(cls) would give
+        sig = inspect.signature(cls.__init__)  # type: ignore[misc]
+        params = list(sig.parameters.values())[1:]  # drop self
+        sig = sig.replace(parameters=params)
+    except (TypeError, ValueError):  # no introspectable signature: pass arguments through
+        kwargs = dict(kwargs)
+        mesh = _coerce_mesh(kwargs.pop("device_mesh", None))
+        return mesh, args, kwargs
+    param = sig.parameters.get("device_mesh")
+    takes_mesh = param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+    if not takes_mesh:
+        kwargs = dict(kwargs)
+        raw = kwargs.pop("device_mesh", None)
+        sig.bind(*args, **kwargs)
+        return _coerce_mesh(raw), args, kwargs
+    bound = sig.bind(*args, **kwargs)
+    mesh = _coerce_mesh(bound.arguments.get("device_mesh"))
+    bound.arguments["device_mesh"] = DeviceMesh.from_sizes(dp_size=1, tp_size=mesh.tp_size)
+    return mesh, tuple(bound.args), dict(bound.kwargs)
+
+
+def build_object(cls: type, remote_group: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """What ``cls(*args, remote_group=..., **kwargs)`` returns for a ``@remote_class`` class.
+
+    Replicas (a :class:`RemoteObject`) in ``"ray"`` mode; else the object itself, built here.
+
+    Raises:
+        UnknownGroupError: the group was never initialised.
+        InvalidMeshError: the mesh does not fit the group.
+        TypeError: the arguments do not fit the constructor.
+    """
+    placed = get_group(remote_group)
+    session = current_session()
+    mesh, actor_args, actor_kwargs = split_mesh(cls, args, kwargs)
+    if session is None or session.mode == "local":
+        placed.group.check_mesh(mesh)
+        return cls(*args, **kwargs)
+    return RemoteObject(cls, actor_args, actor_kwargs, placed=placed, mesh=mesh)
 
 
 def dispatch(mode: DispatchMode) -> Callable[[F], F]:
@@ -82,9 +147,7 @@ def remote_class(cls: C) -> C:
 
     def __new__(klass: type, *args: Any, remote_group: str | None = None, **kwargs: Any) -> Any:
         if remote_group is not None:
-            from twinkle_core.remote.sampler import build_remote
-
-            return build_remote(klass, remote_group, args, kwargs)
+            return build_object(klass, remote_group, args, kwargs)
         if original_new is object.__new__:
             return object.__new__(klass)
         return original_new(klass, *args, **kwargs)

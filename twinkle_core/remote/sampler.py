@@ -10,20 +10,18 @@ replica that dies can be rebuilt in the same state.
 
 from __future__ import annotations
 
-import inspect
 import threading
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams, Trajectory
-from twinkle_core.errors import InvalidMeshError
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
 from twinkle_core.remote._balance import estimate_prompt_tokens, item_cost, split_by_cost, trajectory_chars
 from twinkle_core.remote._pool import Op, ReplicaPool, _Died, add_note
 from twinkle_core.remote._runtime import PlacedGroup, current_session, get_group, import_ray, register_owner
 from twinkle_core.remote.errors import ReplicaLostError
-from twinkle_core.remote.remote_class import ReplicaViews
+from twinkle_core.remote.remote_class import ReplicaViews, build_object, split_mesh
 from twinkle_core.requests import EngineRun, Finished, SampleHandle
 from twinkle_core.sampler import AppliedWithError, OnInvalid, Sampler
 from twinkle_core.template import Template
@@ -34,71 +32,26 @@ __all__ = ["RemoteSampler", "build_remote"]
 _REPLICA_THREADS = 64
 
 
-def _coerce_mesh(value: Any) -> DeviceMesh:
-    if value is None:
-        return DeviceMesh()
-    if isinstance(value, DeviceMesh):
-        return value
-    if isinstance(value, Mapping):
-        return DeviceMesh(**value)
-    raise InvalidMeshError(
-        f"device_mesh={value!r} is invalid: expected a DeviceMesh, e.g. DeviceMesh.from_sizes(dp_size=2)."
-    )
-
-
-def split_mesh(
-    cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[DeviceMesh, tuple[Any, ...], dict[str, Any]]:
-    """Take the layout out of a constructor call; return it with the arguments each replica gets.
-
-    The constructor arguments are checked against the signature here, in the
-    driver, so a typo fails before any actor starts. If the class takes a
-    ``device_mesh`` parameter, each replica gets
-    ``DeviceMesh(dp_size=1, tp_size=mesh.tp_size)`` in its place; otherwise
-    ``device_mesh`` is only the layout and is not passed on.
-    """
-    try:
-        # the class's own __init__, not the metaclass's __call__ that inspect.signature(cls) would give
-        sig = inspect.signature(cls.__init__)  # type: ignore[misc]
-        params = list(sig.parameters.values())[1:]  # drop self
-        sig = sig.replace(parameters=params)
-    except (TypeError, ValueError):  # no introspectable signature: pass arguments through
-        kwargs = dict(kwargs)
-        mesh = _coerce_mesh(kwargs.pop("device_mesh", None))
-        return mesh, args, kwargs
-    param = sig.parameters.get("device_mesh")
-    takes_mesh = param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
-    if not takes_mesh:
-        kwargs = dict(kwargs)
-        raw = kwargs.pop("device_mesh", None)
-        sig.bind(*args, **kwargs)
-        return _coerce_mesh(raw), args, kwargs
-    bound = sig.bind(*args, **kwargs)
-    mesh = _coerce_mesh(bound.arguments.get("device_mesh"))
-    bound.arguments["device_mesh"] = DeviceMesh.from_sizes(dp_size=1, tp_size=mesh.tp_size)
-    return mesh, tuple(bound.args), dict(bound.kwargs)
-
-
 def build_remote(cls: type, remote_group: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """What ``cls(*args, remote_group=..., **kwargs)`` returns: replicas in ``"ray"`` mode, else a local object.
+
+    A ``Sampler`` class becomes a :class:`RemoteSampler`; any other class is
+    built by :func:`~twinkle_core.remote.remote_class.build_object`.
 
     Raises:
         UnknownGroupError: the group was never initialised.
         InvalidMeshError: the mesh does not fit the group.
         TypeError: the arguments do not fit the constructor.
     """
+    if not (isinstance(cls, type) and issubclass(cls, Sampler)):
+        return build_object(cls, remote_group, args, kwargs)
     placed = get_group(remote_group)
     session = current_session()
+    mesh, actor_args, actor_kwargs = split_mesh(cls, args, kwargs)
     if session is None or session.mode == "local":
-        mesh, _, _ = split_mesh(cls, args, kwargs)
         placed.group.check_mesh(mesh)
         return cls(*args, **kwargs)
-    mesh, actor_args, actor_kwargs = split_mesh(cls, args, kwargs)
-    if isinstance(cls, type) and issubclass(cls, Sampler):
-        return RemoteSampler(cls, actor_args, actor_kwargs, placed=placed, mesh=mesh)
-    from twinkle_core.remote.remote_class import RemoteObject
-
-    return RemoteObject(cls, actor_args, actor_kwargs, placed=placed, mesh=mesh)
+    return RemoteSampler(cls, actor_args, actor_kwargs, placed=placed, mesh=mesh)
 
 
 class RemoteSampler(ReplicaViews, Sampler):

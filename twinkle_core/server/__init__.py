@@ -18,13 +18,13 @@ joins session ``id`` through the ``X-Session-Id`` header, the body's
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 import threading
 from typing import Any
 
 from twinkle_core.errors import ConfigError
+from twinkle_core.net import is_loopback
 from twinkle_core.server.sessions import Session, SessionStore
 
 __all__ = [
@@ -40,16 +40,6 @@ __all__ = [
 
 #: The environment variable read when no ``api_key`` is passed.
 API_KEY_ENV = "TWINKLE_API_KEY"
-
-
-def is_loopback(host: str) -> bool:
-    """Whether ``host`` binds only to this machine (``127.0.0.0/8``, ``::1``, ``localhost``)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _resolve_key(host: str, api_key: str | None) -> str | None:
