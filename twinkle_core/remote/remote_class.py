@@ -92,10 +92,13 @@ def split_mesh(
     return mesh, tuple(bound.args), dict(bound.kwargs)
 
 
-def build_object(cls: type, remote_group: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """What ``cls(*args, remote_group=..., **kwargs)`` returns for a ``@remote_class`` class.
+def build_object(
+    cls: type, remote_group: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, remote_type: type | None = None
+) -> Any:
+    """What ``cls(*args, remote_group=..., **kwargs)`` returns.
 
-    Replicas (a :class:`RemoteObject`) in ``"ray"`` mode; else the object itself, built here.
+    Replicas in ``"ray"`` mode (a ``remote_type``, :class:`RemoteObject` by
+    default; ``RemoteSampler`` for a sampler); else the object itself, built here.
 
     Raises:
         UnknownGroupError: the group was never initialised.
@@ -108,7 +111,7 @@ def build_object(cls: type, remote_group: str, args: tuple[Any, ...], kwargs: di
     if session is None or session.mode == "local":
         placed.group.check_mesh(mesh)
         return cls(*args, **kwargs)
-    return RemoteObject(cls, actor_args, actor_kwargs, placed=placed, mesh=mesh)
+    return (remote_type or RemoteObject)(cls, actor_args, actor_kwargs, placed=placed, mesh=mesh)
 
 
 def dispatch(mode: DispatchMode) -> Callable[[F], F]:

@@ -19,9 +19,9 @@ from twinkle_core.data_format import InputFeature, SampledSequence, SampleRespon
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
 from twinkle_core.remote._balance import estimate_prompt_tokens, item_cost, split_by_cost, trajectory_chars
 from twinkle_core.remote._pool import Op, ReplicaPool, _Died, add_note
-from twinkle_core.remote._runtime import PlacedGroup, current_session, get_group, import_ray, register_owner
+from twinkle_core.remote._runtime import PlacedGroup, import_ray, register_owner
 from twinkle_core.remote.errors import ReplicaLostError
-from twinkle_core.remote.remote_class import ReplicaViews, build_object, split_mesh
+from twinkle_core.remote.remote_class import ReplicaViews, build_object
 from twinkle_core.requests import EngineRun, Finished, SampleHandle
 from twinkle_core.sampler import AppliedWithError, OnInvalid, Sampler
 from twinkle_core.template import Template
@@ -43,15 +43,8 @@ def build_remote(cls: type, remote_group: str, args: tuple[Any, ...], kwargs: di
         InvalidMeshError: the mesh does not fit the group.
         TypeError: the arguments do not fit the constructor.
     """
-    if not (isinstance(cls, type) and issubclass(cls, Sampler)):
-        return build_object(cls, remote_group, args, kwargs)
-    placed = get_group(remote_group)
-    session = current_session()
-    mesh, actor_args, actor_kwargs = split_mesh(cls, args, kwargs)
-    if session is None or session.mode == "local":
-        placed.group.check_mesh(mesh)
-        return cls(*args, **kwargs)
-    return RemoteSampler(cls, actor_args, actor_kwargs, placed=placed, mesh=mesh)
+    remote_type = RemoteSampler if isinstance(cls, type) and issubclass(cls, Sampler) else None
+    return build_object(cls, remote_group, args, kwargs, remote_type=remote_type)
 
 
 class RemoteSampler(ReplicaViews, Sampler):

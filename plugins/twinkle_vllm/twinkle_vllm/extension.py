@@ -531,9 +531,10 @@ def _fix_prompt_logits(wrapper: Any) -> None:
     """Let prompt log-probs run on an engine with LoRA enabled (vLLM 0.32's CPU build killed the engine).
 
     For prompt log-probs vLLM computes the logits of one request's prompt rows
-    through the LoRA logits processor, whose indices hold one row per request:
-    the shapes disagree and the worker raises, so any ``prompt_logprobs``
-    request on an engine started with ``enable_lora`` ended the engine. The
+    through the LoRA logits processor, whose indices hold one row per request
+    of the step: with two or more requests the shapes disagree and the worker
+    raises, so a ``prompt_logprobs`` call of several prompts on an engine
+    started with ``enable_lora`` ended the engine. The
     logits delta is ``B @ A`` of an adapter's ``lm_head`` LoRA; where no loaded
     adapter has one (every ``B`` is zero) it is zero, and those rows are left
     as they are. Otherwise vLLM's own op runs (and raises as before).
