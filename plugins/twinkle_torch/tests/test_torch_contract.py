@@ -1,6 +1,7 @@
 """TorchSampler passes the engine-independent conformance suites: sampling, and the policy it serves.
 
-One engine serves both suites.
+Each suite builds its engine from ``tiny_llama``, which ``test_torch_perturbed.py``
+overrides to run the sampling suite on other models.
 """
 
 from __future__ import annotations
@@ -16,24 +17,22 @@ from twinkle_core.testing.policy import PolicyContractTests, checkpoint_weights
 from twinkle_torch.sampler import TorchSampler
 
 
-@pytest.fixture(scope="module")
-def engine(tiny_llama: Path) -> Iterator[TorchSampler]:
-    with TorchSampler(tiny_llama, device="cpu") as s:
-        yield s
-
-
 class TestTorchSamplerContract(SamplerContractTests):
-    @pytest.fixture
-    def sampler(self, engine: TorchSampler) -> TorchSampler:
-        return engine
+    @pytest.fixture(scope="class")
+    @classmethod
+    def sampler(cls, tiny_llama: Path) -> Iterator[TorchSampler]:
+        with TorchSampler(tiny_llama, device="cpu") as s:
+            yield s
 
 
 class TestTorchSamplerPolicy(PolicyContractTests):
     adapter_options = ({"merge": True},)
 
-    @pytest.fixture
-    def sampler(self, engine: TorchSampler) -> TorchSampler:
-        return engine
+    @pytest.fixture(scope="class")
+    @classmethod
+    def sampler(cls, tiny_llama: Path) -> Iterator[TorchSampler]:
+        with TorchSampler(tiny_llama, device="cpu") as s:
+            yield s
 
     @pytest.fixture(scope="class")
     @classmethod
