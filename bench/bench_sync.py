@@ -61,9 +61,11 @@ def _subset(state: dict[str, Any], share: float) -> list[str]:
 def run(model_id: str, repeats: int, bucket_mib: int) -> dict[str, Any]:
     """Time every share, interleaved; return the raw numbers."""
     import torch
+    from _worker_hooks import bench_worker_hooks
     from safetensors.torch import load_file, save_file
 
     from twinkle_core.hub import resolve_model_id
+    from twinkle_vllm import ReplayStore
     from twinkle_vllm.sampler import vLLMSampler
 
     path = resolve_model_id(model_id)
@@ -73,7 +75,9 @@ def run(model_id: str, repeats: int, bucket_mib: int) -> dict[str, Any]:
     # Plain process memory in the engine's dtype, like a trainer's tensors.
     state = {k: v.to(torch.float32).clone() for k, v in state.items()}
     extra = {"sync_bucket_bytes": bucket_mib << 20} if bucket_mib else {}
-    sampler = vLLMSampler(path, engine_args=ENGINE_ARGS, **extra)
+    store = ReplayStore()  # ours: the channel-only timing turns its weight copies off and on
+    with bench_worker_hooks():  # the floor's worker methods (not in the shipped extension)
+        sampler = vLLMSampler(path, engine_args=ENGINE_ARGS, replay_store=store, **extra)
     # The smallest tensor alone: what a sync costs beyond its bytes.
     smallest = min(state, key=lambda k: state[k].numel())
     cases = {f"{round(share * 100)}%": _subset(state, share) for share in SHARES}
@@ -105,11 +109,11 @@ def run(model_id: str, repeats: int, bucket_mib: int) -> dict[str, Any]:
                     sampler.update_weights(tensors, check_finite=False)
                     times["update_nocheck"].append(time.perf_counter() - t0)
                     # The channel alone: no scan, and no host copy kept for replay after an engine restart.
-                    sampler._replay_weights = False
+                    store.keep_weights = False
                     t0 = time.perf_counter()
                     sampler.update_weights(tensors, check_finite=False)
                     times["update_channel"].append(time.perf_counter() - t0)
-                    sampler._replay_weights = True
+                    store.keep_weights = True
                     phases = sampler.last_sync_stats
                     t0 = time.perf_counter()
                     inside = sampler._rpc("twinkle_bench_reload", names)[0]

@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 
 import twinkle_core
 from twinkle_core import InputFeature, Sampler, SampleResponse, SamplingParams
@@ -207,9 +208,9 @@ class Recorder(Sampler):
             self.running -= 1
         return out
 
-    def _load_adapter(self, name, config_or_dir, *, weights=None, version, **kwargs):  # type: ignore[no-untyped-def]
-        self.shifts[name] = int(config_or_dir)
-        return "<memory>"
+    def _load_adapter(self, adapter, *, version, **kwargs):  # type: ignore[no-untyped-def]
+        self.shifts[adapter.name] = int(adapter.state_dict()["shift"])
+        return adapter.source
 
     def _remove_adapter(self, name: str) -> None:
         del self.shifts[name]
@@ -286,7 +287,7 @@ def test_a_concurrent_engine_runs_samples_together() -> None:
 def test_an_adapter_removal_waits_for_the_samples_using_it() -> None:
     """The adapter check and the generation are one step: a removal cannot slip between them."""
     eng = Recorder(concurrent=True)
-    eng.add_adapter_to_model("a", 10)
+    eng.add_adapter_to_model("a", {"r": 1}, weights={"shift": torch.tensor(10.0)})
     results: list[list[SampleResponse]] = []
     sampler_thread = threading.Thread(
         target=lambda: results.append(eng.sample(InputFeature(input_ids=[1]), adapter_name="a"))
@@ -304,3 +305,32 @@ def test_an_adapter_removal_waits_for_the_samples_using_it() -> None:
     assert seq.adapter_name == "a" and seq.tokens == [12]
     with pytest.raises(UnknownAdapterError):
         eng.sample(InputFeature(input_ids=[1]), adapter_name="a")
+
+
+def test_only_requests_py_touches_a_handles_private_state() -> None:
+    """Whatever runs a call drives it through its ``CallFeed``; nothing outside requests.py reaches into a handle."""
+    from twinkle_core.requests import CallFeed, SampleHandle
+
+    private = {n for n in vars(SampleHandle) if n.startswith("_") and not n.startswith("__")}
+    tree = ast.parse(inspect.getsource(inspect.getmodule(SampleHandle)))  # type: ignore[arg-type]
+    private |= {
+        node.attr
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+    }
+    assert {"_cond", "_future", "_suspended", "_resumer"} <= private  # the scan knows the handle's state
+    assert not {n for n in vars(CallFeed) if n.startswith("_") and not n.startswith("__")}
+    sources = [
+        p
+        for p in [*(ROOT / "twinkle_core").rglob("*.py"), *ENGINE_SOURCES]
+        if p != ROOT / "twinkle_core" / "requests.py"
+    ]
+    uses = sorted(
+        f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}"
+        for path in set(sources)
+        for node in ast.walk(ast.parse(path.read_text(), str(path)))
+        if isinstance(node, ast.Attribute)
+        and node.attr in private
+        and not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    )
+    assert uses == [], "SampleHandle's private state used outside twinkle_core/requests.py:\n" + "\n".join(uses)

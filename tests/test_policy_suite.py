@@ -47,10 +47,10 @@ FAKES: dict[str, str] = {
         return super()._make_sequence(*args, adapter_name=self.asked, **kwargs)
 """,
     "replaced_adapter_kept": """
-    def _load_adapter(self, name, config_or_dir, *, weights=None, version, **kwargs):
-        if name in self._adapter_set.names:
+    def _load_adapter(self, adapter, *, version, **kwargs):
+        if adapter.name in self._adapter_set.names:
             return 'kept'
-        return super()._load_adapter(name, config_or_dir, weights=weights, version=version, **kwargs)
+        return super()._load_adapter(adapter, version=version, **kwargs)
 """,
     "merge_left_in_on_removal": """
     def _remove_adapter(self, name):

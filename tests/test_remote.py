@@ -203,9 +203,9 @@ class EchoEngine(Sampler):
             raise WeightUpdateError(f"replica {current_replica().index} cannot take this update")
         self.offset = int(tensors["offset"])
 
-    def _load_adapter(self, name, config_or_dir, *, weights=None, **kwargs):  # type: ignore[no-untyped-def]
-        self.shifts[name] = int(weights["shift"])
-        return "<memory>"
+    def _load_adapter(self, adapter, **kwargs):  # type: ignore[no-untyped-def]
+        self.shifts[adapter.name] = int(adapter.state_dict()["shift"])
+        return adapter.source
 
     def _remove_adapter(self, name: str) -> None:
         del self.shifts[name]
@@ -612,8 +612,8 @@ def test_updates_wait_for_running_samples_so_no_call_mixes_versions(cluster, tmp
 def test_a_rebuilt_replica_carries_the_same_state_and_version(cluster):
     with EchoEngine(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="aux") as s:
         s.update_weights({"offset": 10})
-        s.add_adapter_to_model("gone", {"r": 1}, weights={"shift": 1})
-        s.add_adapter_to_model("kept", {"r": 1}, weights={"shift": 100})
+        s.add_adapter_to_model("gone", {"r": 1}, weights={"shift": torch.tensor(1.0)})
+        s.add_adapter_to_model("kept", {"r": 1}, weights={"shift": torch.tensor(100.0)})
         s.remove_adapter("gone")
         assert s.weights_version == 3
         kill_and_wait(s.actors[0])

@@ -9,9 +9,9 @@ cost of one weight push per adapter version.
 This module is the part every engine shares (``add_adapter_to_model(...,
 merge=True)`` on the ``torch`` and ``vllm`` engines):
 
-* :func:`read_adapter` reads a PEFT adapter (folder, or config plus tensors)
-  and :func:`lora_deltas` turns it into one ``scale * B @ A`` per target
-  weight, named as in the model's Hugging Face ``state_dict``.
+* :func:`lora_deltas` turns an adapter (read by
+  ``twinkle_core.adapter_input.read_adapter``) into one ``scale * B @ A`` per
+  target weight, named as in the model's Hugging Face ``state_dict``.
 * :class:`MergedLoRA` keeps the *base* values of the weights a merge touches
   (only those), and plans each push: merge, re-merge of a new adapter
   version from the kept base values (a trainer pushes only the adapter),
@@ -24,17 +24,14 @@ What is refused (``AdapterError``): tensors other than ``lora_A`` /
 ``lora_B`` weights (``modules_to_save``, LoRA biases, embedding LoRA) and
 DoRA, whose merge is not ``W + scale * B @ A``.
 
-Torch is imported only when an adapter is read (tensors cannot exist without it).
+Torch is imported only when a merge is planned (tensors cannot exist without it).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import re
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -42,7 +39,7 @@ import attrs
 from twinkle_core.errors import AdapterError, MergedAdapterError
 from twinkle_core.weights import find_non_finite, find_not_floating
 
-__all__ = ["MergePlan", "MergedLoRA", "check_merge_flag", "lora_deltas", "peft_pattern_value", "read_adapter"]
+__all__ = ["MergePlan", "MergedLoRA", "check_merge_flag", "lora_deltas", "peft_pattern_value"]
 
 _PREFIXES = ("base_model.model.", "base_model.")
 _LORA_KINDS = ("lora_A", "lora_B")
@@ -53,69 +50,6 @@ def check_merge_flag(merge: Any) -> bool:
     if not isinstance(merge, bool):
         raise AdapterError(f"merge={merge!r} is invalid: expected True (merge into the weights) or False.")
     return merge
-
-
-def _config_dict(name: str, config: Any) -> dict[str, Any]:
-    if hasattr(config, "to_dict"):
-        config = config.to_dict()
-    if not isinstance(config, Mapping):
-        raise AdapterError(
-            f"Adapter {name!r}: the config must be a peft.LoraConfig or a dict, got {type(config).__name__}."
-        )
-    return dict(config)
-
-
-def read_adapter(name: str, config_or_dir: Any, weights: Any) -> tuple[dict[str, Any], list[tuple[str, Any]]]:
-    """The config (as a dict) and the ``(PEFT name, tensor)`` pairs of an adapter.
-
-    Args:
-        name: the adapter's name, for messages.
-        config_or_dir: a PEFT adapter folder, or a ``peft.LoraConfig`` (or its dict) with ``weights``.
-        weights: a mapping or ``(name, tensor)`` pairs, or ``None`` with a folder.
-
-    Raises:
-        AdapterError: a missing or unreadable folder, a config without weights,
-            weights that are not tensors.
-    """
-    import torch
-
-    if isinstance(config_or_dir, (str, os.PathLike)):
-        if weights is not None:
-            raise AdapterError("Pass either an adapter folder or a config with weights=, not a folder and weights.")
-        folder = Path(config_or_dir).expanduser()
-        if not (folder / "adapter_config.json").is_file():
-            raise AdapterError(
-                f"Adapter folder {str(folder)!r} has no adapter_config.json: pass a folder written by PEFT's"
-                " save_pretrained, or a LoraConfig with weights=."
-            )
-        try:
-            config = json.loads((folder / "adapter_config.json").read_text())
-            if (folder / "adapter_model.safetensors").is_file():
-                from safetensors.torch import load_file
-
-                raw: Mapping[str, Any] = load_file(str(folder / "adapter_model.safetensors"))
-            elif (folder / "adapter_model.bin").is_file():
-                raw = torch.load(str(folder / "adapter_model.bin"), map_location="cpu", weights_only=True)
-            else:
-                raise AdapterError(f"Adapter folder {str(folder)!r} has no adapter_model.safetensors (or .bin).")
-        except AdapterError:
-            raise
-        except Exception as exc:
-            raise AdapterError(f"Adapter folder {str(folder)!r} is unreadable: {type(exc).__name__}: {exc}") from exc
-        return _config_dict(name, config), list(raw.items())
-    if weights is None:
-        raise AdapterError(
-            f"Adapter {name!r} was given a config without weights: pass weights= (tensors by PEFT name) or a folder."
-        )
-    pairs = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
-    for entry in pairs:
-        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)):
-            raise AdapterError(f"Adapter {name!r}: weights must be a dict or (name, tensor) pairs, got {entry!r:.60}.")
-        if not isinstance(entry[1], torch.Tensor):
-            raise AdapterError(
-                f"Adapter {name!r}: {entry[0]!r} is a {type(entry[1]).__name__}, expected a torch.Tensor."
-            )
-    return _config_dict(name, config_or_dir), pairs
 
 
 def _module_of(name: str) -> tuple[str, str] | None:

@@ -31,7 +31,7 @@ import attrs
 
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams
 
-__all__ = ["IN_FLIGHT_POLICIES", "EngineRun", "Finished", "InFlightPolicy", "SampleHandle", "StopSwitch"]
+__all__ = ["IN_FLIGHT_POLICIES", "CallFeed", "EngineRun", "Finished", "InFlightPolicy", "SampleHandle", "StopSwitch"]
 
 #: What a weight or adapter change does to requests in flight (see ``Sampler.update_weights``).
 IN_FLIGHT_POLICIES = ("wait", "abort", "keep")
@@ -160,7 +160,9 @@ class SampleHandle:
     stream it or abort it.
     """
 
-    def __init__(self, num_inputs: int, num_samples: int) -> None:
+    def __init__(
+        self, num_inputs: int, num_samples: int, *, resumer: Callable[[SampleHandle], SampleHandle] | None = None
+    ) -> None:
         self.num_inputs = num_inputs
         self.num_samples = num_samples
         self._cond = threading.Condition()
@@ -170,9 +172,8 @@ class SampleHandle:
         self._abort = threading.Event()
         self._run_stop: StopSwitch | None = None
         self._suspended = False
-        #: set by the sampler: continues the aborted sequences (see ``resume``), with the call's parameters
-        self._resumer: Callable[[SampleHandle], SampleHandle] | None = None
-        self._call_params: Any = None
+        #: continues the aborted sequences in a new call (see ``resume``)
+        self._resumer = resumer
 
     # -- state -----------------------------------------------------------------------------
     def done(self) -> bool:
@@ -295,48 +296,81 @@ class SampleHandle:
             raise RuntimeError("This handle was not created by a sampler.")
         return self._resumer(self)
 
-    # -- used by the sampler ---------------------------------------------------------------
-    def _start_run(self) -> StopSwitch:
+
+class CallFeed:
+    """The producing side of one :class:`SampleHandle`: what the sampler (or a replica host) drives.
+
+    Users hold the handle (``feed.handle``) and only ever read, stream, abort
+    or resume it; the code that runs the call holds the feed and reports
+    through it: a stop switch per engine run, sequences as they finish, the
+    outcome. A ``keep`` weight change suspends the current run so the call
+    can continue after it.
+    """
+
+    def __init__(
+        self, num_inputs: int, num_samples: int, *, resumer: Callable[[SampleHandle], SampleHandle] | None = None
+    ) -> None:
+        self.handle = SampleHandle(num_inputs, num_samples, resumer=resumer)
+
+    @property
+    def aborted(self) -> bool:
+        """Whether the user aborted the call."""
+        return self.handle.aborted
+
+    @property
+    def suspended(self) -> bool:
+        """Whether the current run was stopped for a ``keep`` weight change (its aborts are not the user's)."""
+        return self.handle._suspended
+
+    def start_run(self) -> StopSwitch:
         """A fresh stop switch for the next engine run, already set if the call was aborted."""
-        with self._cond:
+        h = self.handle
+        with h._cond:
             event = StopSwitch()
-            if self._abort.is_set():
+            if h._abort.is_set():
                 event.set()
-            self._run_stop = event
+            h._run_stop = event
             return event
 
-    def _suspend(self) -> bool:
+    def suspend(self) -> bool:
         """Stop the current run so a weight change can go in; the call continues after it (``keep``)."""
-        with self._cond:
-            if self._future.done() or self._abort.is_set():
+        h = self.handle
+        with h._cond:
+            if h._future.done() or h._abort.is_set():
                 return False
-            self._suspended = True
-            if self._run_stop is not None:
-                self._run_stop.set()
+            h._suspended = True
+            if h._run_stop is not None:
+                h._run_stop.set()
             return True
 
-    def _take_suspended(self) -> bool:
-        with self._cond:
-            was, self._suspended = self._suspended, False
-            return was and not self._abort.is_set()
+    def take_suspended(self) -> bool:
+        """Whether the run just ended was suspended (and not aborted since); clears the mark."""
+        h = self.handle
+        with h._cond:
+            was, h._suspended = h._suspended, False
+            return was and not h._abort.is_set()
 
-    def _emit(self, item: Finished) -> None:
-        with self._cond:
-            self._events.append(item)
-            listeners = list(self._listeners)
-            self._cond.notify_all()
+    def emit(self, item: Finished) -> None:
+        """Report one finished sequence to every reader of the handle."""
+        h = self.handle
+        with h._cond:
+            h._events.append(item)
+            listeners = list(h._listeners)
+            h._cond.notify_all()
         for push in listeners:
             push(item)
 
-    def _settle(self, responses: list[SampleResponse] | None, error: BaseException | None) -> None:
-        with self._cond:
-            if self._future.done():
+    def settle(self, responses: list[SampleResponse] | None, error: BaseException | None) -> None:
+        """End the call with its responses, or with ``error`` (the first outcome wins)."""
+        h = self.handle
+        with h._cond:
+            if h._future.done():
                 return
             if error is not None:
-                self._future.set_exception(error)
+                h._future.set_exception(error)
             else:
-                self._future.set_result(responses or [])
-            listeners, self._listeners = list(self._listeners), []
-            self._cond.notify_all()
+                h._future.set_result(responses or [])
+            listeners, h._listeners = list(h._listeners), []
+            h._cond.notify_all()
         for push in listeners:
             push(None)

@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import attrs
 
+from twinkle_core.adapter_input import AdapterInput, read_adapter
 from twinkle_core.data_format import (
     InputFeature,
     SampledSequence,
@@ -35,7 +36,6 @@ from twinkle_core.data_format import (
 )
 from twinkle_core.data_format.params import resolve_params
 from twinkle_core.errors import (
-    AdapterError,
     ConfigError,
     EngineDeadError,
     InvalidInputError,
@@ -50,9 +50,9 @@ from twinkle_core.errors import (
     did_you_mean,
 )
 from twinkle_core.locks import ReadWriteLock
-from twinkle_core.requests import IN_FLIGHT_POLICIES, EngineRun, Finished, SampleHandle
+from twinkle_core.requests import IN_FLIGHT_POLICIES, CallFeed, EngineRun, Finished, SampleHandle
 from twinkle_core.template import Template, get_template, load_tokenizer
-from twinkle_core.weights import find_non_finite, find_not_floating
+from twinkle_core.weights import find_non_finite
 
 __all__ = [
     "AdapterInfo",
@@ -153,7 +153,7 @@ class _RunSpec:
     index (a Ray replica running its share; the driver merges).
     """
 
-    handle: SampleHandle
+    feed: CallFeed
     sample_base: list[int]
     generated: list[int]
     budgets: list[int]
@@ -256,10 +256,10 @@ class Sampler(ABC, metaclass=SamplerMeta):
       so a continued sequence draws what the uninterrupted one would. The
       default calls ``_generate`` (then aborts act before a run starts, and
       sequences stream when the run ends).
-    * ``_load_adapter(name, config_or_dir, *, weights, version, **kwargs)``:
-      load or replace a LoRA adapter; returns its source for listings.
-      ``weights`` is the caller's mapping / pairs of PEFT names to tensors (or
-      ``None``: a folder); their values are already checked to be finite.
+    * ``_load_adapter(adapter, *, version, **kwargs)``: load or replace a
+      LoRA adapter; returns its source for listings. ``adapter`` is a
+      ``twinkle_core.adapter_input.AdapterInput``: config and tensors already
+      read (from a folder or memory) and checked to be floating point and finite.
     * ``_remove_adapter(name)``: the adapter is known to be loaded.
     * ``_update_weights(named_tensors, *, version)``: ``named_tensors`` is a
       non-empty list of ``(str, value)`` pairs; validate them (see
@@ -323,7 +323,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         self._path_stamps: dict[str, tuple[tuple[str, int, int], ...]] = {}
         self._path_lock = threading.Lock()
         # Calls in flight, for abort_all() and the in_flight policies of state changes.
-        self._live: set[SampleHandle] = set()
+        self._live: set[CallFeed] = set()
         self._live_lock = threading.Lock()
 
     # -- engine hooks ------------------------------------------------------------------
@@ -350,8 +350,8 @@ class Sampler(ABC, metaclass=SamplerMeta):
         :meth:`_make_sequence`.
         """
 
-    def _load_adapter(self, name: str, config_or_dir: Any, *, weights: Any = None, version: int, **kwargs: Any) -> str:
-        """Load (or replace) a LoRA adapter; return its source for listings. Lock held exclusively."""
+    def _load_adapter(self, adapter: AdapterInput, *, version: int, **kwargs: Any) -> str:
+        """Load (or replace) ``adapter`` (read and checked by the core); return its source. Lock held exclusively."""
         raise UnsupportedFeatureError(f"The {self._label()} engine has no LoRA support.")
 
     def _remove_adapter(self, name: str) -> None:
@@ -513,20 +513,17 @@ class Sampler(ABC, metaclass=SamplerMeta):
         self._check_open()
         if not isinstance(adapter_name, str) or not adapter_name:
             raise InvalidInputError(f"adapter_name={adapter_name!r} is invalid: expected a non-empty string.")
-        if weights is not None:
-            pairs = list(weights.items()) if isinstance(weights, Mapping) else weights
-            if isinstance(pairs, list):
-                bad = find_not_floating(pairs) or (find_non_finite(pairs) if check_finite else None)
-                if bad is not None:
-                    raise AdapterError(f"Adapter {adapter_name!r}: {bad}; nothing was loaded.")
+        if type(self)._load_adapter is Sampler._load_adapter:  # no LoRA here: say so, whatever the input
+            self._load_adapter(None, version=self._weights_version)  # type: ignore[arg-type]
+        adapter = read_adapter(adapter_name, config_or_dir, weights, check_finite=check_finite)
         self._make_room(in_flight)
         with self._lock.write():
             new_version = self._next_version(version)
             try:
-                source = self._load_adapter(adapter_name, config_or_dir, weights=weights, version=new_version, **kwargs)
+                source = self._load_adapter(adapter, version=new_version, **kwargs)
                 error = None
             except AppliedWithError as applied:
-                source, error = _applied_source(config_or_dir, weights), applied.error
+                source, error = adapter.source, applied.error
             old = self._adapters.get(adapter_name)
             adapter_id = old.adapter_id if old is not None else self._next_adapter_id
             if old is None:
@@ -566,11 +563,11 @@ class Sampler(ABC, metaclass=SamplerMeta):
             return
         with self._live_lock:
             live = list(self._live)
-        for handle in live:
+        for feed in live:
             if in_flight == "abort":
-                handle.abort()
+                feed.handle.abort()
             else:
-                handle._suspend()
+                feed.suspend()
 
     # -- weights -------------------------------------------------------------------------
     @property
@@ -713,10 +710,10 @@ class Sampler(ABC, metaclass=SamplerMeta):
             UnknownAdapterError: ``adapter_name`` is not loaded.
         """
         adapter_name = self._adapter_from_path(adapter_name, adapter_path)
-        handle, call = self._new_call(inputs, sampling_params, adapter_name, num_samples, on_invalid)
+        feed, call = self._new_call(inputs, sampling_params, adapter_name, num_samples, on_invalid)
         if call is not None:
-            self._execute(handle, call)  # in this thread: the same work submit() does in its own
-        return handle.result()
+            self._execute(feed, call)  # in this thread: the same work submit() does in its own
+        return feed.handle.result()
 
     def submit(
         self,
@@ -738,10 +735,10 @@ class Sampler(ABC, metaclass=SamplerMeta):
         batched together on engines that sample concurrently.
         """
         adapter_name = self._adapter_from_path(adapter_name, adapter_path)
-        handle, call = self._new_call(inputs, sampling_params, adapter_name, num_samples, on_invalid)
+        feed, call = self._new_call(inputs, sampling_params, adapter_name, num_samples, on_invalid)
         if call is not None:
-            threading.Thread(target=self._execute, args=(handle, call), name="twinkle-request", daemon=True).start()
-        return handle
+            threading.Thread(target=self._execute, args=(feed, call), name="twinkle-request", daemon=True).start()
+        return feed.handle
 
     async def asample(
         self,
@@ -760,8 +757,8 @@ class Sampler(ABC, metaclass=SamplerMeta):
         """Abort every call in flight (see ``SampleHandle.abort``); returns how many were."""
         with self._live_lock:
             live = list(self._live)
-        for handle in live:
-            handle.abort()
+        for feed in live:
+            feed.handle.abort()
         return len(live)
 
     def resume(self, handle: SampleHandle) -> SampleHandle:
@@ -798,8 +795,8 @@ class Sampler(ABC, metaclass=SamplerMeta):
         adapter_name: str,
         num_samples: int | None,
         on_invalid: OnInvalid,
-    ) -> tuple[SampleHandle, _Call | None]:
-        """Check the arguments of a call; its handle, and the work (``None``: nothing to do)."""
+    ) -> tuple[CallFeed, _Call | None]:
+        """Check the arguments of a call; its feed, and the work (``None``: nothing to do)."""
         self._check_open()
         if on_invalid not in ("raise", "skip"):
             raise InvalidInputError(f"on_invalid={on_invalid!r} is invalid: expected 'raise' or 'skip'.")
@@ -810,63 +807,62 @@ class Sampler(ABC, metaclass=SamplerMeta):
             raise UnknownAdapterError(f"adapter_name={adapter_name!r} is invalid: expected a string ('' = base model).")
         if items and adapter_name:
             self._require_adapter(adapter_name)
-        handle = SampleHandle(len(items), params.num_samples)
-        handle._resumer = self._resume_handle
-        handle._call_params = params
+        feed = self._new_feed(len(items), params)
         if not items:
-            handle._settle([], None)
-            return handle, None
-        return handle, _Call(items, params, adapter_name, on_invalid)
+            feed.settle([], None)
+            return feed, None
+        return feed, _Call(items, params, adapter_name, on_invalid)
 
-    def _execute(self, handle: SampleHandle, call: _Call) -> None:
+    def _new_feed(self, num_inputs: int, params: SamplingParams) -> CallFeed:
+        """The feed of a new call, whose handle's ``resume()`` continues it with ``params``."""
+        return CallFeed(num_inputs, params.num_samples, resumer=lambda previous: self._resume_handle(previous, params))
+
+    def _execute(self, feed: CallFeed, call: _Call) -> None:
         """Run a call to the end: one run, then a continuation after each ``keep`` weight change."""
+        self._run_call(
+            feed,
+            lambda: self._sample(call.items, call.params, call.adapter_name, call.on_invalid, None, feed),
+            call.params,
+            call.adapter_name,
+        )
+
+    def _run_call(
+        self, feed: CallFeed, first: Callable[[], list[SampleResponse]], params: SamplingParams, adapter: str
+    ) -> None:
+        """The one path every call takes: in flight while it runs, continued after each ``keep``, then settled."""
         with self._live_lock:
-            self._live.add(handle)
+            self._live.add(feed)
         try:
-            responses = self._sample(call.items, call.params, call.adapter_name, call.on_invalid, None, handle)
-            while handle._take_suspended():
-                responses = self._continue(handle, responses, call.params, call.adapter_name)
+            responses = first()
+            while feed.take_suspended():
+                responses = self._continue(feed, responses, params, adapter)
         except BaseException as exc:
-            handle._settle(None, exc)
+            feed.settle(None, exc)
         else:
-            handle._settle(responses, None)
+            feed.settle(responses, None)
         finally:
             with self._live_lock:
-                self._live.discard(handle)
+                self._live.discard(feed)
 
-    def _resume_handle(self, previous: SampleHandle) -> SampleHandle:
+    def _resume_handle(self, previous: SampleHandle, params: SamplingParams) -> SampleHandle:
         self._check_open()
         responses = previous.result()
-        params: SamplingParams = previous._call_params
         adapters = {seq.adapter_name for r in responses for seq in r.sequences}
         adapter = adapters.pop() if len(adapters) == 1 else ""
         if adapter:
             self._require_adapter(adapter)
-        handle = SampleHandle(previous.num_inputs, previous.num_samples)
-        handle._resumer = self._resume_handle
-        handle._call_params = params
-
-        def work() -> None:
-            with self._live_lock:
-                self._live.add(handle)
-            try:
-                out = self._continue(handle, responses, params, adapter, emit_all=True)
-                while handle._take_suspended():
-                    out = self._continue(handle, out, params, adapter)
-            except BaseException as exc:
-                handle._settle(None, exc)
-            else:
-                handle._settle(out, None)
-            finally:
-                with self._live_lock:
-                    self._live.discard(handle)
-
-        threading.Thread(target=work, name="twinkle-resume", daemon=True).start()
-        return handle
+        feed = self._new_feed(previous.num_inputs, params)
+        threading.Thread(
+            target=self._run_call,
+            args=(feed, lambda: self._continue(feed, responses, params, adapter, emit_all=True), params, adapter),
+            name="twinkle-resume",
+            daemon=True,
+        ).start()
+        return feed.handle
 
     def _continue(
         self,
-        handle: SampleHandle,
+        feed: CallFeed,
         responses: list[SampleResponse],
         params: SamplingParams,
         adapter_name: str,
@@ -890,14 +886,14 @@ class Sampler(ABC, metaclass=SamplerMeta):
             for j, seq in enumerate(response.sequences):
                 if seq.stop_reason != "abort":
                     if emit_all:
-                        handle._emit(Finished(i, j, seq))
+                        feed.emit(Finished(i, j, seq))
                     continue
                 left = params.max_tokens - len(seq.tokens)
                 ids = [*response.prompt_token_ids, *seq.tokens]
                 if left <= 0 or len(ids) > limit:
                     done = attrs.evolve(seq, stop_reason="length")
                     response.sequences[j] = done
-                    handle._emit(Finished(i, j, done))
+                    feed.emit(Finished(i, j, done))
                     continue
                 todo.append((i, j))
                 prompts.append(InputFeature(input_ids=ids))
@@ -907,8 +903,8 @@ class Sampler(ABC, metaclass=SamplerMeta):
             return out
         budgets = [params.max_tokens - g for g in generated]
         cont_params = params.replace(max_tokens=max(budgets), num_samples=1, prompt_logprobs=None)
-        spec = _RunSpec(handle, base, generated, budgets, [(i, j) for i, j in todo], out)
-        results = self._sample(prompts, cont_params, adapter_name, "raise", None, handle, spec)
+        spec = _RunSpec(feed, base, generated, budgets, [(i, j) for i, j in todo], out)
+        results = self._sample(prompts, cont_params, adapter_name, "raise", None, feed, spec)
         for (i, j), result in zip(todo, results):
             merged = self._merge(out[i].prompt_token_ids, out[i].sequences[j], result.sequences[0])
             out[i].sequences[j] = merged
@@ -981,7 +977,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         adapter_name: str,
         on_invalid: OnInvalid,
         indices: list[int] | None,
-        handle: SampleHandle | None = None,
+        feed: CallFeed | None = None,
         spec: _RunSpec | None = None,
     ) -> list[SampleResponse]:
         """Run checked arguments: hold the lock shared, check the adapter, then :meth:`_process`.
@@ -995,7 +991,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
                 self._check_open()
                 if adapter_name:
                     self._require_adapter(adapter_name)
-                return self._process(items, params, adapter_name, on_invalid, indices, handle, spec)
+                return self._process(items, params, adapter_name, on_invalid, indices, feed, spec)
         except EngineDeadError as exc:
             error = self._after_engine_death(exc)  # no lock held: the engine may restart itself
             if error is exc:
@@ -1009,7 +1005,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         adapter_name: str,
         on_invalid: OnInvalid,
         indices: list[int] | None,
-        handle: SampleHandle | None = None,
+        feed: CallFeed | None = None,
         spec: _RunSpec | None = None,
     ) -> list[SampleResponse]:
         """Encode and check each input, run the valid ones, and answer in input order.
@@ -1018,7 +1014,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         mode). An invalid input raises, or with ``on_invalid="skip"`` gets a
         response with ``error`` set. Errors name input ``k`` as
         ``inputs[indices[k]]`` (default ``k``): a Ray replica serving a share of
-        a call names each by its place in the whole call. ``handle`` receives
+        a call names each by its place in the whole call. ``feed`` receives
         each sequence as it finishes and can stop the run; ``spec`` describes a
         continuation (see ``_continue``).
         """
@@ -1040,7 +1036,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         valid_at = [k for k, f in enumerate(features) if k not in errors and f is not None]
         generated: Iterator[SampleResponse] = iter([])
         if valid_at:
-            run = self._engine_run([features[k] for k in valid_at], params, adapter_name, valid_at, handle, spec)  # type: ignore[misc]
+            run = self._engine_run([features[k] for k in valid_at], params, adapter_name, valid_at, feed, spec)  # type: ignore[misc]
             if run.stopped():  # aborted before it started: nothing generated
                 responses = [self._aborted_response(p, params, adapter_name) for p in run.prompts]
             elif self.concurrent_samples:
@@ -1065,30 +1061,30 @@ class Sampler(ABC, metaclass=SamplerMeta):
         params: SamplingParams,
         adapter_name: str,
         positions: list[int],
-        handle: SampleHandle | None,
+        feed: CallFeed | None,
         spec: _RunSpec | None,
     ) -> EngineRun:
-        """The run of ``prompts`` (inputs ``positions`` of the call), reporting finished sequences to ``handle``."""
-        stop = handle._start_run() if handle is not None else None
+        """The run of ``prompts`` (inputs ``positions`` of the call), reporting finished sequences to ``feed``."""
+        stop = feed.start_run() if feed is not None else None
         if spec is None:
 
             def on_finish(p: int, s: int, seq: SampledSequence) -> None:
-                if handle is not None and not (seq.stop_reason == "abort" and handle._suspended):
-                    handle._emit(Finished(positions[p], s, seq))
+                if feed is not None and not (seq.stop_reason == "abort" and feed.suspended):
+                    feed.emit(Finished(positions[p], s, seq))
 
             return EngineRun(prompts, params, adapter_name, on_finish=on_finish, stop_event=stop)
         sample_base = [spec.sample_base[k] for k in positions]
         generated = [spec.generated[k] for k in positions]
 
         def on_continued(p: int, s: int, seq: SampledSequence) -> None:
-            if seq.stop_reason == "abort" and spec.handle._suspended:
+            if seq.stop_reason == "abort" and spec.feed.suspended:
                 return  # continued again after the next change
             if spec.responses is None:
-                spec.handle._emit(Finished(positions[p], s, seq))
+                spec.feed.emit(Finished(positions[p], s, seq))
                 return
             i, j = spec.slots[positions[p]]
             merged = self._merge(spec.responses[i].prompt_token_ids, spec.responses[i].sequences[j], seq)
-            spec.handle._emit(Finished(i, j, merged))
+            spec.feed.emit(Finished(i, j, merged))
 
         return EngineRun(
             prompts,
@@ -1212,10 +1208,6 @@ class Sampler(ABC, metaclass=SamplerMeta):
                 self.close()
         except Exception:
             pass
-
-
-def _applied_source(config_or_dir: Any, weights: Any) -> str:
-    return "<memory>" if weights is not None else str(config_or_dir)
 
 
 def __getattr__(name: str) -> Any:

@@ -228,25 +228,26 @@ class ReplicaHost:
         before, and its token budget (the driver merges each with its first
         part). :meth:`abort_shard` stops it.
         """
-        from twinkle_core.requests import SampleHandle
+        from twinkle_core.requests import CallFeed
         from twinkle_core.sampler import _RunSpec
 
-        handle = SampleHandle(len(items), params.num_samples)
+        feed = CallFeed(len(items), params.num_samples)
+        handle = feed.handle
         with self._shards_lock:
             self._shards[shard_id] = handle
             if shard_id in self._early_aborts:
                 del self._early_aborts[shard_id]
                 handle.abort()
         target = self._target
-        spec = None if cont is None else _RunSpec(handle, cont[0], cont[1], cont[2], [], None)
+        spec = None if cont is None else _RunSpec(feed, cont[0], cont[1], cont[2], [], None)
 
         def work() -> None:
             try:
-                responses = target._sample(items, params, adapter_name, on_invalid, indices, handle, spec)
+                responses = target._sample(items, params, adapter_name, on_invalid, indices, feed, spec)
             except BaseException as exc:
-                handle._settle(None, exc)
+                feed.settle(None, exc)
             else:
-                handle._settle(responses, None)
+                feed.settle(responses, None)
 
         threading.Thread(target=work, name=f"twinkle-shard-{shard_id}", daemon=True).start()
         try:

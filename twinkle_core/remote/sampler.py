@@ -15,6 +15,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from twinkle_core.adapter_input import AdapterInput
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams, Trajectory
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
 from twinkle_core.remote._balance import estimate_prompt_tokens, item_cost, split_by_cost, trajectory_chars
@@ -22,7 +23,7 @@ from twinkle_core.remote._pool import Op, ReplicaPool, _Died, add_note
 from twinkle_core.remote._runtime import PlacedGroup, import_ray, register_owner
 from twinkle_core.remote.errors import ReplicaLostError
 from twinkle_core.remote.remote_class import ReplicaViews, build_object
-from twinkle_core.requests import EngineRun, Finished, SampleHandle
+from twinkle_core.requests import CallFeed, EngineRun, Finished
 from twinkle_core.sampler import AppliedWithError, OnInvalid, Sampler
 from twinkle_core.template import Template
 
@@ -177,22 +178,25 @@ class RemoteSampler(ReplicaViews, Sampler):
             except AppliedWithError as applied:
                 raise applied.error from None
 
-    def _load_adapter(self, name: str, config_or_dir: Any, *, weights: Any = None, version: int, **kwargs: Any) -> str:
+    def _load_adapter(self, adapter: AdapterInput, *, version: int, **kwargs: Any) -> str:
         """Load or replace a LoRA adapter on every replica.
 
-        A folder must be readable at the same path on every node (a shared
-        file system); otherwise pass a config and ``weights``, which go into
-        Ray's object store once.
+        A folder must be readable at the same path here and on every node (a
+        shared file system): it is read here once, so a bad one is refused
+        before any replica changes. Tensors in memory go into Ray's object
+        store once.
         """
-        ref = import_ray().put(weights) if weights is not None else None
+        name = adapter.name
+        source: Any = str(adapter.folder) if adapter.folder is not None else adapter.config
+        ref = import_ray().put(adapter.tensors) if adapter.folder is None else None
         self._apply(
             "add_adapter_to_model",
-            (name, config_or_dir),
+            (name, source),
             # the driver already checked the values are finite
             {"weights": ref, "version": version, "check_finite": False, **kwargs},
-            record=lambda: self._adapter_ops.__setitem__(name, (version, config_or_dir, ref, kwargs)),
+            record=lambda: self._adapter_ops.__setitem__(name, (version, source, ref, kwargs)),
         )
-        return "<memory>" if weights is not None else str(config_or_dir)
+        return adapter.source
 
     def _remove_adapter(self, name: str) -> None:
         self._apply(
@@ -271,7 +275,7 @@ class RemoteSampler(ReplicaViews, Sampler):
         adapter_name: str,
         on_invalid: OnInvalid,
         indices: list[int] | None,
-        handle: SampleHandle | None = None,
+        feed: CallFeed | None = None,
         spec: Any = None,
     ) -> list[SampleResponse]:
         """Split a call across the replicas and gather it in input order (lock held shared by the base).
@@ -281,21 +285,21 @@ class RemoteSampler(ReplicaViews, Sampler):
         ``num_samples x (prompt tokens + max_tokens)``; a conversation's prompt
         tokens are estimated from its text, calibrated on what earlier calls
         measured. Each replica streams its sequences back as they finish
-        (``handle`` gets them at once), and the handle's stop switch (an
+        (``feed`` gets them at once), and the call's stop switch (an
         abort, or a change under ``in_flight="keep"``) stops every replica's
         share. A continuation (``spec``: resume, or ``keep``) goes through the
         base, which calls :meth:`_run`.
         """
-        if spec is not None or (handle is not None and handle.aborted):
-            return super()._process(items, params, adapter_name, on_invalid, indices, handle, spec)
+        if spec is not None or (feed is not None and feed.aborted):
+            return super()._process(items, params, adapter_name, on_invalid, indices, feed, spec)
         self._pool.check_open()
 
         def on_finish(p: int, s: int, seq: SampledSequence) -> None:
             # a sequence stopped for a "keep" change is continued, and reported then
-            if handle is not None and not (seq.stop_reason == "abort" and handle._suspended):
-                handle._emit(Finished(p, s, seq))
+            if feed is not None and not (seq.stop_reason == "abort" and feed.suspended):
+                feed.emit(Finished(p, s, seq))
 
-        stop = handle._start_run() if handle is not None else None
+        stop = feed.start_run() if feed is not None else None
         run = EngineRun(items, params, adapter_name, on_finish=on_finish, stop_event=stop)
         out = self._dispatch(run, items, indices, on_invalid, continuation=False)
         run.report_all(out)

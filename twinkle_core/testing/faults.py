@@ -11,17 +11,16 @@ events, never with sleeps. Torch is imported at call time only.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
 
+from twinkle_core.adapter_input import read_adapter
 from twinkle_core.data_format import InputFeature, SamplingParams, Trajectory
 from twinkle_core.errors import AdapterError, UnknownAdapterError, WeightUpdateError
 from twinkle_core.sampler import Sampler
@@ -43,10 +42,8 @@ def soak_seconds(default: float = 15.0) -> float:
 
 def read_adapter_folder(folder: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:
     """A PEFT adapter folder as ``(config dict, {name: tensor})``, for in-memory loads."""
-    from safetensors.torch import load_file
-
-    config = json.loads((Path(folder) / "adapter_config.json").read_text())
-    return config, dict(load_file(str(Path(folder) / "adapter_model.safetensors")))
+    adapter = read_adapter("", folder)
+    return adapter.config, adapter.state_dict()
 
 
 def _greedy(max_tokens: int) -> SamplingParams:

@@ -15,16 +15,13 @@ unwrapped and the model is back to its original modules.
 
 from __future__ import annotations
 
-import os
 import warnings
-from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from twinkle_core.adapter_input import AdapterInput
 from twinkle_core.errors import AdapterError
-from twinkle_core.weights import find_non_finite
 
 __all__ = ["AdapterSet"]
 
@@ -35,51 +32,17 @@ def _tuner_layer_cls() -> Any:  # peft is not type-checked (see pyproject.toml):
     return BaseTunerLayer
 
 
-def _load_config(config_or_dir: Any) -> tuple[Any, Path | None]:
-    """The PEFT config, and the folder it came from (``None`` for an in-memory config)."""
+def _peft_config(adapter: AdapterInput) -> Any:
+    """The ``peft.PeftConfig`` of ``adapter``: the caller's object, or one built from its config dict."""
     from peft import PeftConfig
 
-    if isinstance(config_or_dir, PeftConfig):
-        return config_or_dir, None
-    if isinstance(config_or_dir, Mapping):
-        try:
-            return PeftConfig.from_peft_type(**{"peft_type": "LORA", **dict(config_or_dir)}), None
-        except Exception as exc:
-            raise AdapterError(f"The adapter config {dict(config_or_dir)!r:.300} is invalid: {exc}") from exc
-    if isinstance(config_or_dir, (str, os.PathLike)):
-        folder = Path(config_or_dir).expanduser()
-        if not folder.is_dir():
-            raise AdapterError(
-                f"Adapter folder {str(folder)!r} does not exist: pass a folder written by PEFT's"
-                " save_pretrained (adapter_config.json + adapter_model.safetensors), or a LoraConfig with weights=."
-            )
-        if not (folder / "adapter_config.json").is_file():
-            raise AdapterError(
-                f"Adapter folder {str(folder)!r} has no adapter_config.json: it is not a PEFT adapter folder."
-            )
-        try:
-            return PeftConfig.from_pretrained(str(folder)), folder
-        except Exception as exc:
-            raise AdapterError(f"Adapter folder {str(folder)!r} has an unreadable adapter_config.json: {exc}") from exc
-    raise AdapterError(
-        f"config_or_dir={config_or_dir!r:.100} is invalid: expected a PEFT adapter folder, a peft LoraConfig"
-        " (or its dict) with weights=."
-    )
-
-
-def _load_weights(folder: Path, device: torch.device) -> dict[str, torch.Tensor]:
-    from peft.utils import load_peft_weights
-
-    if not any((folder / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
-        raise AdapterError(f"Adapter folder {str(folder)!r} has no adapter_model.safetensors (or adapter_model.bin).")
+    if isinstance(adapter.peft_config, PeftConfig):
+        return adapter.peft_config
     try:
-        weights = dict(load_peft_weights(str(folder), device=str(device)))
+        return PeftConfig.from_peft_type(**PeftConfig.check_kwargs(**{"peft_type": "LORA", **adapter.config}))
     except Exception as exc:
-        raise AdapterError(f"Adapter folder {str(folder)!r} has unreadable weights: {exc}") from exc
-    bad = find_non_finite(list(weights.items()))
-    if bad is not None:
-        raise AdapterError(f"Adapter folder {str(folder)!r}: {bad.split('; pass')[0]}; nothing was loaded.")
-    return weights
+        where = f"Adapter folder {str(adapter.folder)!r}" if adapter.folder is not None else f"Adapter {adapter.name!r}"
+        raise AdapterError(f"{where}: the config {adapter.config!r:.300} is invalid: {exc}") from exc
 
 
 class AdapterSet:
@@ -117,32 +80,19 @@ class AdapterSet:
         self._active = None
 
     # -- loading ------------------------------------------------------------------------------
-    def load(self, name: str, config_or_dir: Any, weights: Mapping[str, Any] | None = None) -> str:
-        """Load (or replace) adapter ``name``.
+    def load(self, adapter: AdapterInput) -> str:
+        """Load (or replace) ``adapter`` under its name.
 
         Returns:
             Where it came from: the folder, or ``"<memory>"``.
 
         Raises:
-            AdapterError: a missing or malformed folder, a bad config, or weights
-                that do not fit the model (unknown, missing or misshapen tensors).
+            AdapterError: a bad config, or weights that do not fit the model
+                (unknown, missing or misshapen tensors).
         """
-        config, folder = _load_config(config_or_dir)
-        if folder is not None and weights is not None:
-            raise AdapterError("Pass either an adapter folder or a config with weights=, not a folder and weights.")
-        if folder is not None:
-            state = _load_weights(folder, self.device)
-        else:
-            if weights is None:
-                raise AdapterError(
-                    f"Adapter {name!r} was given a config without weights: pass weights= (a dict of tensors by PEFT"
-                    " name, as get_peft_model_state_dict returns) or an adapter folder."
-                )
-            if not isinstance(weights, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items()
-            ):
-                raise AdapterError(f"weights for adapter {name!r} must be a dict of name -> torch.Tensor.")
-            state = dict(weights)
+        name, folder = adapter.name, adapter.folder
+        config = _peft_config(adapter)
+        state = adapter.state_dict()
         if getattr(config, "is_prompt_learning", False):
             raise AdapterError(
                 f"Adapter {name!r} is a prompt-learning PEFT method ({config.peft_type}); only injectable adapters"
@@ -157,7 +107,7 @@ class AdapterSet:
         if old is not None:
             self._delete(old)
         self._refresh_layers()
-        return str(folder) if folder is not None else "<memory>"
+        return adapter.source
 
     def _inject(self, internal: str, config: Any, state: dict[str, torch.Tensor], label: str) -> None:
         from peft import inject_adapter_in_model, set_peft_model_state_dict

@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
+from twinkle_core.adapter_input import AdapterInput
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams
 from twinkle_core.errors import AdapterError, ConfigError, InvalidMeshError, WeightUpdateError
 from twinkle_core.hub import resolve_model_id
-from twinkle_core.merge import MergedLoRA, check_merge_flag, lora_deltas, read_adapter
+from twinkle_core.merge import MergedLoRA, check_merge_flag, lora_deltas
 from twinkle_core.mesh import DeviceMesh
 from twinkle_core.requests import EngineRun
 from twinkle_core.sampler import Sampler
@@ -329,10 +330,8 @@ class TorchSampler(Sampler):
             for p, (seqs, score) in enumerate(zip(sequences, scores))
         ]
 
-    def _load_adapter(
-        self, name: str, config_or_dir: Any, *, weights: Any = None, version: int, merge: bool = False, **kwargs: Any
-    ) -> str:
-        """Load (or replace) adapter ``name``; with ``merge=True``, merge it into the weights.
+    def _load_adapter(self, adapter: AdapterInput, *, version: int, merge: bool = False, **kwargs: Any) -> str:
+        """Load (or replace) ``adapter``; with ``merge=True``, merge it into the weights.
 
         A merged adapter must be the only one loaded (the base weights it
         changes are shared by every other adapter); see ``twinkle_core.merge``.
@@ -346,7 +345,7 @@ class TorchSampler(Sampler):
                 f"add_adapter_to_model got unexpected arguments {sorted(kwargs)} for the torch engine"
                 " (it accepts merge=)."
             )
-        merged = self._merged.name
+        name, merged = adapter.name, self._merged.name
         if check_merge_flag(merge):
             others = sorted(n for n in self._adapter_set.names if n != name)
             if others or merged not in (None, name):
@@ -354,8 +353,7 @@ class TorchSampler(Sampler):
                     f"Cannot merge adapter {name!r}: adapter(s) {others or [merged]} are loaded, and a merged adapter"
                     " changes the weights they run on. Remove them first (one merged adapter at a time)."
                 )
-            config, tensors = read_adapter(name, config_or_dir, weights)
-            plan = self._merged.plan_merge(name, lora_deltas(name, config, tensors), self._weights.read)
+            plan = self._merged.plan_merge(name, lora_deltas(name, adapter.config, adapter.tensors), self._weights.read)
             try:
                 pairs = self._weights.check(plan.tensors)
             except WeightUpdateError as exc:
@@ -363,13 +361,13 @@ class TorchSampler(Sampler):
             self._weights.apply(pairs)
             self._merged.commit(plan)
             self._adapter_set.remove(name)  # it was loaded unmerged before: that copy is stale now
-            return "<memory>" if weights is not None else str(config_or_dir)
+            return adapter.source
         if merged is not None and merged != name:
             raise AdapterError(
                 f"Cannot load adapter {name!r}: adapter {merged!r} is merged into the weights it would run on."
                 f" remove_adapter({merged!r}) first."
             )
-        source = self._adapter_set.load(name, config_or_dir, weights)
+        source = self._adapter_set.load(adapter)
         if merged == name:  # merged before, unmerged now: the weights go back to base
             self._unmerge()
         return source

@@ -30,11 +30,11 @@ def tiny_model() -> Path:
     return build_tiny_model("llama")
 
 
-def make_sampler(model: Path, **engine_args: Any) -> Any:
-    """A vLLMSampler on the test engine options plus ``engine_args``."""
+def make_sampler(model: Path, sampler_options: dict[str, Any] | None = None, **engine_args: Any) -> Any:
+    """A vLLMSampler on the test engine options plus ``engine_args``, with ``sampler_options`` (its own arguments)."""
     from twinkle_vllm.sampler import vLLMSampler
 
-    return vLLMSampler(model, engine_args={**TEST_ENGINE_ARGS, **engine_args})
+    return vLLMSampler(model, engine_args={**TEST_ENGINE_ARGS, **engine_args}, **(sampler_options or {}))
 
 
 #: The modules the test adapters put LoRA on (every linear layer of the tiny Llama).
@@ -42,7 +42,13 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def make_peft_adapter(
-    model_dir: Path, out_dir: Path, seed: int, rank: int = 4, scale: float = 0.3, **options: Any
+    model_dir: Path,
+    out_dir: Path,
+    seed: int,
+    rank: int = 4,
+    scale: float = 0.3,
+    targets: list[str] = LORA_TARGETS,
+    **options: Any,
 ) -> Path:
     """Save a PEFT LoRA adapter for the tiny model whose ``lora_B`` is random.
 
@@ -55,7 +61,7 @@ def make_peft_adapter(
     from transformers import AutoModelForCausalLM
 
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, lora_dropout=0.0, **options)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, lora_dropout=0.0, **options)
     torch.manual_seed(seed)  # lora_A is initialised from the global generator
     peft_model = get_peft_model(base, config)
     gen = torch.Generator().manual_seed(seed)

@@ -35,6 +35,8 @@ PROMPTS = [
     Trajectory(messages=[{"role": "user", "content": "Tell me a short story about a cat and a dog."}]),
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+#: The no-replay engine's: its sync stalls on purpose, and waits this long to time out.
+NO_REPLAY_TIMEOUT_S = 5.0
 #: A call that keeps the engine busy long enough to be killed in the middle of it.
 LONG = SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True, num_samples=8)
 
@@ -273,6 +275,7 @@ def test_killed_driver_leaves_no_process_and_no_file(tiny_model: Path, tmp_path:
 
 def test_restart_options_are_checked(tiny_model: Path) -> None:
     from twinkle_core.errors import ConfigError
+    from twinkle_vllm import ReplayStore
     from twinkle_vllm.sampler import vLLMSampler
 
     # Checked before any engine starts.
@@ -280,33 +283,89 @@ def test_restart_options_are_checked(tiny_model: Path) -> None:
         vLLMSampler(tiny_model, engine_args=TEST_ENGINE_ARGS, auto_restart=1)
     with pytest.raises(ConfigError, match="replay_weights='no'"):
         vLLMSampler(tiny_model, engine_args=TEST_ENGINE_ARGS, replay_weights="no")
+    with pytest.raises(ConfigError, match="replay_store='mine' is invalid"):
+        vLLMSampler(tiny_model, engine_args=TEST_ENGINE_ARGS, replay_store="mine")
+    with pytest.raises(ConfigError, match="keeps weights=False but replay_weights=True"):
+        vLLMSampler(tiny_model, engine_args=TEST_ENGINE_ARGS, replay_store=ReplayStore(keep_weights=False))
+    with pytest.raises(ConfigError, match="overlap='yes'"):
+        ReplayStore(overlap="yes")
+
+
+@pytest.fixture(scope="module")
+def no_replay(tiny_model: Path) -> Iterator[Any]:
+    """An engine built with ``auto_restart=False, replay_weights=False``: the sampler keeps no weights copy."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(IPC_TIMEOUT_ENV, str(NO_REPLAY_TIMEOUT_S))
+        options = {"auto_restart": False, "replay_weights": False, "sync_bucket_bytes": 96 << 10}
+        s = make_sampler(tiny_model, options)
+    with s:
+        yield s
+
+
+def test_a_partial_sync_that_cannot_be_undone_refuses_sampling(
+    no_replay: Any, original: dict[str, torch.Tensor]
+) -> None:
+    from twinkle_core.errors import WeightSyncTimeoutError
+
+    sampler = no_replay
+    before = greedy(sampler)
+    sampler.update_weights(original)  # the engine's values are now ones the sampler keeps no copy of
+    sampler._debug_stall_next_sync(60, at_bucket=-1)
+    first = before[0][0]
+    with pytest.raises(WeightSyncTimeoutError):
+        sampler.update_weights(perturbed_state(original, seed=6, swap=(first, first + 1)))
+    with pytest.raises(EngineDeadError, match="failed part-way") as info:
+        sampler.sample(PROMPTS[0], GREEDY)
+    assert "update_weights" in str(info.value)
+    # A part of the tensors is not enough; all of them bring sampling back.
+    sampler.update_weights({k: v for k, v in original.items() if k.startswith("model.layers.1.mlp.")})
+    with pytest.raises(EngineDeadError, match="failed part-way"):
+        sampler.sample(PROMPTS[0], GREEDY)
+    sampler.update_weights(original)
+    assert greedy(sampler) == before
+
+
+def test_a_merge_over_pushed_weights_without_their_copies_is_refused(
+    no_replay: Any, original: dict[str, torch.Tensor], adapters: dict[str, Path]
+) -> None:
+    from twinkle_core.errors import AdapterError
+
+    sampler = no_replay
+    layer = "model.layers.0.self_attn."
+    names = [f"{layer}{m}_proj.weight" for m in ("q", "k", "v")]  # one fused layer: sent together
+    sampler.update_weights({n: original[n] * 1.05 for n in names})
+    base = greedy(sampler)
+    version = sampler.weights_version
+    # The merge needs the base values update_weights replaced; nothing keeps them: refused, nothing changed.
+    with pytest.raises(AdapterError, match="update_weights replaced"):
+        sampler.add_adapter_to_model("a", adapters["a"], merge=True)
+    assert dict(sampler.adapters) == {} and sampler.weights_version == version and greedy(sampler) == base
+    sampler.update_weights({n: original[n] for n in names})
 
 
 def test_without_auto_restart_or_weight_replay_the_user_restarts_and_repushes(
-    tiny_model: Path, original: dict[str, torch.Tensor]
+    no_replay: Any, original: dict[str, torch.Tensor]
 ) -> None:
-    from twinkle_vllm.sampler import vLLMSampler
-
-    with vLLMSampler(tiny_model, engine_args=TEST_ENGINE_ARGS, auto_restart=False, replay_weights=False) as s:
-        before = greedy(s)
-        new = perturbed_state(original, seed=3, swap=(before[0][0], before[0][0] + 1))
-        s.update_weights(new)
-        updated = greedy(s)
-        assert updated != before
-        for proc in engine_processes(os.getpid()):
-            if proc.pid in s._reaper.pids:
-                proc.send_signal(signal.SIGKILL)
-        wait_for(lambda: s._engine.errored, "vLLM to notice its worker died")
-        with pytest.raises(EngineDeadError, match=r"sampler\.restart\(\)"):
-            s.sample(PROMPTS, GREEDY)
-        assert s.restarts == 0  # auto_restart=False: nothing restarted behind the user's back
-        s.restart()
-        assert s.restarts == 1
-        # The new engine runs the checkpoint's weights: no sample may carry version 1 until they are pushed again.
-        with pytest.raises(EngineDeadError, match="update_weights"):
-            s.sample(PROMPTS, GREEDY)
-        s.update_weights(new)
-        assert greedy(s) == updated
+    s = no_replay
+    before = greedy(s)
+    new = perturbed_state(original, seed=3, swap=(before[0][0], before[0][0] + 1))
+    s.update_weights(new)
+    updated = greedy(s)
+    assert updated != before
+    for proc in engine_processes(os.getpid()):
+        if proc.pid in s._reaper.pids:
+            proc.send_signal(signal.SIGKILL)
+    wait_for(lambda: s._engine.errored, "vLLM to notice its worker died")
+    with pytest.raises(EngineDeadError, match=r"sampler\.restart\(\)"):
+        s.sample(PROMPTS, GREEDY)
+    assert s.restarts == 0  # auto_restart=False: nothing restarted behind the user's back
+    s.restart()
+    assert s.restarts == 1
+    # The new engine runs the checkpoint's weights: no sample may carry the version until they are pushed again.
+    with pytest.raises(EngineDeadError, match="update_weights"):
+        s.sample(PROMPTS, GREEDY)
+    s.update_weights(new)
+    assert greedy(s) == updated
 
 
 def test_files_of_dead_drivers_are_swept_and_live_ones_kept(tmp_path: Path) -> None:

