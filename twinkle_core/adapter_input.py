@@ -37,8 +37,20 @@ _ADAPTER_SEGMENTS = ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B")
 
 
 @attrs.frozen
+class _Read:
+    config: dict[str, Any]
+    tensors: list[tuple[str, Any]]
+    folder: Path | None
+    peft_config: Any
+
+
 class AdapterInput:
-    """A LoRA adapter, read and checked.
+    """A LoRA adapter as ``add_adapter_to_model`` was given it, read and checked once, on first use.
+
+    The sampler hands one to the engine's ``_load_adapter``. Tensors in
+    memory are read when it is made (a bad one is refused before anything
+    else happens); a folder when the engine first asks for a field, so an
+    engine that cannot load adapters at all says so first.
 
     Attributes:
         name: the name it is loaded under.
@@ -47,18 +59,51 @@ class AdapterInput:
             (and finite, unless read with ``check_finite=False``).
         folder: the folder it was read from, or ``None`` for tensors in memory.
         peft_config: the ``peft.PeftConfig`` object the caller passed, if it passed one.
+        source: where it came from: the folder, or ``"<memory>"`` (known without reading).
+
+    Raises:
+        AdapterError: (on reading) see :func:`read_adapter`.
     """
 
-    name: str
-    config: dict[str, Any]
-    tensors: list[tuple[str, Any]]
-    folder: Path | None = None
-    peft_config: Any = None
+    def __init__(self, name: str, config_or_dir: Any, weights: Any = None, *, check_finite: bool = True) -> None:
+        self.name = name
+        self._given = (config_or_dir, weights, check_finite)
+        self._read: _Read | None = None
+        if not isinstance(config_or_dir, (str, os.PathLike)):
+            self._load()
+
+    def _load(self) -> _Read:
+        if self._read is None:
+            self._read = _read(self.name, *self._given)
+        return self._read
+
+    def read(self) -> AdapterInput:
+        """Read and check it now (if not yet); returns itself."""
+        self._load()
+        return self
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self._load().config
+
+    @property
+    def tensors(self) -> list[tuple[str, Any]]:
+        return self._load().tensors
+
+    @property
+    def folder(self) -> Path | None:
+        return self._load().folder
+
+    @property
+    def peft_config(self) -> Any:
+        return self._load().peft_config
 
     @property
     def source(self) -> str:
-        """Where it came from: the folder, or ``"<memory>"``."""
-        return str(self.folder) if self.folder is not None else MEMORY_SOURCE
+        config_or_dir, weights, _ = self._given
+        if weights is None and isinstance(config_or_dir, (str, os.PathLike)):
+            return str(Path(config_or_dir).expanduser())
+        return MEMORY_SOURCE
 
     def state_dict(self) -> dict[str, Any]:
         """The tensors as a dict by saved PEFT name."""
@@ -79,6 +124,10 @@ def read_adapter(name: str, config_or_dir: Any, weights: Any = None, *, check_fi
             weights, a config without weights (or of the wrong type), weights
             that are empty, not tensors, not floating point or not finite.
     """
+    return AdapterInput(name, config_or_dir, weights, check_finite=check_finite).read()
+
+
+def _read(name: str, config_or_dir: Any, weights: Any, check_finite: bool) -> _Read:
     if isinstance(config_or_dir, (str, os.PathLike)):
         if weights is not None:
             raise AdapterError(
@@ -87,7 +136,7 @@ def read_adapter(name: str, config_or_dir: Any, weights: Any = None, *, check_fi
         folder = Path(config_or_dir).expanduser()
         config, raw = _read_folder(folder)
         label = f"Adapter {name!r} from {str(folder)!r}"
-        return AdapterInput(name, config, _checked_tensors(label, raw, check_finite), folder)
+        return _Read(config, _checked_tensors(label, raw, check_finite), folder, None)
     peft_config = config_or_dir if hasattr(config_or_dir, "to_dict") else None
     if peft_config is None and not isinstance(config_or_dir, Mapping):
         raise AdapterError(
@@ -100,7 +149,7 @@ def read_adapter(name: str, config_or_dir: Any, weights: Any = None, *, check_fi
             " get_peft_model_state_dict returns) or an adapter folder."
         )
     config = _json_safe(config_or_dir.to_dict() if peft_config is not None else config_or_dir)
-    return AdapterInput(name, config, _checked_tensors(f"Adapter {name!r}", weights, check_finite), None, peft_config)
+    return _Read(config, _checked_tensors(f"Adapter {name!r}", weights, check_finite), None, peft_config)
 
 
 def _read_folder(folder: Path) -> tuple[dict[str, Any], Any]:

@@ -24,7 +24,7 @@ from typing import Any, ClassVar, Literal, TypeVar
 
 import attrs
 
-from twinkle_core.adapter_input import AdapterInput, read_adapter
+from twinkle_core.adapter_input import AdapterInput
 from twinkle_core.data_format import (
     InputFeature,
     SampledSequence,
@@ -513,9 +513,8 @@ class Sampler(ABC, metaclass=SamplerMeta):
         self._check_open()
         if not isinstance(adapter_name, str) or not adapter_name:
             raise InvalidInputError(f"adapter_name={adapter_name!r} is invalid: expected a non-empty string.")
-        if type(self)._load_adapter is Sampler._load_adapter:  # no LoRA here: say so, whatever the input
-            self._load_adapter(None, version=self._weights_version)  # type: ignore[arg-type]
-        adapter = read_adapter(adapter_name, config_or_dir, weights, check_finite=check_finite)
+        # Tensors in memory are checked now, before in_flight acts; a folder is read when the engine asks.
+        adapter = AdapterInput(adapter_name, config_or_dir, weights, check_finite=check_finite)
         self._make_room(in_flight)
         with self._lock.write():
             new_version = self._next_version(version)
