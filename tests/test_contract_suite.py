@@ -1,6 +1,6 @@
 """The conformance suite itself: an engine that silently ignores any sampling field fails it.
 
-Broken engines are real engines with one change: their ``_generate`` hook gets
+Broken engines are real engines with one change: their ``generate`` (or ``_generate``) gets
 the request's ``SamplingParams`` with one field reset to its default, which is
 what an engine that drops a field does. The suite runs against them in a
 nested pytest session (``pytester``); each must fail, and the unbroken engine
@@ -51,6 +51,11 @@ def _suite_module(engine_import: str, engine_class: str, build: str, fields: lis
         "            # what an engine that drops `field` does: it samples as if the default were set",
         "            params = params.replace(**{field: getattr(DEFAULTS, field)})",
         "            return super()._generate(prompts, params, adapter_name)",
+        "",
+        "        def generate(self, prompts, params, adapter_name):",
+        "            # the same for an engine object (twinkle_core.engine.BatchEngine)",
+        "            params = params.replace(**{field: getattr(DEFAULTS, field)})",
+        "            return super().generate(prompts, params, adapter_name)",
         "",
         "        def _run(self, run):",
         "            # the same for engines whose calls go through _run",
@@ -106,16 +111,17 @@ def _check(counts: dict[str, dict[str, int]], fields: list[str]) -> None:
 
 def test_the_suite_catches_an_echo_engine_ignoring_any_field(pytester: pytest.Pytester) -> None:
     pytester.syspathinsert(ECHO_DIR)
-    engine = ("from twinkle_echo.engine import EchoSampler", "EchoSampler", "{cls}()")
+    imports = "from twinkle_core import Sampler\nfrom twinkle_echo.engine import EchoEngine"
+    engine = (imports, "EchoEngine", "Sampler({cls})")
     pytester.makepyfile(test_intact_echo=_suite_module(*engine, []))
     result = pytester.runpytest("-p", "no:cacheprovider", "-k", "not vocabulary", "test_intact_echo.py")
     _check(_outcomes_by_class(result), [])
     # one session per broken engine, stopping at its first failure: the suite is long
     counts: dict[str, dict[str, int]] = {"TestIntact": {"passed": 1, "failed": 0}}
     # a field the engine does not declare is refused by the base before the engine sees it: nothing to ignore
-    from twinkle_echo.engine import EchoSampler
+    from twinkle_echo.engine import SUPPORTED_PARAMS
 
-    fields = [field for field in FIELDS if field in EchoSampler.supported_params]
+    fields = [field for field in FIELDS if field in SUPPORTED_PARAMS]
     assert len(fields) >= 14
     for field in fields:
         pytester.makepyfile(**{f"test_ignores_{field}": _suite_module(*engine, [field], intact=False)})

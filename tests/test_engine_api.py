@@ -21,6 +21,7 @@ import torch
 import twinkle_core
 from twinkle_core import InputFeature, Sampler, SampleResponse, SamplingParams
 from twinkle_core.errors import (
+    InvalidInputError,
     InvalidSamplingParams,
     UnknownAdapterError,
     UnsupportedFeatureError,
@@ -118,7 +119,7 @@ def test_engines_use_only_the_engine_api() -> None:
     assert {"_lock", "_adapters", "_weights_version", "_check_open"} <= private  # the scan knows the internals
     trees = {path: ast.parse(path.read_text(), str(path)) for path in ENGINE_SOURCES}
     engines = _sampler_classes(trees)
-    assert {"TorchSampler", "vLLMSampler", "EchoSampler", "RemoteSampler"} <= engines
+    assert {"TorchSampler", "vLLMSampler", "RemoteSampler"} <= engines
     offences = []
     for path, tree in trees.items():
         where = str(path.relative_to(ROOT))
@@ -141,6 +142,54 @@ def test_engines_use_only_the_engine_api() -> None:
                 if name in ("_target", "engine", "sampler"):
                     offences.append(f"{where}:{node.lineno}: {name}.{node.attr}")
     assert not offences, "engines reach into Sampler's private state:\n" + "\n".join(offences)
+
+
+#: What a module holding an engine object may import of the core (``twinkle_core.engine``'s rule).
+ENGINE_IMPORTS = {"twinkle_core.engine", "twinkle_core.errors", "twinkle_core.data_format", "twinkle_core.hub"}
+
+
+def _engine_object_modules() -> dict[Path, ast.Module]:
+    """Shipped modules that define a subclass of ``Engine`` or ``BatchEngine``."""
+    out = {}
+    for path in ENGINE_SOURCES:
+        tree = ast.parse(path.read_text(), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and {getattr(b, "id", getattr(b, "attr", "")) for b in node.bases} & {
+                "Engine",
+                "BatchEngine",
+            }:
+                out[path] = tree
+    return out
+
+
+def test_an_engine_object_imports_only_the_engine_contract() -> None:
+    modules = _engine_object_modules()
+    assert ROOT / "examples" / "twinkle_echo" / "twinkle_echo" / "engine.py" in modules
+    offences = []
+    for path, tree in modules.items():
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = (
+                    [node.module] if node.module != "twinkle_core" else [f"twinkle_core.{a.name}" for a in node.names]
+                )
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                if name.split(".")[0] == "twinkle_core" and ".".join(name.split(".")[:2]) not in ENGINE_IMPORTS:
+                    offences.append(f"{path.relative_to(ROOT)}:{node.lineno}: imports {name}")
+    assert not offences, "engine objects import core modules outside the contract:\n" + "\n".join(offences)
+
+
+def test_the_engine_contract_is_small_and_public() -> None:
+    import twinkle_core.engine as contract
+
+    assert all(not name.startswith("_") for name in contract.__all__)
+    assert len(contract.__all__) <= 12
+    # every optional method of Engine is public; the one required one is ``run`` (``generate`` for a BatchEngine)
+    assert contract.Engine.__abstractmethods__ == {"run"}
+    assert contract.BatchEngine.__abstractmethods__ == {"generate"}
+    assert not [n for n in vars(contract.Engine) if n.startswith("_") and not n.startswith("__") and n != "_abc_impl"]
 
 
 def test_public_errors_and_model_ids_are_importable_from_documented_places() -> None:
@@ -334,3 +383,90 @@ def test_only_requests_py_touches_a_handles_private_state() -> None:
         and not (isinstance(node.value, ast.Name) and node.value.id == "self")
     )
     assert uses == [], "SampleHandle's private state used outside twinkle_core/requests.py:\n" + "\n".join(uses)
+
+
+# -- an engine object held by the core's Sampler -------------------------------------------------
+def test_a_sampler_needs_a_real_engine_and_says_what_it_got() -> None:
+    from twinkle_core.engine import BatchEngine, EngineInfo
+    from twinkle_core.errors import ConfigError
+
+    with pytest.raises(TypeError, match="needs an engine class"):
+        Sampler()
+    with pytest.raises(ConfigError, match=r"expected a twinkle_core\.engine\.Engine subclass"):
+        Sampler(dict)  # type: ignore[arg-type]
+
+    closed: list[str] = []
+
+    class NoInfo(BatchEngine):
+        def generate(self, prompts, params, adapter_name):  # type: ignore[no-untyped-def]
+            return []
+
+        def close(self) -> None:
+            closed.append("closed")
+
+    with pytest.raises(ConfigError, match=r"NoInfo did not set self.info to an EngineInfo"):
+        Sampler(NoInfo)
+    assert closed == ["closed"]  # what it had built is released
+    with pytest.raises(ConfigError, match=r"max_model_len=0 is invalid"):
+        EngineInfo(name="x", max_model_len=0)
+    with pytest.raises(ConfigError, match=r"supported_params='temperature' is invalid"):
+        EngineInfo(name="x", max_model_len=8, supported_params="temperature")  # type: ignore[arg-type]
+
+
+def test_an_engine_object_gets_the_same_checks_locking_and_state_as_a_subclass() -> None:
+    from twinkle_core.engine import BatchEngine, EngineInfo
+    from twinkle_core.template import Template
+    from twinkle_core.testing.tokenizers import CharTokenizer
+
+    calls: list[str] = []
+
+    class Shift(BatchEngine):
+        def __init__(self, context, shift: int = 1) -> None:  # type: ignore[no-untyped-def]
+            super().__init__(context)
+            self.shift = shift
+            context.init_template(None, tokenizer=CharTokenizer())
+            self.info = EngineInfo(name="shift", max_model_len=8, vocab_size=256, concurrent=True)
+
+        def generate(self, prompts, params, adapter_name):  # type: ignore[no-untyped-def]
+            version = self.context.weights_version
+            return [
+                SampleResponse(
+                    prompt_token_ids=p.input_ids,
+                    sequences=[
+                        self.context.make_sequence(
+                            p.input_ids,
+                            [p.input_ids[-1] + self.shift + version],
+                            stop_reason="length",
+                            adapter_name=adapter_name,
+                        )
+                    ],
+                )
+                for p in prompts
+            ]
+
+        def update_weights(self, named_tensors, *, version):  # type: ignore[no-untyped-def]
+            calls.append(f"update {[n for n, _ in named_tensors]} -> v{version}")
+
+        def template_changed(self) -> None:
+            calls.append("template")
+
+        def close(self) -> None:
+            calls.append("close")
+
+    with Sampler(Shift, shift=2) as s:
+        assert s.engine_name == "shift" and s.max_model_len == 8 and s.vocab_size == 256
+        assert "Shift" in repr(s) and isinstance(s.engine, Shift)
+        out = s.sample(InputFeature(input_ids=[3]), {"max_tokens": 1})[0].sequences[0]
+        assert out.tokens == [5] and out.weights_version == 0
+        # the sampler's own checks, before the engine sees anything
+        with pytest.raises(UnsupportedFeatureError, match=r"SamplingParams\.top_p=.*shift engine"):
+            s.sample(InputFeature(input_ids=[3]), {"top_p": 0.5})
+        with pytest.raises(InvalidInputError, match="999"):
+            s.sample(InputFeature(input_ids=[999]), {"max_tokens": 1})
+        with pytest.raises(UnsupportedFeatureError, match="shift engine has no LoRA"):
+            s.add_adapter_to_model("a", "/no/such/adapter")
+        assert s.update_weights({"w": torch.zeros(1)}) == 1
+        assert s.sample(InputFeature(input_ids=[3]), {"max_tokens": 1})[0].sequences[0].weights_version == 1
+        s.set_template(Template(s.tokenizer))
+        assert calls == ["update ['w'] -> v1", "template"]
+    assert calls[-1] == "close" and s.closed

@@ -63,7 +63,7 @@ def torch_sampler() -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def echo() -> Iterator[Any]:
-    from twinkle_echo.engine import EchoSampler
+    from twinkle_echo import EchoSampler
 
     with EchoSampler() as s:
         yield s

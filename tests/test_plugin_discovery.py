@@ -82,7 +82,7 @@ def test_echo_is_listed_with_its_distribution(echo_site: Path) -> None:
         """
     infos = _last_json(_python(code, _env(echo_site)))
     assert "echo" in infos, f"echo not discovered; found {sorted(infos)}"
-    assert infos["echo"] == ["twinkle-echo", "0.1.0", True, None, "twinkle_echo.engine:EchoSampler"]
+    assert infos["echo"] == ["twinkle-echo", "0.1.0", True, None, "twinkle_echo.engine:EchoEngine"]
 
 
 def test_create_sampler_by_name_samples_with_the_installed_engine(echo_site: Path) -> None:
@@ -92,14 +92,17 @@ def test_create_sampler_by_name_samples_with_the_installed_engine(echo_site: Pat
         chat = Trajectory(messages=[{"role": "user", "content": "Count to five."}])
         with create_sampler("echo") as sampler:
             seq = sampler.sample(chat, SamplingParams(temperature=0.0, max_tokens=32))[0].sequences[0]
-            out = {"class": type(sampler).__name__, "file": sys.modules[type(sampler).__module__].__file__,
+            engine = type(sampler.engine)
+            out = {"class": type(sampler).__name__, "engine": engine.__name__,
+                   "file": sys.modules[engine.__module__].__file__,
                    "text": seq.text, "stop_reason": seq.stop_reason}
         with create_sampler({"sampler": "echo", "max_model_len": 64}) as sampler:
             out["max_model_len"] = sampler.max_model_len
         print(json.dumps(out))
         """
     out = _last_json(_python(code, _env(echo_site)))
-    assert out["class"] == "EchoSampler"
+    # the user's object is the core's Sampler; the plugin supplies the engine it holds
+    assert out["class"] == "Sampler" and out["engine"] == "EchoEngine"
     # the installed copy, not the sources in examples/
     assert echo_site in Path(out["file"]).resolve().parents
     assert out["text"] == "Count to five." and out["stop_reason"] == "stop" and out["max_model_len"] == 64
@@ -315,7 +318,7 @@ def test_clashing_shadowing_and_broken_plugins_are_reported(echo_site: Path, tmp
     dist, available, error, _ = listing["echo"]
     assert not available
     for text in (
-        "twinkle-echo 0.1.0 (twinkle_echo.engine:EchoSampler)",
+        "twinkle-echo 0.1.0 (twinkle_echo.engine:EchoEngine)",
         "twinkle-echo-clash 9.9.9 (twinkle_echo_clash:Engine)",
         "'twinkle-echo:echo'",
         "'twinkle-echo-clash:echo'",
@@ -324,7 +327,7 @@ def test_clashing_shadowing_and_broken_plugins_are_reported(echo_site: Path, tmp
     assert result["echo"]["error"] == "DuplicateSamplerError" and result["echo"]["message"] == error
     # ... and each can be selected by the distribution-qualified name the message shows
     assert listing["twinkle-echo:echo"][:2] == ["twinkle-echo", True]
-    assert result["twinkle-echo:echo"]["class"] == "twinkle_echo.engine:EchoSampler"
+    assert result["twinkle-echo:echo"]["class"] == "twinkle_echo.engine:EchoEngine"
     assert result["twinkle-echo-clash:echo"]["class"] == "twinkle_echo_clash:Engine"
     unknown = result["no-such-dist:echo"]
     assert unknown["error"] == "UnknownSamplerError" and "twinkle-echo-clash" in unknown["message"]

@@ -33,6 +33,7 @@ pytest.importorskip("twinkle_torch")
 import twinkle_core as tw  # noqa: E402
 import twinkle_core.sampler  # noqa: E402
 from twinkle_core import DeviceGroup, DeviceMesh, InputFeature, Sampler, SampleResponse, Trajectory  # noqa: E402
+from twinkle_core.engine import BatchEngine, EngineContext, EngineInfo  # noqa: E402
 from twinkle_core.errors import (  # noqa: E402
     ConfigError,
     InvalidMeshError,
@@ -40,10 +41,12 @@ from twinkle_core.errors import (  # noqa: E402
     PromptTooLongError,
     SamplerClosedError,
     UnknownAdapterError,
+    UnsupportedFeatureError,
     WeightUpdateError,
 )
 from twinkle_core.locks import ReadWriteLock  # noqa: E402
 from twinkle_core.remote import (  # noqa: E402
+    RemoteSampler,
     RemoteTraceback,
     ReplicaLostError,
     UnknownGroupError,
@@ -55,6 +58,7 @@ from twinkle_core.remote import (  # noqa: E402
 from twinkle_core.remote._balance import split_by_cost  # noqa: E402
 from twinkle_core.template import Template  # noqa: E402
 from twinkle_core.testing import TINY_CHAT_PROMPTS, build_tiny_model  # noqa: E402
+from twinkle_core.testing.tokenizers import CharTokenizer  # noqa: E402
 from twinkle_torch.sampler import TorchSampler  # noqa: E402
 
 GREEDY = {"temperature": 0.0, "max_tokens": 24}
@@ -122,25 +126,6 @@ class HeldTorchSampler(TorchSampler):
 
 
 # -- a small real engine for the failure paths ------------------------------------------------
-class CharTokenizer:
-    """One token per character: enough for a Template."""
-
-    chat_template = "ascii"
-    eos_token_id = 0
-
-    def __len__(self) -> int:
-        return 256
-
-    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return [ord(c) % 256 for c in text]
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i) for i in ids)
-
-    def apply_chat_template(self, messages: list[dict[str, Any]], **kw: Any) -> str:
-        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + ">"
-
-
 class EchoEngine(Sampler):
     """Counts up from the last prompt token (+ a weight offset, + an adapter shift); text = its pid.
 
@@ -545,6 +530,59 @@ def test_weight_refs_kept_for_rebuilds_are_only_the_current_ones(remote, model_d
 
 
 # -- the machinery, on EchoEngine ---------------------------------------------------------------------
+class PidEngine(BatchEngine):
+    """An engine object (the ``twinkle_core.engine`` contract): counts up from the last token; text = its pid."""
+
+    def __init__(self, context: EngineContext, step: int = 1, device_mesh: DeviceMesh | None = None) -> None:
+        super().__init__(context)
+        self.step = step
+        self.mesh = device_mesh
+        context.init_template(Template(CharTokenizer()))
+        self.info = EngineInfo(name="pid", max_model_len=64, vocab_size=256, supported_params={"temperature"})
+
+    def generate(self, prompts, params, adapter_name):  # type: ignore[no-untyped-def]
+        where = self.context.placement
+        text = f"{os.getpid()}:{None if where is None else where.index}:{self.mesh.dp_size if self.mesh else None}"
+        return [
+            SampleResponse(
+                prompt_token_ids=p.input_ids,
+                sequences=[
+                    self.context.make_sequence(
+                        p.input_ids,
+                        [p.input_ids[-1] + self.step * (k + 1) for k in range(params.max_tokens)],
+                        stop_reason="length",
+                        adapter_name=adapter_name,
+                        text=text,
+                    )
+                ],
+            )
+            for p in prompts
+        ]
+
+
+def test_an_engine_object_runs_as_replicas_like_a_sampler_subclass(cluster):
+    inputs = [InputFeature(input_ids=[i + 1]) for i in range(6)]
+    with Sampler(PidEngine, step=2) as local:
+        expected = [r.sequences[0].tokens for r in local.sample(inputs, {"max_tokens": 3})]
+        assert local.engine_name == "pid" and local.engine.context.placement is None
+    # a typo in the engine's own arguments fails in the driver, before any actor starts
+    with pytest.raises(TypeError):
+        Sampler(PidEngine, stepp=2, remote_group="pair")
+    mesh = DeviceMesh.from_sizes(dp_size=2)
+    with tw.create_sampler(PidEngine, step=2, device_mesh=mesh, remote_group="pair") as s:
+        assert isinstance(s, RemoteSampler) and "PidEngine" in repr(s)
+        # what the engine's info says, read from a replica: the fields it declares are honoured, others refused
+        assert s.engine_name == "pid" and "temperature" in s.supported_params
+        with pytest.raises(UnsupportedFeatureError, match="top_p"):
+            s.sample(inputs[0], {"top_p": 0.5})
+        out = s.sample(inputs, {"max_tokens": 3, "temperature": 0.5})
+        assert [r.sequences[0].tokens for r in out] == expected
+        # each replica's engine is told where it runs, and gets a one-replica mesh
+        served = {r.sequences[0].text for r in out}
+        assert {t.split(":", 1)[1] for t in served} == {"0:1", "1:1"}
+        assert {int(t.split(":")[0]) for t in served} == {r.pid for r in s.replicas}
+
+
 def test_work_is_balanced_across_replicas_and_order_kept(cluster):
     with EchoEngine(device_mesh=DeviceMesh.from_sizes(dp_size=3), remote_group="aux") as s:
         pids = {r.pid for r in s.replicas}

@@ -16,7 +16,7 @@ import click
 
 from twinkle_core.data_format import InputFeature, SamplingParams, Trajectory
 from twinkle_core.errors import TwinkleError
-from twinkle_core.factory import get_sampler_class, list_samplers, load_config
+from twinkle_core.factory import build_sampler, get_sampler_class, list_samplers, load_config
 
 __all__ = ["cli", "main", "sampling_options"]
 
@@ -44,7 +44,7 @@ def _build_sampler(engine_cls: Any, config: dict[str, Any], model_id: str | None
         config["model_id"] = DEFAULT_MODEL
     if template is not None:
         config["template"] = template
-    return engine_cls(**config)
+    return build_sampler(engine_cls, **config)
 
 
 @click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})

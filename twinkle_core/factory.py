@@ -9,6 +9,7 @@ from typing import Any
 
 import attrs
 
+from twinkle_core.engine import Engine
 from twinkle_core.errors import ConfigError, PluginLoadError
 from twinkle_core.plugins.engines import INSTALL_HINTS, sampler_registry
 from twinkle_core.sampler import Sampler
@@ -16,6 +17,7 @@ from twinkle_core.sampler import Sampler
 __all__ = [
     "INSTALL_HINTS",
     "SamplerInfo",
+    "build_sampler",
     "create_sampler",
     "get_sampler_class",
     "list_samplers",
@@ -36,8 +38,12 @@ def register_sampler(name: str, target: Any = None, *, replace: bool = False) ->
     return sampler_registry.register(name, target, replace=replace)
 
 
-def get_sampler_class(name: str) -> type[Sampler]:
+def get_sampler_class(name: str) -> type[Sampler] | type[Engine]:
     """Resolve an engine name (or ``"pkg.module:Class"``) to its class.
+
+    The class is a :class:`twinkle_core.engine.Engine` (which
+    :func:`build_sampler` wraps in a ``Sampler``) or, for an engine written
+    the older way, a ``Sampler`` subclass.
 
     Raises:
         UnknownSamplerError: no such engine (did-you-mean, available names, install hint).
@@ -45,9 +51,23 @@ def get_sampler_class(name: str) -> type[Sampler]:
         PluginLoadError: the engine failed to import (cause chained).
     """
     cls = sampler_registry.get(name)
-    if not (isinstance(cls, type) and issubclass(cls, Sampler)):
-        raise PluginLoadError(f"Sampler {name!r} resolved to {cls!r}, which is not a twinkle Sampler subclass.")
+    if not (isinstance(cls, type) and issubclass(cls, (Sampler, Engine))):
+        raise PluginLoadError(
+            f"Sampler {name!r} resolved to {cls!r}, which is not a twinkle Sampler subclass nor a"
+            " twinkle_core.engine.Engine."
+        )
     return cls
+
+
+def build_sampler(engine: type[Sampler] | type[Engine], /, *args: Any, **kwargs: Any) -> Sampler:
+    """The sampler of an engine class: ``Sampler(engine, ...)`` for an ``Engine``, else ``engine(...)``.
+
+    ``remote_group=`` works either way (the engine then runs as Ray replicas).
+    """
+    if isinstance(engine, type) and issubclass(engine, Engine):
+        return Sampler(engine, *args, **kwargs)
+    sampler: Sampler = engine(*args, **kwargs)
+    return sampler
 
 
 @attrs.frozen
@@ -135,13 +155,13 @@ def _is_config_path(value: str) -> bool:
 
 
 def create_sampler(
-    name_or_config: str | dict[str, Any] | type[Sampler], model_id: Any = None, /, **kwargs: Any
+    name_or_config: str | dict[str, Any] | type[Sampler] | type[Engine], model_id: Any = None, /, **kwargs: Any
 ) -> Sampler:
     """Build an engine chosen by a string, a config mapping or a config file.
 
     Args:
         name_or_config: an engine name (``"vllm"``), a ``"pkg.module:Class"``
-            path, a ``Sampler`` subclass, a mapping with a ``"sampler"`` key
+            path, an ``Engine`` or ``Sampler`` subclass, a mapping with a ``"sampler"`` key
             (the other keys are constructor arguments), or the path of a YAML
             or JSON file holding such a mapping.
         model_id: the model, as a second positional argument
@@ -175,5 +195,4 @@ def create_sampler(
     else:
         name = name_or_config
     cls = name if isinstance(name, type) else get_sampler_class(name)
-    sampler: Sampler = cls(**kwargs)
-    return sampler
+    return build_sampler(cls, **kwargs)

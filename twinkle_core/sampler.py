@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import threading
-from abc import ABC, ABCMeta, abstractmethod
+from abc import ABC, ABCMeta
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,6 +35,7 @@ from twinkle_core.data_format import (
     training_feature,
 )
 from twinkle_core.data_format.params import resolve_params
+from twinkle_core.engine import Engine, EngineContext, EngineInfo, run_in_batches
 from twinkle_core.errors import (
     ConfigError,
     EngineDeadError,
@@ -196,6 +197,79 @@ class AppliedWithError(Exception):
         self.error = error
 
 
+def _check_hooks(cls: type[Sampler]) -> None:
+    """An engine written as a ``Sampler`` subclass must define its two required hooks (as ABC did)."""
+    missing = []
+    if cls.max_model_len is Sampler.max_model_len:
+        missing.append("max_model_len")
+    if cls._generate is Sampler._generate and cls._run is Sampler._run:
+        missing.append("_generate (or _run)")
+    if missing:
+        raise TypeError(
+            f"Can't instantiate {cls.__name__}: it does not define {' and '.join(missing)}. Write the engine as a"
+            " twinkle_core.engine.Engine and build Sampler(YourEngine, ...) instead."
+        )
+
+
+class _Context(EngineContext):
+    """What the engine held by a ``Sampler`` may use of it (see :class:`twinkle_core.engine.EngineContext`)."""
+
+    def __init__(self, sampler: Sampler) -> None:
+        self._sampler = sampler
+
+    def init_template(self, template: Any, model_dir: Any = None, *, tokenizer: Any = None) -> None:
+        self._sampler._init_template(template, model_dir, tokenizer=tokenizer)
+
+    @property
+    def template(self) -> Template:
+        return self._sampler.template
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._sampler.tokenizer
+
+    @property
+    def weights_version(self) -> int:
+        return self._sampler.weights_version
+
+    def make_sequence(
+        self,
+        prompt_ids: list[int],
+        tokens: list[int],
+        *,
+        stop_reason: str,
+        adapter_name: str,
+        text: str | None = None,
+        stop: str | int | None = None,
+        logprobs: list[float] | None = None,
+        top_logprobs: Any = None,
+        sampling_mask: SamplingMask | None = None,
+    ) -> SampledSequence:
+        return self._sampler._make_sequence(
+            prompt_ids,
+            tokens,
+            stop_reason=stop_reason,
+            adapter_name=adapter_name,
+            text=text,
+            stop=stop,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            sampling_mask=sampling_mask,
+        )
+
+    def exclusive(self) -> Any:
+        return self._sampler._exclusive()
+
+    def restore_version(self, version: int) -> None:
+        self._sampler._restore_version(version)
+
+    @property
+    def placement(self) -> Any:
+        from twinkle_core.remote._host import current_replica
+
+        return current_replica()
+
+
 class Sampler(ABC, metaclass=SamplerMeta):
     """Generates completions from a language model. Engines subclass it.
 
@@ -308,7 +382,8 @@ class Sampler(ABC, metaclass=SamplerMeta):
     #: Whether ``_generate`` may run in several threads at once.
     concurrent_samples: ClassVar[bool] = False
 
-    def __init__(self) -> None:
+    def __init__(self, engine: type[Engine] | None = None, /, *args: Any, **kwargs: Any) -> None:
+        self._held_engine: Engine | None = None
         self._template: Template | None = None
         self._tokenizer: Any = None
         self._adapters: dict[str, AdapterInfo] = {}
@@ -325,23 +400,64 @@ class Sampler(ABC, metaclass=SamplerMeta):
         # Calls in flight, for abort_all() and the in_flight policies of state changes.
         self._live: set[CallFeed] = set()
         self._live_lock = threading.Lock()
+        if engine is None:
+            if args or kwargs or type(self) is Sampler:
+                raise TypeError(
+                    "Sampler(engine, *args, **kwargs) needs an engine class (a twinkle_core.engine.Engine subclass)"
+                    " first; pick one by name with twinkle_core.create_sampler(name, ...)."
+                )
+            _check_hooks(type(self))
+            return
+        if not (isinstance(engine, type) and issubclass(engine, Engine)):
+            raise ConfigError(
+                f"Sampler(engine=...) got {engine!r}: expected a twinkle_core.engine.Engine subclass, which the"
+                " sampler builds as engine(context, *args, **kwargs)."
+            )
+        self._closed = True  # until the engine is built: nothing to close if its constructor fails
+        built = engine(_Context(self), *args, **kwargs)
+        info = getattr(built, "info", None)
+        if not isinstance(info, EngineInfo):
+            built.close()
+            raise ConfigError(
+                f"{engine.__name__} did not set self.info to an EngineInfo in its constructor (got {info!r})."
+            )
+        self._held_engine = built
+        self._closed = False
+        self.engine_name = info.name
+        self.supported_params = info.supported_params  # type: ignore[misc]
+        self.concurrent_samples = info.concurrent  # type: ignore[misc]
+
+    def __repr__(self) -> str:
+        if self._held_engine is None:
+            return super().__repr__()
+        return f"Sampler({self._held_engine!r})"
+
+    @property
+    def engine(self) -> Engine | None:
+        """The engine this sampler runs (``None`` for an engine written as a ``Sampler`` subclass)."""
+        return self._held_engine
 
     # -- engine hooks ------------------------------------------------------------------
+    # With an engine object each hook calls the engine's method of the same meaning; an engine
+    # written as a subclass overrides them instead.
     @property
-    @abstractmethod
     def max_model_len(self) -> int:
         """The longest sequence (prompt + completion) the engine accepts, in tokens."""
+        if self._held_engine is None:
+            raise NotImplementedError(f"{type(self).__name__} does not define max_model_len.")
+        return self._held_engine.info.max_model_len
 
     @property
     def vocab_size(self) -> int | None:
         """Number of token ids the model accepts (``None``: unchecked)."""
-        return None
+        return None if self._held_engine is None else self._held_engine.info.vocab_size
 
     def _max_prompt_len(self, params: SamplingParams) -> int:
         """The longest prompt accepted for ``params`` (room for one generated token when generating)."""
+        if self._held_engine is not None:
+            return self._held_engine.max_prompt_len(params)
         return self.max_model_len - (1 if params.max_tokens > 0 else 0)
 
-    @abstractmethod
     def _generate(self, prompts: list[InputFeature], params: SamplingParams, adapter_name: str) -> list[SampleResponse]:
         """Generate for already-validated prompts: one response per prompt, in order.
 
@@ -349,31 +465,42 @@ class Sampler(ABC, metaclass=SamplerMeta):
         response holds ``params.num_samples`` sequences built with
         :meth:`_make_sequence`.
         """
+        raise NotImplementedError(f"{type(self).__name__} defines neither _generate nor _run.")
 
     def _load_adapter(self, adapter: AdapterInput, *, version: int, **kwargs: Any) -> str:
         """Load (or replace) ``adapter`` (read and checked by the core); return its source. Lock held exclusively."""
+        if self._held_engine is not None:
+            return self._held_engine.load_adapter(adapter, version=version, **kwargs)
         raise UnsupportedFeatureError(f"The {self._label()} engine has no LoRA support.")
 
     def _remove_adapter(self, name: str) -> None:
         """Unload a LoRA adapter. Lock held exclusively."""
+        if self._held_engine is not None:
+            return self._held_engine.remove_adapter(name)
         raise UnsupportedFeatureError(f"The {self._label()} engine has no LoRA support.")
 
     def _update_weights(self, named_tensors: list[tuple[str, Any]], *, version: int) -> None:
         """Validate then apply new base weights (all or nothing). Lock held exclusively."""
+        if self._held_engine is not None:
+            return self._held_engine.update_weights(named_tensors, version=version)
         raise UnsupportedFeatureError(f"The {self._label()} engine cannot update weights.")
 
     def _close(self) -> None:
         """Release the engine's resources. Called once, by ``close()``."""
+        if self._held_engine is not None:
+            self._held_engine.close()
 
     def _after_engine_death(self, error: EngineDeadError) -> BaseException:
         """Called with no lock held when a run raised ``EngineDeadError``; returns what the call raises.
 
         An engine that can restart itself does it here (it may take ``_exclusive()``).
         """
-        return error
+        return error if self._held_engine is None else self._held_engine.after_death(error)
 
     def _on_template_changed(self) -> None:
         """Called after ``set_template``, lock held exclusively (engines caching template data override it)."""
+        if self._held_engine is not None:
+            self._held_engine.template_changed()
 
     def _label(self) -> str:
         return self.engine_name or type(self).__name__
@@ -1113,20 +1240,10 @@ class Sampler(ABC, metaclass=SamplerMeta):
         return SampleResponse(prompt_token_ids=list(prompt.input_ids), sequences=empty)
 
     def _run(self, run: EngineRun) -> list[SampleResponse]:
-        """Generate one run (see ``EngineRun``); the default calls ``_generate`` (no early stop, no streaming)."""
-        budgets = run.max_tokens
-        if len(set(budgets)) <= 1:
-            return self._generate(run.prompts, run.params.replace(max_tokens=budgets[0]), run.adapter_name)
-        # continuations with different budgets: one _generate per budget
-        out: list[SampleResponse | None] = [None] * len(run.prompts)
-        for budget in sorted(set(budgets)):
-            picked = [k for k, b in enumerate(budgets) if b == budget]
-            got = self._generate(
-                [run.prompts[k] for k in picked], run.params.replace(max_tokens=budget), run.adapter_name
-            )
-            for k, response in zip(picked, got):
-                out[k] = response
-        return out  # type: ignore[return-value]
+        """Generate one run (see ``EngineRun``): the engine's ``run``, else ``_generate`` (no early stop)."""
+        if self._held_engine is not None:
+            return self._held_engine.run(run)
+        return run_in_batches(run, self._generate)
 
     def _encode_checked(self, item: InputFeature | Trajectory, index: int) -> InputFeature:
         """``encode``, with any failure of the template or tokenizer as a typed error naming the input."""

@@ -146,6 +146,7 @@ class ReplicaHost:
                 max_model_len=self._target.max_model_len,
                 vocab_size=self._target.vocab_size,
                 engine_name=self._target.engine_name,
+                supported_params=sorted(self._target.supported_params),
                 weights_version=self._target.weights_version,
             )
         return info

@@ -70,10 +70,22 @@ def split_mesh(
     ``DeviceMesh(dp_size=1, tp_size=mesh.tp_size)`` in its place; otherwise
     ``device_mesh`` is only the layout and is not passed on.
     """
+    from twinkle_core.engine import Engine
+
+    if args and isinstance(args[0], type) and issubclass(args[0], Engine):
+        # ``Sampler(SomeEngine, ...)``: the arguments are the engine's, after its context
+        mesh, engine_args, engine_kwargs = _split_by(args[0].__init__, 2, args[1:], kwargs)
+        return mesh, (args[0], *engine_args), engine_kwargs
+    # the class's own __init__, not the metaclass's __call__ that inspect.signature(cls) would give
+    return _split_by(cls.__init__, 1, args, kwargs)  # type: ignore[misc]
+
+
+def _split_by(
+    init: Any, skip: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[DeviceMesh, tuple[Any, ...], dict[str, Any]]:
     try:
-        # the class's own __init__, not the metaclass's __call__ that inspect.signature(cls) would give
-        sig = inspect.signature(cls.__init__)  # type: ignore[misc]
-        params = list(sig.parameters.values())[1:]  # drop self
+        sig = inspect.signature(init)
+        params = list(sig.parameters.values())[skip:]  # drop self (and an engine's context)
         sig = sig.replace(parameters=params)
     except (TypeError, ValueError):  # no introspectable signature: pass arguments through
         kwargs = dict(kwargs)

@@ -91,6 +91,8 @@ class RemoteSampler(ReplicaViews, Sampler):
     ) -> None:
         super().__init__()
         self.engine_class = engine_class
+        # ``Sampler(SomeEngine, ...)``: the engine object's class names it; its info comes from a replica.
+        held = args[0] if engine_class is Sampler and args and isinstance(args[0], type) else None
         self.engine_name = engine_class.engine_name
         self.supported_params = engine_class.supported_params  # type: ignore[misc]
         self.device_mesh = mesh
@@ -103,7 +105,8 @@ class RemoteSampler(ReplicaViews, Sampler):
         self._template_fetch = threading.Lock()
         self._chars = 0
         self._tokens = 0
-        label = f"{engine_class.__name__} on group {placed.name!r}"
+        self._engine_label = (held or engine_class).__name__
+        label = f"{self._engine_label} on group {placed.name!r}"
         self._pool = ReplicaPool(
             engine_class,
             args,
@@ -120,13 +123,16 @@ class RemoteSampler(ReplicaViews, Sampler):
         info = self._pool.first_info()
         self._max_model_len: int = info["max_model_len"]
         self._vocab_size: int | None = info.get("vocab_size")
+        if held is not None:
+            self.engine_name = info.get("engine_name", "")
+            self.supported_params = frozenset(info.get("supported_params", ()))  # type: ignore[misc]
         self._restore_version(info.get("weights_version", 0))
         register_owner(self)
 
     def __repr__(self) -> str:
         m = self.device_mesh
         return (
-            f"RemoteSampler({self.engine_class.__name__}, group={self.group.name!r}, dp_size={m.dp_size},"
+            f"RemoteSampler({self._engine_label}, group={self.group.name!r}, dp_size={m.dp_size},"
             f" tp_size={m.tp_size}, replicas in service={len(self._pool.alive())})"
         )
 

@@ -597,11 +597,11 @@ class SamplerContractTests:
     # Kept in one block at the end so the suite's other additions merge cleanly.
     def _needs_mask(self, sampler: Sampler) -> None:
         if "return_sampling_mask" not in sampler.supported_params:
-            pytest.skip(f"{type(sampler).__name__} does not declare return_sampling_mask")
+            pytest.skip(f"the {_label(sampler)} engine does not declare return_sampling_mask")
 
     def test_sampling_mask_refused_unless_declared(self, sampler: Sampler) -> None:
         if "return_sampling_mask" in sampler.supported_params:
-            pytest.skip(f"{type(sampler).__name__} declares return_sampling_mask")
+            pytest.skip(f"the {_label(sampler)} engine declares return_sampling_mask")
         with pytest.raises(UnsupportedFeatureError, match="return_sampling_mask"):
             sampler.sample(_traj(0), _greedy(max_tokens=2, return_sampling_mask=True))
         self.assert_still_works(sampler)
@@ -636,3 +636,7 @@ class SamplerContractTests:
         masked = sampler.sample(_traj(1), params.replace(return_sampling_mask=True))[0].sequences
         assert [s.tokens for s in plain] == [s.tokens for s in masked]
         assert all(s.sampling_mask is None for s in plain)
+
+
+def _label(sampler: Sampler) -> str:
+    return sampler.engine_name or type(sampler).__name__

@@ -38,6 +38,6 @@ def echo_engine() -> Iterator[None]:
     if "echo" in [i.name for i in list_samplers()]:
         yield
         return
-    register_sampler("echo", "twinkle_echo.engine:EchoSampler")
+    register_sampler("echo", "twinkle_echo.engine:EchoEngine")
     yield
     sampler_registry.unregister("echo")

@@ -15,17 +15,19 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["EchoModel", "EchoSampler", "EchoTokenizer", "__version__"]
+__all__ = ["EchoEngine", "EchoModel", "EchoSampler", "EchoTokenizer", "__version__"]
 
 _LAZY = {
-    "EchoSampler": "twinkle_echo.engine",
+    "EchoEngine": "twinkle_echo.engine",
+    "EchoSampler": "twinkle_echo.sampler",
     "EchoModel": "twinkle_echo.model",
     "EchoTokenizer": "twinkle_echo.tokenizer",
 }
 
 if TYPE_CHECKING:
-    from twinkle_echo.engine import EchoSampler
+    from twinkle_echo.engine import EchoEngine
     from twinkle_echo.model import EchoModel
+    from twinkle_echo.sampler import EchoSampler
     from twinkle_echo.tokenizer import EchoTokenizer
 
 

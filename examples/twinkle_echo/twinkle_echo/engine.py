@@ -1,8 +1,10 @@
-"""``EchoSampler``: a complete twinkle engine around the pure-Python toy model.
+"""``EchoEngine``: a complete twinkle engine around the pure-Python toy model.
 
 Everything a user calls (``sample``, input checks, errors, versions) comes
-from :class:`twinkle_core.Sampler`. This module only supplies the hooks: the
-context window, the vocabulary size and ``_generate``, the decoding loop.
+from the :class:`twinkle_core.Sampler` that holds the engine. This module only
+supplies what :mod:`twinkle_core.engine` asks of an engine: an ``EngineInfo``
+(name, context window, vocabulary, the fields it honours) and ``generate``,
+the decoding loop. ``twinkle_echo.EchoSampler(...)`` is ``Sampler(EchoEngine, ...)``.
 """
 
 from __future__ import annotations
@@ -10,26 +12,38 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from twinkle_core import InputFeature, SampledSequence, Sampler, SampleResponse, SamplingParams
-from twinkle_core.data_format import TopLogprobs
+from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams, TopLogprobs
+from twinkle_core.engine import BatchEngine, EngineContext, EngineInfo
 from twinkle_core.errors import ConfigError
 from twinkle_echo.model import EchoModel
 from twinkle_echo.processing import choose, log_softmax, top_alternatives
 from twinkle_echo.tokenizer import NUM_BYTES, SPECIAL_TOKENS, EchoTokenizer
 
-__all__ = ["EchoSampler"]
+__all__ = ["SUPPORTED_PARAMS", "EchoEngine"]
+
+# Listed by name, never derived from SamplingParams: a field added later is refused until honoured here.
+SUPPORTED_PARAMS = frozenset(
+    {
+        "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
+        "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logprobs_mode", "num_samples",
+    }
+)  # fmt: skip
 
 
 def _check_int(name: str, value: Any, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"EchoSampler {name}={value!r} is invalid: expected an integer >= {minimum}.")
+        raise ConfigError(f"EchoEngine {name}={value!r} is invalid: expected an integer >= {minimum}.")
     return value
 
 
-class EchoSampler(Sampler):
+class EchoEngine(BatchEngine):
     """A deterministic toy engine: echoes the latest user message, honours every sampling option.
 
+    Built by the sampler that holds it: ``Sampler(EchoEngine, model_id, ...)``
+    or ``create_sampler("echo", ...)`` (the sampler passes ``context``).
+
     Args:
+        context: what the engine may use of its sampler (the template, building sequences).
         model_id: a label for the "model"; it is mixed into the seed, so two
             ids behave like two different models. ``None`` is the default model.
         vocab_size: token ids the model knows (bytes, ChatML specials, then
@@ -56,19 +70,9 @@ class EchoSampler(Sampler):
       no sampling processors apply to them).
     """
 
-    engine_name = "echo"
-    # Listed by name, never derived from SamplingParams: a field added later is refused until honoured here.
-    supported_params = frozenset(
-        {
-            "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
-            "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logprobs_mode", "num_samples",
-        }
-    )  # fmt: skip
-    #: Pure Python with no shared mutable state: calls may run in parallel threads.
-    concurrent_samples = True
-
     def __init__(
         self,
+        context: EngineContext,
         model_id: str | None = None,
         *,
         vocab_size: int = 300,
@@ -76,37 +80,34 @@ class EchoSampler(Sampler):
         seed: int = 0,
         template: Any = None,
     ) -> None:
-        super().__init__()
+        super().__init__(context)
         if model_id is not None and not isinstance(model_id, str):
-            raise ConfigError(f"EchoSampler model_id={model_id!r} is invalid: expected a string or None.")
+            raise ConfigError(f"EchoEngine model_id={model_id!r} is invalid: expected a string or None.")
         _check_int("vocab_size", vocab_size, NUM_BYTES + len(SPECIAL_TOKENS))
-        self._max_model_len = _check_int("max_model_len", max_model_len, 2)
+        _check_int("max_model_len", max_model_len, 2)
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ConfigError(f"EchoSampler seed={seed!r} is invalid: expected an integer.")
+            raise ConfigError(f"EchoEngine seed={seed!r} is invalid: expected an integer.")
         self.model_id = model_id
-        self._vocab_size = vocab_size
         self._model = EchoModel(vocab_size, seed=seed, name=model_id or "")
-        # A real engine passes its model folder and the base loads the tokenizer.
-        self._init_template(template, tokenizer=EchoTokenizer(vocab_size))
+        # A real engine passes its model folder and the sampler loads the tokenizer.
+        context.init_template(template, tokenizer=EchoTokenizer(vocab_size))
+        # Pure Python with no shared mutable state: runs may go on in parallel threads.
+        self.info = EngineInfo(
+            name="echo",
+            max_model_len=max_model_len,
+            vocab_size=vocab_size,
+            supported_params=SUPPORTED_PARAMS,
+            concurrent=True,
+        )
 
     def __repr__(self) -> str:
         return (
-            f"EchoSampler(model_id={self.model_id!r}, vocab_size={self._vocab_size},"
-            f" max_model_len={self._max_model_len})"
+            f"EchoEngine(model_id={self.model_id!r}, vocab_size={self.info.vocab_size},"
+            f" max_model_len={self.info.max_model_len})"
         )
 
-    # -- engine hooks ------------------------------------------------------------------
-    @property
-    def max_model_len(self) -> int:
-        """The longest prompt + completion, in tokens."""
-        return self._max_model_len
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of token ids the model accepts."""
-        return self._vocab_size
-
-    def _generate(self, prompts: list[InputFeature], params: SamplingParams, adapter_name: str) -> list[SampleResponse]:
+    # -- the one method an engine must have (BatchEngine turns runs into these calls) -----
+    def generate(self, prompts: list[InputFeature], params: SamplingParams, adapter_name: str) -> list[SampleResponse]:
         responses = []
         for prompt in prompts:
             ids = list(prompt.input_ids)
@@ -127,8 +128,9 @@ class EchoSampler(Sampler):
         """Decode one completion: sample ``index`` of its request."""
         # A string seed: random.Random(int) would give seeds -s and s one stream.
         rng = random.Random(f"{params.seed + index}") if params.seed is not None else random.Random()
-        budget = min(params.max_tokens, self.max_model_len - len(prompt))
-        eos = self.template.eos_token_id
+        template = self.context.template
+        budget = min(params.max_tokens, self.info.max_model_len - len(prompt))
+        eos = template.eos_token_id
         stop_ids = frozenset(params.stop_token_ids)
         context = list(prompt)
         tokens: list[int] = []
@@ -146,14 +148,14 @@ class EchoSampler(Sampler):
             if top is not None and params.logprobs:
                 top.append(top_alternatives(choice.logprobs, params.logprobs))
             if (token == eos and not params.ignore_eos) or token in stop_ids:
-                stop, text = token, self.template.decode(tokens[:-1])
+                stop, text = token, template.decode(tokens[:-1])
                 break
             if params.stop:
-                matched = self._find_stop(self.template.decode(tokens), params.stop)
+                matched = self._find_stop(template.decode(tokens), params.stop)
                 if matched is not None:
                     stop, text = matched
                     break
-        return self._make_sequence(
+        return self.context.make_sequence(
             prompt,
             tokens,
             stop_reason="length" if stop is None else "stop",

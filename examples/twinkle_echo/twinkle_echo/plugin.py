@@ -18,5 +18,5 @@ __all__ = ["register_samplers"]
 
 @hookimpl
 def register_samplers(register: Callable[[str, Any], None]) -> None:
-    """Register ``echo`` -> :class:`twinkle_echo.engine.EchoSampler`."""
-    register("echo", "twinkle_echo.engine:EchoSampler")
+    """Register ``echo`` -> :class:`twinkle_echo.engine.EchoEngine`."""
+    register("echo", "twinkle_echo.engine:EchoEngine")

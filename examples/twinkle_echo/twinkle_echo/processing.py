@@ -23,7 +23,7 @@ import math
 import random
 from collections.abc import Iterable, Sequence
 
-from twinkle_core import SamplingParams
+from twinkle_core.data_format import SamplingParams
 
 __all__ = ["NEG_INF", "Choice", "choose", "log_softmax", "ranked", "top_alternatives"]
 
