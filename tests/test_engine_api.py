@@ -470,3 +470,29 @@ def test_an_engine_object_gets_the_same_checks_locking_and_state_as_a_subclass()
         s.set_template(Template(s.tokenizer))
         assert calls == ["update ['w'] -> v1", "template"]
     assert calls[-1] == "close" and s.closed
+
+
+# -- the plugin guide documents the contract it ships ----------------------------------------------
+def _guide_table(heading: str) -> set[str]:
+    """The names in the first column of the table under ``heading`` in docs/writing-a-plugin.md."""
+    text = (ROOT / "docs" / "writing-a-plugin.md").read_text()
+    assert heading in text, f"docs/writing-a-plugin.md has no {heading!r} section"
+    section = text.split(heading, 1)[1].split("\n#", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    return {re.match(r"\| `([a-z_A-Z]+)", row).group(1) for row in rows}  # type: ignore[union-attr]
+
+
+def test_the_plugin_guide_documents_exactly_what_the_engine_module_exports() -> None:
+    import twinkle_core.engine as contract
+
+    assert _guide_table("### The contract: `twinkle_core.engine`") == set(contract.__all__)
+    engine_methods = {n for n, v in vars(contract.Engine).items() if callable(v) and not n.startswith("_")}
+    assert _guide_table("### `Engine`: what you implement") == engine_methods
+    context_members = {n for n in vars(contract.EngineContext) if not n.startswith("_")}
+    assert _guide_table("### `EngineContext`: what you may use") == context_members
+    # the echo example follows the page: an Engine object, registered by its class path
+    guide = (ROOT / "docs" / "writing-a-plugin.md").read_text()
+    assert 'register("echo", "twinkle_echo.engine:EchoEngine")' in guide
+    echo = ast.parse((ROOT / "examples" / "twinkle_echo" / "twinkle_echo" / "engine.py").read_text())
+    bases = {n.name: [getattr(b, "id", "") for b in n.bases] for n in ast.walk(echo) if isinstance(n, ast.ClassDef)}
+    assert bases["EchoEngine"] == ["BatchEngine"]

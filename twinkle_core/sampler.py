@@ -1,7 +1,9 @@
-"""The ``Sampler`` spec every engine implements, and the input handling they share.
+"""The ``Sampler`` users hold, around an engine, and the input handling every engine shares.
 
-Engines subclass :class:`Sampler`, implement the hooks of its "Engine API"
-block and call only the helpers listed there. Everything a user calls
+An engine is a :class:`twinkle_core.engine.Engine` object, built by
+``Sampler(EngineClass, *args, **kwargs)``. Engines written the older way
+subclass :class:`Sampler`, implement the hooks of its "Engine API" block and
+call only the helpers listed there. Everything a user calls
 (``sample``, ``add_adapter_to_model``, ``update_weights``...) lives here, so
 input normalisation, validation, error messages, versioning and locking are
 the same for every engine.
@@ -271,7 +273,12 @@ class _Context(EngineContext):
 
 
 class Sampler(ABC, metaclass=SamplerMeta):
-    """Generates completions from a language model. Engines subclass it.
+    """Generates completions from a language model: ``Sampler(EngineClass, *args, **kwargs)``.
+
+    The engine (a :class:`twinkle_core.engine.Engine`) is built as
+    ``EngineClass(context, *args, **kwargs)``; ``create_sampler(name, ...)``
+    does this for a registered engine. An engine written as a subclass of
+    ``Sampler`` (the "Engine API" below) is built by its own constructor.
 
     Any engine built with ``remote_group="name"`` (after
     ``twinkle_core.initialize("ray", groups=[...])``) runs as
@@ -294,8 +301,9 @@ class Sampler(ABC, metaclass=SamplerMeta):
 
     Engine API
     ----------
-    An engine subclasses ``Sampler``, implements the hooks below and calls
-    only the helpers below; every other attribute of this class is private
+    The older way: an engine subclasses ``Sampler``, implements the hooks
+    below and calls only the helpers below (an ``Engine`` object has a method
+    of the same meaning for each hook; ``twinkle_core.engine``); every other attribute of this class is private
     to the core. ``tests/test_engine_api.py`` keeps this list and the code in step.
 
     Hooks (the engine implements or sets them):
