@@ -20,45 +20,46 @@ pytest_plugins = ["pytester"]
 #: Fakes of the torch engine, by name: each is a subclass body overriding one part.
 FAKES: dict[str, str] = {
     "update_validated_then_dropped": """
-    def _update_weights(self, named_tensors, *, version):
+    def update_weights(self, named_tensors, *, version):
         self._weights.check(named_tensors)
 """,
     "partial_update_dropped": """
-    def _update_weights(self, named_tensors, *, version):
+    def update_weights(self, named_tensors, *, version):
         if len(named_tensors) == len(BASE):
-            super()._update_weights(named_tensors, version=version)
+            super().update_weights(named_tensors, version=version)
 """,
     "full_update_dropped": """
-    def _update_weights(self, named_tensors, *, version):
+    def update_weights(self, named_tensors, *, version):
         if len(named_tensors) < len(BASE):
-            super()._update_weights(named_tensors, version=version)
+            super().update_weights(named_tensors, version=version)
 """,
     "one_name_dropped": """
-    def _update_weights(self, named_tensors, *, version):
+    def update_weights(self, named_tensors, *, version):
         kept = [(n, t) for n, t in named_tensors if n != 'model.layers.1.post_attention_layernorm.weight']
-        super()._update_weights(kept, version=version)
+        super().update_weights(kept, version=version)
 """,
     "adapter_never_applied": """
-    def _run(self, run):
-        self.asked, run.adapter_name = run.adapter_name, ''
-        return super()._run(run)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.context = Relabel(self.context, lambda seq: attrs.evolve(seq, adapter_name=self.asked))
 
-    def _make_sequence(self, *args, adapter_name, **kwargs):
-        return super()._make_sequence(*args, adapter_name=self.asked, **kwargs)
+    def run(self, run):
+        self.asked, run.adapter_name = run.adapter_name, ''
+        return super().run(run)
 """,
     "replaced_adapter_kept": """
-    def _load_adapter(self, adapter, *, version, **kwargs):
+    def load_adapter(self, adapter, *, version, **kwargs):
         if adapter.name in self._adapter_set.names:
             return 'kept'
-        return super()._load_adapter(adapter, version=version, **kwargs)
+        return super().load_adapter(adapter, version=version, **kwargs)
 """,
     "merge_left_in_on_removal": """
-    def _remove_adapter(self, name):
+    def remove_adapter(self, name):
         if self._merged.name == name:
-            from twinkle_core.merge import MergedLoRA
+            from twinkle_core.engine import MergedLoRA
             self._merged = MergedLoRA()
         else:
-            super()._remove_adapter(name)
+            super().remove_adapter(name)
 """,
     "adapters_mixed_in_a_batch": """
     def __init__(self, *args, **kwargs):
@@ -73,31 +74,48 @@ FAKES: dict[str, str] = {
         self._decoder.run = mixed
 """,
     "stale_version_label": """
-    def _make_sequence(self, *args, **kwargs):
-        kwargs['weights_version'] = max(0, self._weights_version - 1)
-        return super()._make_sequence(*args, **kwargs)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.context = Relabel(
+            self.context, lambda seq: attrs.evolve(seq, weights_version=max(0, seq.weights_version - 1))
+        )
 """,
 }
+
+#: A context whose sequences a fake relabels (what an engine that mislabels them does).
+RELABEL = """
+class Relabel:
+    def __init__(self, context, change):
+        self._context, self._change = context, change
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+    def make_sequence(self, *args, **kwargs):
+        return self._change(self._context.make_sequence(*args, **kwargs))
+"""
 
 
 def _module(model_dir: str) -> str:
     lines = [
         "import pytest",
         "from twinkle_core.testing.policy import PolicyContractTests, checkpoint_weights",
-        "from twinkle_torch.sampler import TorchSampler",
+        "import attrs",
+        "from twinkle_core import Sampler",
+        "from twinkle_torch.engine import TorchEngine",
         "",
         f"MODEL = {model_dir!r}",
         "BASE = checkpoint_weights(MODEL)",
         "",
         "",
         "class Suite(PolicyContractTests):",
-        "    engine = TorchSampler",
+        "    engine = TorchEngine",
         "    adapter_options = ({'merge': True},)",
         "",
         "    @pytest.fixture(scope='class')",
         "    @classmethod",
         "    def sampler(cls):",
-        "        with cls.engine(MODEL, device='cpu') as s:",
+        "        with Sampler(cls.engine, MODEL, device='cpu') as s:",
         "            yield s",
         "",
         "    @pytest.fixture(scope='class')",
@@ -108,9 +126,10 @@ def _module(model_dir: str) -> str:
         "",
         "class TestIntact(Suite):",
         "    pass",
+        *RELABEL.splitlines(),
     ]
     for name, body in FAKES.items():
-        lines += ["", "", f"class Fake_{name}(TorchSampler):", *body.strip("\n").splitlines()]
+        lines += ["", "", f"class Fake_{name}(TorchEngine):", *body.strip("\n").splitlines()]
         lines += ["", "", f"class TestFake_{name}(Suite):", f"    engine = Fake_{name}"]
     return "\n".join(lines) + "\n"
 

@@ -567,9 +567,9 @@ def test_an_engine_object_runs_as_replicas_like_a_sampler_subclass(cluster):
         assert local.engine_name == "pid" and local.engine.context.placement is None
     # a typo in the engine's own arguments fails in the driver, before any actor starts
     with pytest.raises(TypeError):
-        Sampler(PidEngine, stepp=2, remote_group="pair")
+        Sampler(PidEngine, stepp=2, remote_group="aux")
     mesh = DeviceMesh.from_sizes(dp_size=2)
-    with tw.create_sampler(PidEngine, step=2, device_mesh=mesh, remote_group="pair") as s:
+    with tw.create_sampler(PidEngine, step=2, device_mesh=mesh, remote_group="aux") as s:
         assert isinstance(s, RemoteSampler) and "PidEngine" in repr(s)
         # what the engine's info says, read from a replica: the fields it declares are honoured, others refused
         assert s.engine_name == "pid" and "temperature" in s.supported_params

@@ -152,7 +152,7 @@ def test_completions_route(client: Any, sampler: Any) -> None:
 
 
 def test_weights_version_follows_updates(client: Any, sampler: Any) -> None:
-    name, tensor = next(iter(sampler._model.state_dict().items()))
+    name, tensor = next(iter(sampler.model.state_dict().items()))
     before = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=4)
     version = sampler.update_weights({name: tensor.clone()})
     after = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi!"}], max_tokens=4)

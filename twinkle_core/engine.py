@@ -52,18 +52,24 @@ import attrs
 from twinkle_core.adapter_input import AdapterInput
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingMask, SamplingParams
 from twinkle_core.errors import ConfigError, EngineDeadError, UnsupportedFeatureError
+from twinkle_core.merge import MergedLoRA, check_merge_flag, lora_deltas
+from twinkle_core.mesh import DeviceMesh
 from twinkle_core.requests import EngineRun
-from twinkle_core.weights import check_update
+from twinkle_core.weights import TensorSpec, check_update
 
 __all__ = [
     "AdapterInput",
     "BatchEngine",
+    "DeviceMesh",
     "Engine",
     "EngineContext",
     "EngineInfo",
     "EngineRun",
+    "MergedLoRA",
+    "TensorSpec",
+    "check_merge_flag",
     "check_update",
-    "run_in_batches",
+    "lora_deltas",
 ]
 
 #: Fields every engine honours: the length of a completion and how many per prompt.
@@ -256,6 +262,8 @@ class BatchEngine(Engine):
 
 def run_in_batches(run: EngineRun, generate: Any) -> list[SampleResponse]:
     """Run ``run`` through a whole-batch ``generate(prompts, params, adapter_name)``, one call per budget.
+
+    What :meth:`BatchEngine.run` does; the sampler runs an engine written as a subclass through it too.
 
     Continued sequences of one run can have different budgets (``run.max_tokens``).
     """

@@ -1,6 +1,6 @@
 """Continuous batching: concurrent calls share one decode loop, and each still gets its solo result.
 
-What batching did is read from the decoder's counters (``TorchSampler._decoder.stats``):
+What batching did is read from the decoder's counters (``TorchEngine._decoder.stats``):
 decode forwards, the most rows one forward carried, rows that joined a running batch.
 """
 
@@ -33,7 +33,7 @@ def greedy(max_tokens: int, **kw: Any) -> SamplingParams:
 def fresh_stats(sampler: TorchSampler) -> DecoderStats:
     """Start the counters from zero (the loop reads ``stats`` at each step)."""
     stats = DecoderStats()
-    sampler._decoder.stats = stats
+    sampler.engine._decoder.stats = stats
     return stats
 
 

@@ -492,7 +492,7 @@ def test_cuda_out_of_memory_shrinks_the_batch(tiny_llama: Path, chat_prompts: li
         used = torch.cuda.memory_allocated()
         # leave room for the model and a few rows, not for 128 rows of 450 tokens
         torch.cuda.set_per_process_memory_fraction(min(1.0, (used + 48 * 2**20) / total))
-        stats = s._decoder.stats = DecoderStats()
+        stats = s.engine._decoder.stats = DecoderStats()
         try:
             out = s.sample(chat_prompts[:2], params)
         finally:

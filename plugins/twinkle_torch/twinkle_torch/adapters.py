@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from twinkle_core.adapter_input import AdapterInput
+from twinkle_core.engine import AdapterInput
 from twinkle_core.errors import AdapterError
 
 __all__ = ["AdapterSet"]

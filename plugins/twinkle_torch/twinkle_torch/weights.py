@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from twinkle_core.engine import TensorSpec, check_update
 from twinkle_core.errors import WeightUpdateError, did_you_mean
-from twinkle_core.weights import TensorSpec, check_update
 
 __all__ = ["WeightTable"]
 
