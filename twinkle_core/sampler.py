@@ -53,6 +53,7 @@ from twinkle_core.errors import (
     did_you_mean,
 )
 from twinkle_core.locks import ReadWriteLock
+from twinkle_core.placement import current_replica
 from twinkle_core.requests import IN_FLIGHT_POLICIES, CallFeed, EngineRun, Finished, SampleHandle
 from twinkle_core.template import Template, get_template, load_tokenizer
 from twinkle_core.weights import find_non_finite
@@ -267,8 +268,6 @@ class _Context(EngineContext):
 
     @property
     def placement(self) -> Any:
-        from twinkle_core.remote._host import current_replica
-
         return current_replica()
 
 

@@ -16,48 +16,16 @@ import traceback
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
-import attrs
-
+from twinkle_core import placement
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams, Trajectory
+from twinkle_core.placement import ReplicaContext, current_replica
 
 __all__ = ["ReplicaContext", "ReplicaHost", "current_replica"]
 
 
-@attrs.frozen(kw_only=True)
-class ReplicaContext:
-    """Where a replica runs; :func:`current_replica` returns it inside the actor.
-
-    Attributes:
-        index: the replica's index among its sampler's replicas.
-        num_replicas: how many replicas the sampler has (its ``dp_size``).
-        group: the device group's name.
-        device_type: ``"cuda"`` or ``"cpu"``.
-        tp_size: devices per replica.
-        bundle_indices: the replica's bundles in the group's placement group
-            (``tp_size`` of them); the actor itself sits in the first one.
-        placement_group: the group's Ray placement group; an engine with
-            ``tp_size > 1`` starts its tensor-parallel workers on
-            ``bundle_indices`` of it.
-    """
-
-    index: int
-    num_replicas: int
-    group: str
-    device_type: str
-    tp_size: int
-    bundle_indices: tuple[int, ...]
-    placement_group: Any = None
-
-
-_current: ReplicaContext | None = None
 #: How many aborts of shares not started yet a replica remembers (an abort can overtake its share).
 _EARLY_ABORTS_KEPT = 4096
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-def current_replica() -> ReplicaContext | None:
-    """Inside a replica's actor, where it runs; ``None`` anywhere else (the driver, local mode)."""
-    return _current
 
 
 def _rebuild_exception(cls: type[BaseException], args: tuple[Any, ...], state: dict[str, Any]) -> BaseException:
@@ -108,8 +76,7 @@ class ReplicaHost:
     def __init__(
         self, target_cls: type, args: tuple[Any, ...], kwargs: dict[str, Any], context: ReplicaContext
     ) -> None:
-        global _current
-        _current = context
+        placement.enter_replica(context)
         os.environ["TWINKLE_REPLICA_INDEX"] = str(context.index)
         if context.tp_size > 1:
             # vLLM's Ray executor places its tensor-parallel workers on these bundles.
