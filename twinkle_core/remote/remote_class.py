@@ -31,6 +31,7 @@ from twinkle_core.mesh import DeviceGroup, DeviceMesh
 from twinkle_core.remote._runtime import PlacedGroup, current_session, get_group, register_owner
 
 if TYPE_CHECKING:  # pragma: no cover
+    from twinkle_core.engine import Engine
     from twinkle_core.remote._pool import ReplicaInfo, ReplicaPool
 
 __all__ = ["DISPATCH_MODES", "RemoteObject", "dispatch", "remote_class"]
@@ -59,6 +60,18 @@ def _coerce_mesh(value: Any) -> DeviceMesh:
     )
 
 
+def held_engine(cls: type, args: tuple[Any, ...]) -> type[Engine] | None:
+    """The ``Engine`` class of a ``Sampler(SomeEngine, ...)`` call, or ``None`` (any other class or call)."""
+    from twinkle_core.engine import Engine
+    from twinkle_core.sampler import Sampler
+
+    if isinstance(cls, type) and issubclass(cls, Sampler) and args:
+        first = args[0]
+        if isinstance(first, type) and issubclass(first, Engine):
+            return first
+    return None
+
+
 def split_mesh(
     cls: type, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[DeviceMesh, tuple[Any, ...], dict[str, Any]]:
@@ -70,12 +83,11 @@ def split_mesh(
     ``DeviceMesh(dp_size=1, tp_size=mesh.tp_size)`` in its place; otherwise
     ``device_mesh`` is only the layout and is not passed on.
     """
-    from twinkle_core.engine import Engine
-
-    if args and isinstance(args[0], type) and issubclass(args[0], Engine):
+    engine = held_engine(cls, args)
+    if engine is not None:
         # ``Sampler(SomeEngine, ...)``: the arguments are the engine's, after its context
-        mesh, engine_args, engine_kwargs = _split_by(args[0].__init__, 2, args[1:], kwargs)
-        return mesh, (args[0], *engine_args), engine_kwargs
+        mesh, engine_args, engine_kwargs = _split_by(engine.__init__, 2, args[1:], kwargs)
+        return mesh, (engine, *engine_args), engine_kwargs
     # the class's own __init__, not the metaclass's __call__ that inspect.signature(cls) would give
     return _split_by(cls.__init__, 1, args, kwargs)  # type: ignore[misc]
 

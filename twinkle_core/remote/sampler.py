@@ -22,7 +22,7 @@ from twinkle_core.remote._balance import estimate_prompt_tokens, item_cost, spli
 from twinkle_core.remote._pool import Op, ReplicaPool, _Died, add_note
 from twinkle_core.remote._runtime import PlacedGroup, import_ray, register_owner
 from twinkle_core.remote.errors import ReplicaLostError
-from twinkle_core.remote.remote_class import ReplicaViews, build_object
+from twinkle_core.remote.remote_class import ReplicaViews, build_object, held_engine
 from twinkle_core.requests import CallFeed, EngineRun, Finished
 from twinkle_core.sampler import AppliedWithError, OnInvalid, Sampler
 from twinkle_core.template import Template
@@ -92,7 +92,7 @@ class RemoteSampler(ReplicaViews, Sampler):
         super().__init__()
         self.engine_class = engine_class
         # ``Sampler(SomeEngine, ...)``: the engine object's class names it; its info comes from a replica.
-        held = args[0] if engine_class is Sampler and args and isinstance(args[0], type) else None
+        held = held_engine(engine_class, args)
         self.engine_name = engine_class.engine_name
         self.supported_params = engine_class.supported_params  # type: ignore[misc]
         self.device_mesh = mesh
