@@ -54,9 +54,10 @@ def _model(name: str) -> Path:
 
 
 def _sampler(model: Path, caching: bool) -> Any:
-    from twinkle_vllm.sampler import vLLMSampler
+    from twinkle_core import Sampler
+    from twinkle_vllm.engine import vLLMEngine
 
-    class Recording(vLLMSampler):
+    class Recording(vLLMEngine):
         prompt_tokens = 0
         cached_tokens = 0
 
@@ -67,7 +68,7 @@ def _sampler(model: Path, caching: bool) -> Any:
             self.cached_tokens += int(out.num_cached_tokens or 0)
             return out
 
-    return Recording(model, engine_args={**ENGINE_ARGS, "enable_prefix_caching": caching})
+    return Sampler(Recording, model, engine_args={**ENGINE_ARGS, "enable_prefix_caching": caching})
 
 
 def run(sampler: Any, mode: str, steps: int, calls: int, system_repeats: int, samples: int) -> dict[str, float]:
@@ -76,7 +77,7 @@ def run(sampler: Any, mode: str, steps: int, calls: int, system_repeats: int, sa
 
     from twinkle_core import SamplingParams, Trajectory
 
-    state = load_file(str(Path(sampler.model_dir) / "model.safetensors"))
+    state = load_file(str(Path(sampler.engine.model_dir) / "model.safetensors"))
     system = SYSTEM * system_repeats
     prompts = [
         Trajectory(
@@ -87,11 +88,11 @@ def run(sampler: Any, mode: str, steps: int, calls: int, system_repeats: int, sa
     per_call = samples // calls
     params = SamplingParams(max_tokens=4, temperature=1.0, num_samples=per_call, ignore_eos=True, seed=0)
     times: list[float] = []
-    sampler.prompt_tokens = sampler.cached_tokens = 0
+    sampler.engine.prompt_tokens = sampler.engine.cached_tokens = 0
     for _ in range(steps):
         sampler.update_weights([(k, v) for k, v in state.items()], check_finite=False)
         if mode == "reset":  # the previous behaviour, emulated on this branch
-            sampler._loop.run(sampler._engine.reset_prefix_cache())
+            sampler.engine._loop.run(sampler.engine._engine.reset_prefix_cache())
         start = time.perf_counter()
         for _ in range(calls):
             sampler.sample(prompts, params)
@@ -99,7 +100,7 @@ def run(sampler: Any, mode: str, steps: int, calls: int, system_repeats: int, sa
     length = len(sampler.encode(prompts[0]).input_ids)
     return {
         "step_s": statistics.median(times[1:] or times),
-        "hit_share": sampler.cached_tokens / max(sampler.prompt_tokens, 1),
+        "hit_share": sampler.engine.cached_tokens / max(sampler.engine.prompt_tokens, 1),
         "prompt_len": length,
     }
 

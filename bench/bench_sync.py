@@ -87,7 +87,7 @@ def run(model_id: str, repeats: int, bucket_mib: int) -> dict[str, Any]:
         file = os.path.join(folder, "state.safetensors")
         save_file(state, file)
         try:
-            sampler._rpc("twinkle_bench_stage", file)
+            sampler.engine._rpc("twinkle_bench_stage", file)
             os.unlink(file)  # the worker holds its own copy; free the page cache
             for label, names in cases.items():
                 tensors = [(n, state[n]) for n in names]
@@ -99,7 +99,7 @@ def run(model_id: str, repeats: int, bucket_mib: int) -> dict[str, Any]:
                     "floor_worker": [],
                 }
                 sampler.update_weights(tensors)  # warm-up
-                sampler._rpc("twinkle_bench_reload", names)
+                sampler.engine._rpc("twinkle_bench_reload", names)
                 phases: dict[str, float] = {}
                 for _ in range(repeats):
                     t0 = time.perf_counter()
@@ -116,7 +116,7 @@ def run(model_id: str, repeats: int, bucket_mib: int) -> dict[str, Any]:
                     store.keep_weights = True
                     phases = sampler.last_sync_stats
                     t0 = time.perf_counter()
-                    inside = sampler._rpc("twinkle_bench_reload", names)[0]
+                    inside = sampler.engine._rpc("twinkle_bench_reload", names)[0]
                     times["floor"].append(time.perf_counter() - t0)
                     times["floor_worker"].append(float(inside))
                 pairs = [u / f for u, f in zip(times["update"], times["floor"])]

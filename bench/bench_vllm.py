@@ -152,7 +152,7 @@ def sync_child(model_id: str, repeats: int, bucket_mib: int = 0) -> dict[str, An
         reload_times = []
         for _ in range(max(repeats - 1, 1)):
             t0 = time.perf_counter()
-            sampler._rpc("reload_weights")
+            sampler.engine._rpc("reload_weights")
             reload_times.append(time.perf_counter() - t0)
         text = sampler.sample(
             {"messages": [{"role": "user", "content": "Hello!"}]}, {"max_tokens": 8, "temperature": 0}

@@ -169,6 +169,8 @@ def test_an_engine_object_imports_only_the_engine_contract() -> None:
     modules = _engine_object_modules()
     assert ROOT / "examples" / "twinkle_echo" / "twinkle_echo" / "engine.py" in modules
     assert ROOT / "plugins" / "twinkle_torch" / "twinkle_torch" / "decoding.py" in modules
+    assert ROOT / "plugins" / "twinkle_vllm" / "twinkle_vllm" / "engine.py" in modules
+    assert ROOT / "plugins" / "twinkle_vllm" / "twinkle_vllm" / "_weights.py" in modules
     offences = []
     for path, tree in modules.items():
         for node in ast.walk(tree):

@@ -1,10 +1,10 @@
-"""PEFT's per-module patterns, read the way PEFT reads them (twinkle_core.merge.peft_pattern_value)."""
+"""PEFT's per-module patterns, read the way PEFT reads them (twinkle_core.adapter_input.peft_pattern_value)."""
 
 from __future__ import annotations
 
 import pytest
 
-from twinkle_core.merge import peft_pattern_value
+from twinkle_core.adapter_input import peft_pattern_value
 
 MODULE = "model.layers.10.self_attn.v_proj"
 

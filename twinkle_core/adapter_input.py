@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ import attrs
 from twinkle_core.errors import AdapterError
 from twinkle_core.weights import find_non_finite, find_not_floating
 
-__all__ = ["MEMORY_SOURCE", "AdapterInput", "read_adapter"]
+__all__ = ["MEMORY_SOURCE", "AdapterInput", "peft_pattern_value", "read_adapter"]
 
 #: The source an adapter loaded from tensors in memory reports (``AdapterInfo.source``).
 MEMORY_SOURCE = "<memory>"
@@ -105,9 +106,25 @@ class AdapterInput:
             return str(Path(config_or_dir).expanduser())
         return MEMORY_SOURCE
 
+    def rank_of(self, module: str) -> Any:
+        """The LoRA rank of ``module`` (dotted, without PEFT's prefix): ``rank_pattern``'s, else ``r``."""
+        return peft_pattern_value(self.config.get("rank_pattern"), module, self.config.get("r"))
+
     def state_dict(self) -> dict[str, Any]:
         """The tensors as a dict by saved PEFT name."""
         return dict(self.tensors)
+
+
+def peft_pattern_value(patterns: Mapping[str, Any] | None, module: str, default: Any) -> Any:
+    """The value of ``module`` in a PEFT ``rank_pattern`` / ``alpha_pattern``, else ``default``.
+
+    As PEFT matches them: a key (a regular expression) matches the end of the
+    module's dotted name, starting at a dot; the first matching key wins.
+    """
+    for key, value in (patterns or {}).items():
+        if re.fullmatch(rf"(.*\.)?(?:{key})", module):
+            return value
+    return default
 
 
 def read_adapter(name: str, config_or_dir: Any, weights: Any = None, *, check_finite: bool = True) -> AdapterInput:

@@ -30,16 +30,16 @@ Torch is imported only when a merge is planned (tensors cannot exist without it)
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 
+from twinkle_core.adapter_input import peft_pattern_value
 from twinkle_core.errors import AdapterError, MergedAdapterError
 from twinkle_core.weights import find_non_finite, find_not_floating
 
-__all__ = ["MergePlan", "MergedLoRA", "check_merge_flag", "lora_deltas", "peft_pattern_value"]
+__all__ = ["MergePlan", "MergedLoRA", "check_merge_flag", "lora_deltas"]
 
 _PREFIXES = ("base_model.model.", "base_model.")
 _LORA_KINDS = ("lora_A", "lora_B")
@@ -73,18 +73,6 @@ def _module_of(name: str) -> tuple[str, str] | None:
             path = path[len(prefix) :]
             break
     return path, kind
-
-
-def peft_pattern_value(patterns: Mapping[str, Any] | None, module: str, default: Any) -> Any:
-    """The value of ``module`` in a PEFT ``rank_pattern`` / ``alpha_pattern``, else ``default``.
-
-    As PEFT matches them: a key (a regular expression) matches the end of the
-    module's dotted name, starting at a dot; the first matching key wins.
-    """
-    for key, value in (patterns or {}).items():
-        if re.fullmatch(rf"(.*\.)?(?:{key})", module):
-            return value
-    return default
 
 
 def lora_deltas(name: str, config: Mapping[str, Any], tensors: list[tuple[str, Any]]) -> dict[str, Any]:

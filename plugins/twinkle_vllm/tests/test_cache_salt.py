@@ -1,8 +1,8 @@
 """The prefix cache is keyed by weights version and adapter: hits within a version, none across.
 
 Observed through vLLM's own ``RequestOutput.num_cached_tokens`` (the prompt
-tokens served from the prefix cache), recorded by a subclass around the one
-coroutine that talks to the engine.
+tokens served from the prefix cache), recorded by a subclass of the engine around
+the one coroutine that talks to vLLM.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1)
 
 
 def _recording_sampler(model: Path) -> Any:
-    from twinkle_vllm.sampler import vLLMSampler
+    from twinkle_core import Sampler
+    from twinkle_vllm.engine import vLLMEngine
 
-    class Recording(vLLMSampler):
+    class Recording(vLLMEngine):
         cached: list[int]
 
         async def _request(self, *args: Any, **kwargs: Any) -> Any:
@@ -33,8 +34,8 @@ def _recording_sampler(model: Path) -> Any:
             self.cached.append(int(out.num_cached_tokens or 0))
             return out
 
-    s = Recording(model, engine_args=dict(TEST_ENGINE_ARGS))
-    s.cached = []
+    s = Sampler(Recording, model, engine_args=dict(TEST_ENGINE_ARGS))
+    s.engine.cached = []
     return s
 
 
@@ -52,9 +53,9 @@ def original(tiny_model: Path) -> dict[str, torch.Tensor]:
 
 
 def _cached(sampler: Any, prompt: InputFeature) -> int:
-    sampler.cached.clear()
+    sampler.engine.cached.clear()
     sampler.sample(prompt, ONE_TOKEN)
-    (n,) = sampler.cached
+    (n,) = sampler.engine.cached
     return n
 
 

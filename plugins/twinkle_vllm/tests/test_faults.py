@@ -124,7 +124,7 @@ def test_killed_engine_process_during_sample_is_a_typed_error_and_the_engine_com
     thread.start()
     started.wait()
     # The requests are in the engine once it reports them unfinished.
-    wait_for(lambda: sampler._engine.output_processor.get_num_unfinished_requests() > 0, "the requests to start")
+    wait_for(lambda: sampler.engine._engine.output_processor.get_num_unfinished_requests() > 0, "the requests to start")
     victims = engine_processes(os.getpid(), victim)
     assert victims
     for proc in victims:
@@ -148,7 +148,7 @@ def test_killed_worker_during_update_weights_changes_nothing(
     errors: list[BaseException] = []
     newer = perturbed_state(original, seed=11, swap=(state["first"] + 2, state["first"] + 3))
     # The workers stall before answering the first bucket: the update is surely in flight when killed.
-    sampler._debug_stall_next_sync(TIMEOUT_S * 4)
+    sampler.engine._debug_stall_next_sync(TIMEOUT_S * 4)
 
     def update() -> None:
         try:
@@ -209,8 +209,8 @@ def main():
     for p in [me, *procs]:
         paths |= {c.laddr for c in p.net_connections(kind="unix") if isinstance(c.laddr, str) and c.laddr}
         paths |= {m.path for m in p.memory_maps() if m.path.startswith("/dev/shm/")}
-    report = {"pids": [[p.pid, p.create_time()] for p in procs if p.pid != sampler._reaper.pid],
-              "paths": sorted(paths), "reaper": sampler._reaper.pid}
+    report = {"pids": [[p.pid, p.create_time()] for p in procs if p.pid != sampler.engine._reaper.pid],
+              "paths": sorted(paths), "reaper": sampler.engine._reaper.pid}
     print("REPORT", json.dumps(report), flush=True)
     time.sleep(3600)
 
@@ -310,7 +310,7 @@ def test_a_partial_sync_that_cannot_be_undone_refuses_sampling(
     sampler = no_replay
     before = greedy(sampler)
     sampler.update_weights(original)  # the engine's values are now ones the sampler keeps no copy of
-    sampler._debug_stall_next_sync(60, at_bucket=-1)
+    sampler.engine._debug_stall_next_sync(60, at_bucket=-1)
     first = before[0][0]
     with pytest.raises(WeightSyncTimeoutError):
         sampler.update_weights(perturbed_state(original, seed=6, swap=(first, first + 1)))
@@ -353,9 +353,9 @@ def test_without_auto_restart_or_weight_replay_the_user_restarts_and_repushes(
     updated = greedy(s)
     assert updated != before
     for proc in engine_processes(os.getpid()):
-        if proc.pid in s._reaper.pids:
+        if proc.pid in s.engine._reaper.pids:
             proc.send_signal(signal.SIGKILL)
-    wait_for(lambda: s._engine.errored, "vLLM to notice its worker died")
+    wait_for(lambda: s.engine._engine.errored, "vLLM to notice its worker died")
     with pytest.raises(EngineDeadError, match=r"sampler\.restart\(\)"):
         s.sample(PROMPTS, GREEDY)
     assert s.restarts == 0  # auto_restart=False: nothing restarted behind the user's back

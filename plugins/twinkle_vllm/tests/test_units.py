@@ -271,7 +271,7 @@ def _vllm_lora_ops() -> dict[str, Any]:
     """vLLM's CPU LoRA ops as vLLM ships them (unwrapped), with the rows without an adapter zeroed (its bug fixed)."""
     from vllm.lora.ops.torch_ops import lora_ops
 
-    from twinkle_vllm.extension import _LORA_OPS, _zero_rows_without_lora
+    from twinkle_vllm._cpu_lora_ops import _LORA_OPS, _zero_rows_without_lora
 
     reference = {}
     for name in _LORA_OPS:
@@ -286,7 +286,7 @@ def _vllm_lora_ops() -> dict[str, Any]:
 @pytest.mark.parametrize("pattern", ["one slot", "mixed", "none"])
 def test_grouped_lora_ops_compute_what_vllms_ops_do(dtype: torch.dtype, pattern: str) -> None:
     """The CPU LoRA ops twinkle installs (one product per adapter slot) against vLLM's own gather-and-multiply."""
-    from twinkle_vllm.extension import _grouped_lora_ops
+    from twinkle_vllm._cpu_lora_ops import _grouped_lora_ops
 
     reference = _vllm_lora_ops()
     grouped = _grouped_lora_ops(reference)
@@ -314,7 +314,7 @@ def test_grouped_lora_ops_compute_what_vllms_ops_do(dtype: torch.dtype, pattern:
 
 
 def test_the_lora_ops_probe_refuses_ops_that_compute_something_else() -> None:
-    from twinkle_vllm.extension import _grouped_lora_ops, _lora_ops_agree
+    from twinkle_vllm._cpu_lora_ops import _grouped_lora_ops, _lora_ops_agree
 
     reference = _vllm_lora_ops()
     grouped = _grouped_lora_ops(reference)

@@ -134,7 +134,7 @@ def test_stalled_worker_times_out_and_the_next_sync_works(
     sampler = restore
     before = greedy(sampler)
     version = sampler.weights_version
-    sampler._debug_stall_next_sync(60)
+    sampler.engine._debug_stall_next_sync(60)
     started = time.monotonic()
     with pytest.raises(WeightSyncTimeoutError) as info:
         sampler.update_weights(perturbed(original, seed=3, token=first_token))
@@ -188,7 +188,7 @@ def test_a_sync_that_fails_part_way_is_undone(
     for tensor in trainer.values():
         tensor.mul_(-3.0)
     # Every bucket but the last is answered, so applied; then the workers stall and the driver gives up.
-    sampler._debug_stall_next_sync(60, at_bucket=-1)
+    sampler.engine._debug_stall_next_sync(60, at_bucket=-1)
     with pytest.raises(WeightSyncTimeoutError) as info:
         sampler.update_weights(new)
     index, count = map(int, info.value.stage.removeprefix("bucket ").split("/"))

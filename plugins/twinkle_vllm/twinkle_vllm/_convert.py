@@ -19,15 +19,17 @@ Every twinkle field is mapped; what vLLM cannot do natively is emulated here
 
 from __future__ import annotations
 
+import copy
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from twinkle_core.data_format import SamplingParams
-from twinkle_core.errors import InvalidSamplingParams, UnsupportedFeatureError
+from twinkle_core.data_format import SampledSequence, SampleResponse, SamplingParams
+from twinkle_core.engine import EngineContext
+from twinkle_core.errors import InvalidSamplingParams, TwinkleError, UnsupportedFeatureError
 from twinkle_vllm._logits import EXTRA_ARG
 
-__all__ = ["SEED_MODULUS", "Plan", "flat_entries", "make_plan", "scoring_params"]
+__all__ = ["SEED_MODULUS", "Plan", "flat_entries", "make_plan", "scoring_params", "to_response", "to_sequence"]
 
 #: vLLM gives the i-th of n samples ``seed + i``; keep that inside 64 bits.
 SEED_MODULUS = 1 << 62
@@ -197,3 +199,84 @@ def flat_entries(
         if want_top:
             tops.append([(ids[j], values[j]) for j in range(s + 1, e)])
     return chosen, (tops if want_top else None), tokens
+
+
+# -- vLLM outputs -> twinkle sequences ------------------------------------------------------
+def to_response(
+    context: EngineContext, prompt_ids: list[int], result: tuple[Any, list[Any] | None], plan: Plan, adapter: str
+) -> SampleResponse:
+    """One prompt's final vLLM output (and its raw re-scores) as a twinkle ``SampleResponse``."""
+    params = plan.params
+    final, rescored = result
+    if final is None:
+        # A raw request whose prompt leaves no room to generate (see Plan.for_prompt).
+        empty = [
+            context.make_sequence(
+                prompt_ids,
+                [],
+                text="",
+                stop_reason="length",
+                adapter_name=adapter,
+                logprobs=[] if params.logprobs is not None else None,
+                top_logprobs=[] if params.logprobs else None,
+            )
+            for _ in range(params.num_samples)
+        ]
+        return SampleResponse(prompt_token_ids=list(prompt_ids), sequences=empty)
+    sequences: list[SampledSequence] = []
+    for index, output in enumerate(final.outputs):
+        raw = rescored[index] if rescored is not None else None
+        sequences.append(to_sequence(context, prompt_ids, output, raw, plan, adapter))
+    if plan.copies > 1:
+        sequences = sequences + [copy.deepcopy(sequences[0]) for _ in range(plan.copies - 1)]
+    prompt_lps, prompt_top = None, None
+    if params.prompt_logprobs is not None and final.prompt_logprobs is not None:
+        values, tops, _ = flat_entries(final.prompt_logprobs, range(1, len(prompt_ids)), params.prompt_logprobs > 0)
+        prompt_lps = [None, *values]
+        prompt_top = [None, *tops] if tops is not None else None
+    return SampleResponse(
+        prompt_token_ids=list(prompt_ids),
+        sequences=sequences,
+        prompt_logprobs=prompt_lps,
+        prompt_top_logprobs=prompt_top,
+    )
+
+
+def to_sequence(
+    context: EngineContext, prompt_ids: list[int], output: Any, raw: Any, plan: Plan, adapter: str
+) -> SampledSequence:
+    """One vLLM completion (``raw``: its re-score, for raw log-probs) as a finished twinkle sequence."""
+    params = plan.params
+    tokens = [] if plan.scoring else list(output.token_ids)
+    reason = "length" if plan.scoring else (output.finish_reason or "length")
+    if reason not in ("stop", "length", "abort"):
+        raise TwinkleError(f"vLLM ended a request with finish_reason={reason!r}.")
+    stop: str | int | None = None
+    if reason == "stop":
+        # vLLM reports None for the model's own EOS; name the token instead.
+        stop = output.stop_reason if output.stop_reason is not None else (tokens[-1] if tokens else None)
+    text = context.template.decode(tokens)
+    if isinstance(stop, str):
+        cut = text.find(stop)
+        text = text[:cut] if cut >= 0 else output.text
+    logprobs: list[float] | None = None
+    top: list[list[tuple[int, float]]] | None = None
+    if params.logprobs is not None:
+        want_top = params.logprobs > 0
+        if plan.scoring:
+            logprobs, top = [], ([] if want_top else None)
+        elif raw is not None:
+            positions = range(len(prompt_ids), len(prompt_ids) + len(tokens))
+            logprobs, top, _ = flat_entries(raw.prompt_logprobs, positions, want_top)
+        else:
+            logprobs, top, _ = flat_entries(output.logprobs, range(len(tokens)), want_top)
+    return context.make_sequence(
+        prompt_ids,
+        tokens,
+        text=text,
+        stop_reason=reason,
+        stop=stop,
+        adapter_name=adapter,
+        logprobs=logprobs,
+        top_logprobs=top,
+    )

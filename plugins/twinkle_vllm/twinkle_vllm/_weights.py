@@ -14,9 +14,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from twinkle_core.engine import AdapterInput, TensorSpec, check_update
 from twinkle_core.errors import AdapterError, UnsupportedFeatureError, WeightUpdateError
-from twinkle_core.merge import peft_pattern_value
-from twinkle_core.weights import TensorSpec, check_update
 
 __all__ = ["WeightSpec"]
 
@@ -172,7 +171,7 @@ class WeightSpec:
                 )
         return list(checked.items())
 
-    def check_lora(self, adapter: str, config: dict[str, Any], tensors: list[tuple[str, Any]]) -> None:
+    def check_lora(self, lora: AdapterInput) -> None:
         """Check LoRA tensors against the model: each ``lora_A`` is ``(r, in)``, each ``lora_B`` ``(out, r)``.
 
         Names are PEFT's (``base_model.model.<module>.lora_A.weight``); ``r`` is
@@ -182,9 +181,9 @@ class WeightSpec:
         Raises:
             AdapterError: an unknown module, a wrong shape, or an ``A`` without its ``B``.
         """
-        rank = config.get("r")
+        adapter = lora.name
         seen: dict[str, set[str]] = {}
-        for name, tensor in tensors:
+        for name, tensor in lora.tensors:
             parts = name.split(".")
             if len(parts) < 3 or parts[-2] not in ("lora_A", "lora_B"):
                 continue  # e.g. modules_to_save: vLLM decides
@@ -199,7 +198,7 @@ class WeightSpec:
                     f"Adapter {adapter!r}: {name!r} targets {module!r}, which is not a linear layer of this model."
                 )
             out_features, in_features = base.shape
-            layer_rank = peft_pattern_value(config.get("rank_pattern"), module, rank)
+            layer_rank = lora.rank_of(module)
             want = (layer_rank, in_features) if parts[-2] == "lora_A" else (out_features, layer_rank)
             if tuple(tensor.shape) != tuple(want):
                 raise AdapterError(
