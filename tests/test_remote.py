@@ -399,9 +399,8 @@ def test_errors_come_back_as_their_own_type_naming_the_replica(remote, local):
     inputs = [*chats()[:5], too_long]
     with pytest.raises(PromptTooLongError, match=r"inputs\[5\] has 522 prompt tokens") as info:
         remote.sample(inputs, GREEDY)
+    # checked in the driver, with the replicas' template, before any replica works
     assert info.value.index == 5 and type(info.value) is PromptTooLongError
-    assert any("Raised in replica" in n for n in info.value.__notes__)
-    assert isinstance(info.value.__cause__, RemoteTraceback) and "_validate_prompt" in info.value.__cause__.text
     skipped = remote.sample(inputs, GREEDY, on_invalid="skip")
     assert skipped[5].error and "inputs[5]" in skipped[5].error and not skipped[5].sequences
     assert tokens(skipped[:5]) == tokens(local.sample(chats()[:5], GREEDY))
@@ -409,6 +408,8 @@ def test_errors_come_back_as_their_own_type_naming_the_replica(remote, local):
     with pytest.raises(WeightUpdateError, match=r"no_such\.weight") as info:
         remote.update_weights({"no_such.weight": torch.zeros(2)})
     assert type(info.value) is WeightUpdateError and remote.weights_version == version
+    assert any("Raised in replica" in n for n in info.value.__notes__)
+    assert isinstance(info.value.__cause__, RemoteTraceback) and "check_update" in info.value.__cause__.text
     assert tokens(remote.sample(chats()[:2], GREEDY)) == tokens(local.sample(chats()[:2], GREEDY))
 
 
@@ -521,11 +522,13 @@ def test_killed_replica_is_rebuilt_with_its_state_and_the_work_retried(remote, l
 def test_weight_refs_kept_for_rebuilds_are_only_the_current_ones(remote, model_dir):
     full = original_weights(model_dir)
     remote.update_weights(full)
-    assert len(remote._weight_ops) == 1  # an update of every name supersedes all earlier refs
+    assert len(remote.engine._weight_ops) == 1  # an update of every name supersedes all earlier refs
     remote.update_weights(full[:1])
-    assert sorted(sorted(names) for _, names in remote._weight_ops.values()) == sorted([[full[0][0]], [full[1][0]]])
+    assert sorted(sorted(names) for _, names in remote.engine._weight_ops.values()) == sorted(
+        [[full[0][0]], [full[1][0]]]
+    )
     remote.update_weights(full)
-    ((ref, names),) = remote._weight_ops.values()
+    ((ref, names),) = remote.engine._weight_ops.values()
     assert isinstance(ref, ray.ObjectRef) and names == {n for n, _ in full}
 
 
@@ -568,6 +571,9 @@ def test_an_engine_object_runs_as_replicas_like_a_sampler_subclass(cluster):
     # a typo in the engine's own arguments fails in the driver, before any actor starts
     with pytest.raises(TypeError):
         Sampler(PidEngine, stepp=2, remote_group="aux")
+    # so does what is not an engine at all
+    with pytest.raises(ConfigError, match="Engine subclass"):
+        Sampler(dict, remote_group="aux")  # type: ignore[arg-type]
     mesh = DeviceMesh.from_sizes(dp_size=2)
     with tw.create_sampler(PidEngine, step=2, device_mesh=mesh, remote_group="aux") as s:
         assert isinstance(s, RemoteSampler) and "PidEngine" in repr(s)

@@ -214,6 +214,15 @@ def _check_hooks(cls: type[Sampler]) -> None:
         )
 
 
+def require_engine_class(engine: Any) -> None:
+    """Refuse what ``Sampler(engine, ...)`` cannot build (here, and in the driver before any Ray replica starts)."""
+    if not (isinstance(engine, type) and issubclass(engine, Engine)):
+        raise ConfigError(
+            f"Sampler(engine=...) got {engine!r}: expected a twinkle_core.engine.Engine subclass, which the"
+            " sampler builds as engine(context, *args, **kwargs)."
+        )
+
+
 class _Context(EngineContext):
     """What the engine held by a ``Sampler`` may use of it (see :class:`twinkle_core.engine.EngineContext`)."""
 
@@ -373,13 +382,12 @@ class Sampler(ABC, metaclass=SamplerMeta):
       folders), ``twinkle_core.weights`` (update checks), the errors of
       ``twinkle_core.errors``.
 
-    Front-end hooks (``RemoteSampler``, which runs no engine in this process):
-    ``_sample(items, params, adapter_name, on_invalid, indices)`` runs a call
-    whose arguments ``sample()`` checked (lock held shared, adapter checked,
-    then ``_process``; a Ray replica serving a share of a call enters here);
-    ``_process(...)``, the per-input pipeline under the lock, which a front end
-    overrides to hand the inputs to its replicas; ``set_template`` and
-    ``template``; and ``AppliedWithError`` raised from a state-change hook.
+    For the Ray replica host: ``_sample(items, params, adapter_name, on_invalid,
+    indices)`` runs a share of a call whose arguments the driver checked (lock
+    held shared, adapter checked, inputs named by their place in the whole
+    call). A state-change hook may raise ``AppliedWithError`` (the Ray engine,
+    when only some replicas applied a change): the change is recorded, then
+    its error raised.
     """
 
     #: The registry name of the engine (``"torch"``, ``"vllm"``), for messages.
@@ -415,11 +423,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
                 )
             _check_hooks(type(self))
             return
-        if not (isinstance(engine, type) and issubclass(engine, Engine)):
-            raise ConfigError(
-                f"Sampler(engine=...) got {engine!r}: expected a twinkle_core.engine.Engine subclass, which the"
-                " sampler builds as engine(context, *args, **kwargs)."
-            )
+        require_engine_class(engine)
         self._closed = True  # until the engine is built: nothing to close if its constructor fails
         built = engine(_Context(self), *args, **kwargs)
         info = getattr(built, "info", None)
@@ -581,9 +585,16 @@ class Sampler(ABC, metaclass=SamplerMeta):
                 f"set_template expects a registered name, a Template subclass or instance; got {template!r}."
             )
         with self._lock.write():
+            previous = (self._template, self._tokenizer)
             self._template = template
             self._tokenizer = template.tokenizer
-            self._on_template_changed()
+            try:
+                self._on_template_changed()
+            except AppliedWithError as applied:  # kept: the engine applied it, not cleanly
+                raise applied.error from None
+            except BaseException:
+                self._template, self._tokenizer = previous
+                raise
 
     # -- adapters ------------------------------------------------------------------------
     @property

@@ -2,33 +2,9 @@
 
 from __future__ import annotations
 
-import json
+from twinkle_core.data_format import SamplingParams
 
-from twinkle_core.data_format import InputFeature, SamplingParams, Trajectory
-
-__all__ = ["estimate_prompt_tokens", "item_cost", "split_by_cost", "trajectory_chars"]
-
-
-def trajectory_chars(item: Trajectory) -> int:
-    """Characters of a conversation's text (messages and tools): the base of its token estimate."""
-    n = 0
-    for m in item.messages:
-        content = m.content if isinstance(m.content, str) else json.dumps(m.content)
-        n += len(content) + len(m.role) + 8  # role header and turn markers
-        if m.tool_calls:
-            n += len(json.dumps(m.tool_calls))
-        if m.reasoning_content:
-            n += len(m.reasoning_content)
-    for t in item.tools:
-        n += len(json.dumps(t.to_dict()))
-    return n
-
-
-def estimate_prompt_tokens(item: InputFeature | Trajectory, chars_per_token: float) -> float:
-    """Prompt length in tokens: exact for token ids, estimated from text for a conversation."""
-    if isinstance(item, InputFeature):
-        return float(len(item.input_ids))
-    return trajectory_chars(item) / chars_per_token
+__all__ = ["item_cost", "split_by_cost"]
 
 
 def item_cost(prompt_tokens: float, params: SamplingParams) -> float:
