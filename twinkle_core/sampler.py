@@ -18,15 +18,16 @@ from __future__ import annotations
 import os
 import threading
 from abc import ABC, ABCMeta
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 import attrs
 
 from twinkle_core.adapter_input import AdapterInput
+from twinkle_core.continuation import RunSpec, merge_sequences, plan_continuation
 from twinkle_core.data_format import (
     InputFeature,
     SampledSequence,
@@ -42,8 +43,6 @@ from twinkle_core.errors import (
     ConfigError,
     EngineDeadError,
     InvalidInputError,
-    InvalidSamplingParams,
-    PromptTooLongError,
     SamplerClosedError,
     TemplateError,
     TwinkleError,
@@ -52,6 +51,7 @@ from twinkle_core.errors import (
     WeightUpdateError,
     did_you_mean,
 )
+from twinkle_core.inputs import OnInvalid, SampleInputs, check_params, check_prompt, normalize_inputs
 from twinkle_core.locks import ReadWriteLock
 from twinkle_core.placement import current_replica
 from twinkle_core.requests import IN_FLIGHT_POLICIES, CallFeed, EngineRun, Finished, SampleHandle
@@ -70,9 +70,6 @@ __all__ = [
 ]
 
 S = TypeVar("S", bound="Sampler")
-# A Sequence, not a list: list is invariant, so a caller's list[Trajectory] would not be a list of the union.
-SampleInputs = InputFeature | Trajectory | dict[str, Any] | Sequence[InputFeature | Trajectory | dict[str, Any]]
-OnInvalid = Literal["raise", "skip"]
 
 
 @attrs.frozen
@@ -92,53 +89,6 @@ class AdapterInfo:
     source: str
 
 
-def _one_input(item: Any, index: int) -> InputFeature | Trajectory:
-    if isinstance(item, (InputFeature, Trajectory)):
-        return item
-    if isinstance(item, dict):
-        record: type[Trajectory] | type[InputFeature] | None = (
-            Trajectory if "messages" in item else InputFeature if "input_ids" in item else None
-        )
-        if record is not None:
-            try:
-                return record.from_dict(item)
-            except InvalidInputError as exc:
-                raise InvalidInputError(f"inputs[{index}] is invalid: {exc}") from None
-        if "role" in item:
-            raise InvalidInputError(
-                f"inputs[{index}] is a single chat message ({item!r:.80}); wrap the conversation in"
-                " Trajectory(messages=[...]) or {'messages': [...]}."
-            )
-    raise InvalidInputError(
-        f"inputs[{index}]={item!r:.80} is invalid: expected an InputFeature, a Trajectory, or a dict with"
-        " 'messages' or 'input_ids'."
-    )
-
-
-def normalize_inputs(inputs: SampleInputs, *, on_invalid: OnInvalid = "raise") -> list[Any]:
-    """Turn what ``sample()`` accepts into a flat list (a single input becomes a list of one).
-
-    With ``on_invalid="skip"``, an input that is not well-formed is kept in
-    the list as its ``InvalidInputError`` (``sample()`` answers it with an error
-    response) instead of raising.
-    """
-    if isinstance(inputs, (InputFeature, Trajectory, dict)):
-        inputs = [inputs]
-    if isinstance(inputs, Sequence) and not isinstance(inputs, str):
-        out: list[Any] = []
-        for i, x in enumerate(inputs):
-            try:
-                out.append(_one_input(x, i))
-            except InvalidInputError as exc:
-                if on_invalid == "raise":
-                    raise
-                out.append(exc)
-        return out
-    raise InvalidInputError(
-        f"inputs={inputs!r:.80} is invalid: expected an InputFeature, a Trajectory, or a list of either."
-    )
-
-
 @attrs.frozen
 class _Call:
     """The checked arguments of one call."""
@@ -147,22 +97,6 @@ class _Call:
     params: SamplingParams
     adapter_name: str
     on_invalid: OnInvalid
-
-
-@attrs.frozen
-class _RunSpec:
-    """A continuation run: per prompt, where its sequence sits in ``responses`` and how far it got.
-
-    ``responses=None``: report each continuation as it is, under its prompt's
-    index (a Ray replica running its share; the driver merges).
-    """
-
-    feed: CallFeed
-    sample_base: list[int]
-    generated: list[int]
-    budgets: list[int]
-    slots: list[tuple[int, int]]
-    responses: list[SampleResponse] | None
 
 
 #: Set by ``twinkle_core.remote`` when it is imported (``import twinkle_core`` does): builds a
@@ -795,25 +729,6 @@ class Sampler(ABC, metaclass=SamplerMeta):
             return item
         return self.template.encode(item, add_generation_prompt=True)
 
-    def _validate_prompt(self, feature: InputFeature, index: int, params: SamplingParams) -> None:
-        if not feature.input_ids:
-            raise InvalidInputError(f"inputs[{index}] has no tokens: a prompt needs at least one.")
-        vocab = self.vocab_size
-        if vocab is not None:
-            bad = [t for t in feature.input_ids if t < 0 or t >= vocab]
-            if bad:
-                raise InvalidInputError(f"inputs[{index}] has token id {bad[0]} outside the vocabulary [0, {vocab}).")
-        limit = self._max_prompt_len(params)
-        if len(feature.input_ids) > limit:
-            raise PromptTooLongError(
-                f"inputs[{index}] has {len(feature.input_ids)} prompt tokens but the model accepts at most"
-                f" {limit} (max_model_len={self.max_model_len}). Shorten it, or pass on_invalid='skip' to"
-                " sample the other inputs.",
-                index=index,
-                length=len(feature.input_ids),
-                limit=limit,
-            )
-
     def sample(
         self,
         inputs: SampleInputs,
@@ -945,7 +860,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         if on_invalid not in ("raise", "skip"):
             raise InvalidInputError(f"on_invalid={on_invalid!r} is invalid: expected 'raise' or 'skip'.")
         params = resolve_params(sampling_params, num_samples)
-        self._check_params(params)
+        check_params(params, self.supported_params, self.vocab_size, self._label())
         items = normalize_inputs(inputs, on_invalid=on_invalid)
         if not isinstance(adapter_name, str):
             raise UnknownAdapterError(f"adapter_name={adapter_name!r} is invalid: expected a string ('' = base model).")
@@ -1020,99 +935,22 @@ class Sampler(ABC, metaclass=SamplerMeta):
         sample index and position, so seeded engines draw what the
         uninterrupted sequence would have.
         """
-        todo: list[tuple[int, int]] = []
-        prompts: list[InputFeature] = []
-        base: list[int] = []
-        generated: list[int] = []
-        out = [attrs.evolve(r, sequences=list(r.sequences)) for r in responses]
         limit = self._max_prompt_len(params.replace(max_tokens=1))
-        for i, response in enumerate(out):
-            for j, seq in enumerate(response.sequences):
-                if seq.stop_reason != "abort":
-                    if emit_all:
-                        feed.emit(Finished(i, j, seq))
-                    continue
-                left = params.max_tokens - len(seq.tokens)
-                ids = [*response.prompt_token_ids, *seq.tokens]
-                if left <= 0 or len(ids) > limit:
-                    done = attrs.evolve(seq, stop_reason="length")
-                    response.sequences[j] = done
-                    feed.emit(Finished(i, j, done))
-                    continue
-                todo.append((i, j))
-                prompts.append(InputFeature(input_ids=ids))
-                base.append(j)
-                generated.append(len(seq.tokens))
-        if not todo:
+        out, todo = plan_continuation(feed, responses, params, limit, emit_all=emit_all)
+        if todo is None:
             return out
-        budgets = [params.max_tokens - g for g in generated]
-        cont_params = params.replace(max_tokens=max(budgets), num_samples=1, prompt_logprobs=None)
-        spec = _RunSpec(feed, base, generated, budgets, [(i, j) for i, j in todo], out)
+        prompts, cont_params, spec = todo
         results = self._sample(prompts, cont_params, adapter_name, "raise", None, feed, spec)
-        for (i, j), result in zip(todo, results):
-            merged = self._merge(out[i].prompt_token_ids, out[i].sequences[j], result.sequences[0])
+        for (i, j), result in zip(spec.slots, results):
+            merged = merge_sequences(
+                out[i].prompt_token_ids,
+                out[i].sequences[j],
+                result.sequences[0],
+                decode=self.template.decode,
+                make_sequence=self._make_sequence,
+            )
             out[i].sequences[j] = merged
         return out
-
-    def _merge(self, prompt_ids: list[int], first: SampledSequence, rest: SampledSequence) -> SampledSequence:
-        """One sequence from a partial one and its continuation."""
-        tokens = [*first.tokens, *rest.tokens]
-        logprobs = None if first.logprobs is None else [*first.logprobs, *(rest.logprobs or [])]
-        top = None if first.top_logprobs is None else [*first.top_logprobs, *(rest.top_logprobs or [])]
-        spans = list(first.version_spans or ([(0, first.weights_version)] if first.tokens else []))
-        if rest.tokens and (not spans or spans[-1][1] != rest.weights_version):
-            spans.append((len(first.tokens), rest.weights_version))
-        if not spans:
-            spans = [(0, rest.weights_version)]
-        mask = None
-        if first.sampling_mask is not None and rest.sampling_mask is not None:
-            mask = SamplingMask.from_rows(
-                [first.sampling_mask.kept(i) for i in range(len(first.sampling_mask))]
-                + [rest.sampling_mask.kept(i) for i in range(len(rest.sampling_mask))]
-            )
-        full = self.template.decode(tokens)
-        text = full
-        if isinstance(rest.stop, str):
-            cut = full.find(rest.stop, max(0, len(self.template.decode(first.tokens)) - len(rest.stop)))
-            text = full[:cut] if cut >= 0 else full
-        merged = self._make_sequence(
-            prompt_ids,
-            tokens,
-            stop_reason=rest.stop_reason,
-            stop=rest.stop,
-            text=text,
-            adapter_name=rest.adapter_name,
-            logprobs=logprobs,
-            top_logprobs=top,
-            weights_version=min(v for _, v in spans),
-            sampling_mask=mask,
-        )
-        return attrs.evolve(merged, version_spans=spans if len(spans) > 1 else None)
-
-    def _check_params(self, params: SamplingParams) -> None:
-        """Refuse fields the engine does not honour, and values beyond its vocabulary."""
-        for field in attrs.fields(SamplingParams):
-            value = getattr(params, field.name)
-            if field.name not in self.supported_params and value != field.default:
-                raise UnsupportedFeatureError(
-                    f"SamplingParams.{field.name}={value!r} is not supported by the {self._label()} engine"
-                    f" (it honours: {', '.join(sorted(self.supported_params))}); leave it at its default"
-                    f" {field.default!r}."
-                )
-        vocab = self.vocab_size
-        if vocab is None:
-            return
-        for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
-            if k is not None and k > vocab:
-                raise InvalidSamplingParams(
-                    f"SamplingParams.{name}={k} is invalid: expected at most the vocabulary size {vocab}."
-                )
-        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-        if bad_stop:
-            raise InvalidSamplingParams(
-                f"SamplingParams.stop_token_ids contains {bad_stop[0]}, outside the vocabulary [0, {vocab})."
-            )
 
     def _sample(
         self,
@@ -1122,7 +960,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         on_invalid: OnInvalid,
         indices: list[int] | None,
         feed: CallFeed | None = None,
-        spec: _RunSpec | None = None,
+        spec: RunSpec | None = None,
     ) -> list[SampleResponse]:
         """Run checked arguments: hold the lock shared, check the adapter, then :meth:`_process`.
 
@@ -1150,7 +988,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         on_invalid: OnInvalid,
         indices: list[int] | None,
         feed: CallFeed | None = None,
-        spec: _RunSpec | None = None,
+        spec: RunSpec | None = None,
     ) -> list[SampleResponse]:
         """Encode and check each input, run the valid ones, and answer in input order.
 
@@ -1171,7 +1009,13 @@ class Sampler(ABC, metaclass=SamplerMeta):
                 if isinstance(item, TwinkleError):
                     raise item
                 feature = self._encode_checked(item, index)
-                self._validate_prompt(feature, index, params)
+                check_prompt(
+                    feature,
+                    index,
+                    limit=self._max_prompt_len(params),
+                    vocab=self.vocab_size,
+                    max_model_len=self.max_model_len,
+                )
             except TwinkleError as exc:
                 if on_invalid == "raise" or not isinstance(exc, ValueError):
                     raise
@@ -1206,7 +1050,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         adapter_name: str,
         positions: list[int],
         feed: CallFeed | None,
-        spec: _RunSpec | None,
+        spec: RunSpec | None,
     ) -> EngineRun:
         """The run of ``prompts`` (inputs ``positions`` of the call), reporting finished sequences to ``feed``."""
         stop = feed.start_run() if feed is not None else None
@@ -1227,7 +1071,13 @@ class Sampler(ABC, metaclass=SamplerMeta):
                 spec.feed.emit(Finished(positions[p], s, seq))
                 return
             i, j = spec.slots[positions[p]]
-            merged = self._merge(spec.responses[i].prompt_token_ids, spec.responses[i].sequences[j], seq)
+            merged = merge_sequences(
+                spec.responses[i].prompt_token_ids,
+                spec.responses[i].sequences[j],
+                seq,
+                decode=self.template.decode,
+                make_sequence=self._make_sequence,
+            )
             spec.feed.emit(Finished(i, j, merged))
 
         return EngineRun(

@@ -196,8 +196,8 @@ class ReplicaHost:
         before, and its token budget (the driver merges each with its first
         part). :meth:`abort_shard` stops it.
         """
+        from twinkle_core.continuation import RunSpec
         from twinkle_core.requests import CallFeed
-        from twinkle_core.sampler import _RunSpec
 
         feed = CallFeed(len(items), params.num_samples)
         handle = feed.handle
@@ -207,7 +207,7 @@ class ReplicaHost:
                 del self._early_aborts[shard_id]
                 handle.abort()
         target = self._target
-        spec = None if cont is None else _RunSpec(feed, cont[0], cont[1], cont[2], [], None)
+        spec = None if cont is None else RunSpec(feed, cont[0], cont[1], cont[2], [], None)
 
         def work() -> None:
             try:

@@ -1,0 +1,124 @@
+"""Continuing aborted sequences: what a continuation run needs, and how a sequence and its continuation join.
+
+A sequence stopped part-way (``in_flight="keep"`` across a weight change, or
+``resume()`` after an abort) is continued as a new prompt: the original prompt
+and its partial tokens, one sample, what is left of its budget. The engine
+keys its randomness on the sample index and the position, so a seeded
+continuation draws what the uninterrupted sequence would have.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import attrs
+
+from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingMask, SamplingParams
+from twinkle_core.requests import CallFeed, Finished
+
+__all__ = ["RunSpec", "merge_sequences", "plan_continuation"]
+
+
+@attrs.frozen
+class RunSpec:
+    """A continuation run: per prompt, where its sequence sits in ``responses`` and how far it got.
+
+    ``responses=None``: report each continuation as it is, under its prompt's
+    index (a Ray replica running its share; the driver merges).
+    """
+
+    feed: CallFeed
+    sample_base: list[int]
+    generated: list[int]
+    budgets: list[int]
+    slots: list[tuple[int, int]]
+    responses: list[SampleResponse] | None
+
+
+def merge_sequences(
+    prompt_ids: list[int],
+    first: SampledSequence,
+    rest: SampledSequence,
+    *,
+    decode: Callable[[list[int]], str],
+    make_sequence: Callable[..., SampledSequence],
+) -> SampledSequence:
+    """One sequence from a partial one and its continuation.
+
+    Tokens, log-probs and masks are joined; ``version_spans`` says where the
+    weights version changed; the text is decoded anew (``decode``) and cut at
+    the continuation's stop string; ``make_sequence`` builds the result (the
+    sampler's, so the training feature is built as for any sequence).
+    """
+    tokens = [*first.tokens, *rest.tokens]
+    logprobs = None if first.logprobs is None else [*first.logprobs, *(rest.logprobs or [])]
+    top = None if first.top_logprobs is None else [*first.top_logprobs, *(rest.top_logprobs or [])]
+    spans = list(first.version_spans or ([(0, first.weights_version)] if first.tokens else []))
+    if rest.tokens and (not spans or spans[-1][1] != rest.weights_version):
+        spans.append((len(first.tokens), rest.weights_version))
+    if not spans:
+        spans = [(0, rest.weights_version)]
+    mask = None
+    if first.sampling_mask is not None and rest.sampling_mask is not None:
+        mask = SamplingMask.from_rows(
+            [first.sampling_mask.kept(i) for i in range(len(first.sampling_mask))]
+            + [rest.sampling_mask.kept(i) for i in range(len(rest.sampling_mask))]
+        )
+    full = decode(tokens)
+    text = full
+    if isinstance(rest.stop, str):
+        cut = full.find(rest.stop, max(0, len(decode(first.tokens)) - len(rest.stop)))
+        text = full[:cut] if cut >= 0 else full
+    merged = make_sequence(
+        prompt_ids,
+        tokens,
+        stop_reason=rest.stop_reason,
+        stop=rest.stop,
+        text=text,
+        adapter_name=rest.adapter_name,
+        logprobs=logprobs,
+        top_logprobs=top,
+        weights_version=min(v for _, v in spans),
+        sampling_mask=mask,
+    )
+    return attrs.evolve(merged, version_spans=spans if len(spans) > 1 else None)
+
+
+def plan_continuation(
+    feed: CallFeed, responses: list[SampleResponse], params: SamplingParams, limit: int, *, emit_all: bool
+) -> tuple[list[SampleResponse], tuple[list[InputFeature], SamplingParams, RunSpec] | None]:
+    """What continuing every aborted sequence of ``responses`` runs: its prompts, parameters and spec.
+
+    Returns copies of the responses (the continued sequences are merged into
+    them later) and ``None`` when nothing is left to run. A sequence whose
+    budget is spent, or whose prompt plus tokens exceed ``limit``, ends with
+    ``stop_reason="length"`` here; those (and, with ``emit_all``, every
+    finished one) are reported to ``feed`` at once.
+    """
+    todo: list[tuple[int, int]] = []
+    prompts: list[InputFeature] = []
+    base: list[int] = []
+    generated: list[int] = []
+    out = [attrs.evolve(r, sequences=list(r.sequences)) for r in responses]
+    for i, response in enumerate(out):
+        for j, seq in enumerate(response.sequences):
+            if seq.stop_reason != "abort":
+                if emit_all:
+                    feed.emit(Finished(i, j, seq))
+                continue
+            left = params.max_tokens - len(seq.tokens)
+            ids = [*response.prompt_token_ids, *seq.tokens]
+            if left <= 0 or len(ids) > limit:
+                done = attrs.evolve(seq, stop_reason="length")
+                response.sequences[j] = done
+                feed.emit(Finished(i, j, done))
+                continue
+            todo.append((i, j))
+            prompts.append(InputFeature(input_ids=ids))
+            base.append(j)
+            generated.append(len(seq.tokens))
+    if not todo:
+        return out, None
+    budgets = [params.max_tokens - g for g in generated]
+    cont_params = params.replace(max_tokens=max(budgets), num_samples=1, prompt_logprobs=None)
+    return out, (prompts, cont_params, RunSpec(feed, base, generated, budgets, todo, out))

@@ -1,0 +1,118 @@
+"""What ``sample()`` accepts, normalised, and the checks every engine's inputs pass before any work.
+
+The ``Sampler`` runs these for every engine, so the messages and the error
+types are the same whichever engine (or Ray replica) serves the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import attrs
+
+from twinkle_core.data_format import InputFeature, SamplingParams, Trajectory
+from twinkle_core.errors import InvalidInputError, InvalidSamplingParams, PromptTooLongError, UnsupportedFeatureError
+
+__all__ = ["OnInvalid", "SampleInputs", "check_params", "check_prompt", "normalize_inputs"]
+
+# A Sequence, not a list: list is invariant, so a caller's list[Trajectory] would not be a list of the union.
+SampleInputs = InputFeature | Trajectory | dict[str, Any] | Sequence[InputFeature | Trajectory | dict[str, Any]]
+OnInvalid = Literal["raise", "skip"]
+
+
+def _one_input(item: Any, index: int) -> InputFeature | Trajectory:
+    if isinstance(item, (InputFeature, Trajectory)):
+        return item
+    if isinstance(item, dict):
+        record: type[Trajectory] | type[InputFeature] | None = (
+            Trajectory if "messages" in item else InputFeature if "input_ids" in item else None
+        )
+        if record is not None:
+            try:
+                return record.from_dict(item)
+            except InvalidInputError as exc:
+                raise InvalidInputError(f"inputs[{index}] is invalid: {exc}") from None
+        if "role" in item:
+            raise InvalidInputError(
+                f"inputs[{index}] is a single chat message ({item!r:.80}); wrap the conversation in"
+                " Trajectory(messages=[...]) or {'messages': [...]}."
+            )
+    raise InvalidInputError(
+        f"inputs[{index}]={item!r:.80} is invalid: expected an InputFeature, a Trajectory, or a dict with"
+        " 'messages' or 'input_ids'."
+    )
+
+
+def normalize_inputs(inputs: SampleInputs, *, on_invalid: OnInvalid = "raise") -> list[Any]:
+    """Turn what ``sample()`` accepts into a flat list (a single input becomes a list of one).
+
+    With ``on_invalid="skip"``, an input that is not well-formed is kept in
+    the list as its ``InvalidInputError`` (``sample()`` answers it with an error
+    response) instead of raising.
+    """
+    if isinstance(inputs, (InputFeature, Trajectory, dict)):
+        inputs = [inputs]
+    if isinstance(inputs, Sequence) and not isinstance(inputs, str):
+        out: list[Any] = []
+        for i, x in enumerate(inputs):
+            try:
+                out.append(_one_input(x, i))
+            except InvalidInputError as exc:
+                if on_invalid == "raise":
+                    raise
+                out.append(exc)
+        return out
+    raise InvalidInputError(
+        f"inputs={inputs!r:.80} is invalid: expected an InputFeature, a Trajectory, or a list of either."
+    )
+
+
+def check_params(params: SamplingParams, supported: frozenset[str], vocab: int | None, engine: str) -> None:
+    """Refuse fields the engine does not honour (``supported``), and values beyond its vocabulary.
+
+    ``engine`` names the engine in messages.
+    """
+    for field in attrs.fields(SamplingParams):
+        value = getattr(params, field.name)
+        if field.name not in supported and value != field.default:
+            raise UnsupportedFeatureError(
+                f"SamplingParams.{field.name}={value!r} is not supported by the {engine} engine"
+                f" (it honours: {', '.join(sorted(supported))}); leave it at its default"
+                f" {field.default!r}."
+            )
+    if vocab is None:
+        return
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k > vocab:
+            raise InvalidSamplingParams(
+                f"SamplingParams.{name}={k} is invalid: expected at most the vocabulary size {vocab}."
+            )
+    bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+    if bad_stop:
+        raise InvalidSamplingParams(
+            f"SamplingParams.stop_token_ids contains {bad_stop[0]}, outside the vocabulary [0, {vocab})."
+        )
+
+
+def check_prompt(feature: InputFeature, index: int, *, limit: int, vocab: int | None, max_model_len: int) -> None:
+    """Refuse an empty prompt, a token id outside the vocabulary, or more than ``limit`` tokens.
+
+    ``index`` names the input in messages (``inputs[index]``).
+    """
+    if not feature.input_ids:
+        raise InvalidInputError(f"inputs[{index}] has no tokens: a prompt needs at least one.")
+    if vocab is not None:
+        bad = [t for t in feature.input_ids if t < 0 or t >= vocab]
+        if bad:
+            raise InvalidInputError(f"inputs[{index}] has token id {bad[0]} outside the vocabulary [0, {vocab}).")
+    if len(feature.input_ids) > limit:
+        raise PromptTooLongError(
+            f"inputs[{index}] has {len(feature.input_ids)} prompt tokens but the model accepts at most"
+            f" {limit} (max_model_len={max_model_len}). Shorten it, or pass on_invalid='skip' to"
+            " sample the other inputs.",
+            index=index,
+            length=len(feature.input_ids),
+            limit=limit,
+        )
