@@ -47,22 +47,17 @@ def _suite_module(engine_import: str, engine_class: str, build: str, fields: lis
         "",
         "def broken(field):",
         f"    class Broken({engine_class}):",
-        "        def _generate(self, prompts, params, adapter_name):",
-        "            # what an engine that drops `field` does: it samples as if the default were set",
-        "            params = params.replace(**{field: getattr(DEFAULTS, field)})",
-        "            return super()._generate(prompts, params, adapter_name)",
-        "",
         "        def generate(self, prompts, params, adapter_name):",
-        "            # the same for an engine object (twinkle_core.engine.BatchEngine)",
+        "            # what an engine that drops `field` does: it samples as if the default were set",
         "            params = params.replace(**{field: getattr(DEFAULTS, field)})",
         "            return super().generate(prompts, params, adapter_name)",
         "",
-        "        def _run(self, run):",
-        "            # the same for engines whose calls go through _run",
+        "        def run(self, run):",
+        "            # the same for an engine that implements run (twinkle_core.engine.Engine)",
         "            run.params = run.params.replace(**{field: getattr(DEFAULTS, field)})",
         "            if field == 'max_tokens':",
         "                run.max_tokens = [DEFAULTS.max_tokens] * len(run.prompts)",
-        "            return super()._run(run)",
+        "            return super().run(run)",
         "",
         "    return Broken",
     ]
@@ -152,7 +147,8 @@ def test_the_suite_catches_a_torch_engine_ignoring_a_sampling_field(
         "def tiny_llama():\n"
         f"    return Path({tiny_llama_dir!r})\n"
     )
-    engine = ("from twinkle_torch.sampler import TorchSampler", "TorchSampler", "{cls}(tiny_llama, device='cpu')")
+    imports = "from twinkle_core import Sampler\nfrom twinkle_torch.engine import TorchEngine"
+    engine = (imports, "TorchEngine", "Sampler({cls}, tiny_llama, device='cpu')")
     # The numeric checks only (the rest of the suite is the echo test's business), of each
     # broken engine only those of its own field, all in one fresh interpreter.
     source = _suite_module(*engine, TORCH_FIELDS)

@@ -1,10 +1,11 @@
-"""The engine API of ``Sampler`` is closed: the documented block and the code stay in step.
+"""The engine contract is closed: engines are ``twinkle_core.engine`` objects, and ``Sampler`` is final.
 
-Engines (the first-party plugins, the echo example) and the Ray front end may
-implement the hooks and call the helpers listed in ``Sampler``'s "Engine API"
-docstring block, and nothing else of the base class's private surface. These
-tests read the source of every engine in the repository, so a new engine (or a
-new private attribute of the base) cannot slip past them.
+An engine (the first-party plugins, the echo example, the Ray engine) is an
+``Engine`` the ``Sampler`` holds; it imports only the contract, and nothing
+reaches into the ``Sampler``'s private state but the Ray replica host's two
+documented calls. These tests read the source of every engine in the
+repository, so a new engine (or a new private attribute of the sampler)
+cannot slip past them.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ import inspect
 import re
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import twinkle_core
 from twinkle_core import InputFeature, Sampler, SampleResponse, SamplingParams
+from twinkle_core.engine import BatchEngine, EngineContext, EngineInfo
 from twinkle_core.errors import (
     InvalidInputError,
     InvalidSamplingParams,
@@ -29,41 +32,14 @@ from twinkle_core.errors import (
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: What an engine implements or sets.
-HOOKS = {
-    "engine_name",
-    "supported_params",
-    "concurrent_samples",
-    "max_model_len",
-    "vocab_size",
-    "_max_prompt_len",
-    "_generate",
-    "_run",
-    "_load_adapter",
-    "_remove_adapter",
-    "_update_weights",
-    "_close",
-    "_after_engine_death",
-    "_on_template_changed",
-}
-#: What an engine may call besides the public API.
-HELPERS = {"_init_template", "_make_sequence", "_exclusive", "_restore_version"}
-#: What the Ray replica host calls on the sampler it hosts.
-FRONT_END = {"_sample"}
-ENGINE_API = HOOKS | HELPERS | FRONT_END
+#: What the Ray replica host calls on the sampler it hosts (``ReplicaHost.stream_shard`` and ``replay``).
+HOST_CALLS = {"_sample", "_restore_version"}
 
 ENGINE_SOURCES = [
     *sorted((ROOT / "plugins").glob("twinkle_*/twinkle_*/**/*.py")),
     *sorted((ROOT / "examples" / "twinkle_echo" / "twinkle_echo").glob("*.py")),
     *sorted((ROOT / "twinkle_core" / "remote").glob("*.py")),
 ]
-
-
-def _api_block() -> str:
-    doc = inspect.getdoc(Sampler) or ""
-    match = re.search(r"Engine API\n-+\n(.*)", doc, re.S)
-    assert match, "Sampler's docstring has no 'Engine API' block"
-    return match.group(1)
 
 
 def _base_private_names() -> set[str]:
@@ -83,19 +59,36 @@ def _base_private_names() -> set[str]:
     return names
 
 
-def test_every_documented_name_exists_and_is_in_the_block() -> None:
-    block = _api_block()
-    for name in sorted(ENGINE_API):
-        assert hasattr(Sampler, name), f"the engine API names {name!r}, which Sampler does not have"
-        assert f"``{name}" in block, f"{name!r} is part of the engine API but not documented in its block"
+def test_sampler_is_final() -> None:
+    with pytest.raises(TypeError, match=r"overrides Sampler's _generate, max_model_len: Sampler is final"):
 
+        class OldStyle(Sampler):
+            @property
+            def max_model_len(self) -> int:
+                return 8
 
-def test_the_block_documents_nothing_else() -> None:
-    documented = {m for m in re.findall(r"``(_?[a-z][a-z_]*)", _api_block()) if hasattr(Sampler, m)}
-    public = {n for n in documented if not n.startswith("_")}
-    assert documented - public <= ENGINE_API, (
-        f"documented but not in the API: {sorted(documented - public - ENGINE_API)}"
-    )
+            def _generate(self, prompts, params, adapter_name):  # type: ignore[no-untyped-def]
+                return []
+
+    with pytest.raises(TypeError, match="overrides Sampler's sample"):
+
+        class Wrapper(Sampler):
+            def sample(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+                return []
+
+    # naming an engine and adding accessors is what a subclass may do
+    class Named(Sampler):
+        def __init__(self, **options: Any) -> None:
+            super().__init__(Recorder, **options)
+
+        @property
+        def seen(self) -> list[SamplingParams]:
+            return self.engine.seen  # type: ignore[attr-defined, no-any-return]
+
+    named = Named(concurrent=True)
+    named.engine.gate.set()  # type: ignore[attr-defined]
+    named.sample(InputFeature(input_ids=[1]), {"max_tokens": 1})
+    assert named.concurrent_samples and len(named.seen) == 1
 
 
 def _sampler_classes(trees: dict[Path, ast.Module]) -> set[str]:
@@ -115,7 +108,7 @@ def _sampler_classes(trees: dict[Path, ast.Module]) -> set[str]:
 
 
 def test_engines_use_only_the_engine_api() -> None:
-    private = _base_private_names() - ENGINE_API
+    private = _base_private_names() - HOST_CALLS
     assert {"_lock", "_adapters", "_weights_version", "_check_open"} <= private  # the scan knows the internals
     trees = {path: ast.parse(path.read_text(), str(path)) for path in ENGINE_SOURCES}
     engines = _sampler_classes(trees)
@@ -216,15 +209,20 @@ def test_public_errors_and_model_ids_are_importable_from_documented_places() -> 
 
 
 # -- the base owns the checks and the locking: a minimal engine shows it ---------------------------
-class Recorder(Sampler):
+class Recorder(BatchEngine):
     """Generates ``prompt[-1] + 1``; records what reached it and how many ran at once."""
 
-    engine_name = "recorder"
-    supported_params = frozenset({"max_tokens", "num_samples", "temperature"})
-
-    def __init__(self, *, concurrent: bool = False) -> None:
-        super().__init__()
-        self.concurrent_samples = concurrent  # type: ignore[misc]
+    def __init__(
+        self, context: EngineContext, *, concurrent: bool = False, fields: frozenset[str] = frozenset()
+    ) -> None:
+        super().__init__(context)
+        self.info = EngineInfo(
+            name="recorder",
+            max_model_len=32,
+            vocab_size=50,
+            supported_params=fields or frozenset({"max_tokens", "num_samples", "temperature"}),
+            concurrent=concurrent,
+        )
         self.seen: list[SamplingParams] = []
         self.running = 0
         self.peak = 0
@@ -233,15 +231,7 @@ class Recorder(Sampler):
         self.guard = threading.Lock()
         self.shifts: dict[str, int] = {}
 
-    @property
-    def max_model_len(self) -> int:
-        return 32
-
-    @property
-    def vocab_size(self) -> int:
-        return 50
-
-    def _generate(self, prompts, params, adapter_name):  # type: ignore[no-untyped-def]
+    def generate(self, prompts, params, adapter_name):  # type: ignore[no-untyped-def]
         with self.guard:
             self.running += 1
             self.peak = max(self.peak, self.running)
@@ -253,7 +243,7 @@ class Recorder(Sampler):
             SampleResponse(
                 prompt_token_ids=p.input_ids,
                 sequences=[
-                    self._make_sequence(
+                    self.context.make_sequence(
                         p.input_ids,
                         [p.input_ids[-1] + 1 + shift],
                         stop_reason="length",
@@ -268,12 +258,17 @@ class Recorder(Sampler):
             self.running -= 1
         return out
 
-    def _load_adapter(self, adapter, *, version, **kwargs):  # type: ignore[no-untyped-def]
+    def load_adapter(self, adapter, *, version, **kwargs):  # type: ignore[no-untyped-def]
         self.shifts[adapter.name] = int(adapter.state_dict()["shift"])
         return adapter.source
 
-    def _remove_adapter(self, name: str) -> None:
+    def remove_adapter(self, name: str) -> None:
         del self.shifts[name]
+
+
+def recorder(**options: Any) -> Any:
+    """A sampler around a :class:`Recorder` (its state is ``sampler.engine``'s)."""
+    return Sampler(Recorder, **options)
 
 
 @pytest.mark.parametrize(
@@ -291,19 +286,18 @@ class Recorder(Sampler):
     ],
 )
 def test_a_field_the_engine_does_not_declare_is_refused_before_any_work(field: str, value: object) -> None:
-    eng = Recorder()
-    eng.gate.set()
+    eng = recorder()
+    eng.engine.gate.set()
     with pytest.raises(UnsupportedFeatureError, match=rf"SamplingParams\.{field}=.*recorder engine"):
         eng.sample(InputFeature(input_ids=[1]), {field: value})
-    assert eng.seen == []
+    assert eng.engine.seen == []
     # its default value is fine, and declared fields pass
     eng.sample(InputFeature(input_ids=[1]), {"temperature": 0.5, "max_tokens": 1})
-    assert len(eng.seen) == 1
+    assert len(eng.engine.seen) == 1
 
 
 def test_values_beyond_the_vocabulary_are_refused() -> None:
-    eng = Recorder()
-    eng.supported_params = frozenset({"max_tokens", "logprobs", "prompt_logprobs", "stop_token_ids"})  # type: ignore[misc]
+    eng = recorder(fields=frozenset({"max_tokens", "logprobs", "prompt_logprobs", "stop_token_ids"}))
     for bad, pattern in [
         ({"logprobs": 51}, "logprobs=51.*vocabulary size 50"),
         ({"prompt_logprobs": 10**9}, "prompt_logprobs"),
@@ -312,10 +306,10 @@ def test_values_beyond_the_vocabulary_are_refused() -> None:
     ]:
         with pytest.raises(InvalidSamplingParams, match=pattern):
             eng.sample(InputFeature(input_ids=[1]), bad)
-    assert eng.seen == []
+    assert eng.engine.seen == []
 
 
-def _run_in_threads(eng: Recorder, n: int) -> list[threading.Thread]:
+def _run_in_threads(eng: Sampler, n: int) -> list[threading.Thread]:
     threads = [threading.Thread(target=eng.sample, args=(InputFeature(input_ids=[i + 1]),)) for i in range(n)]
     for t in threads:
         t.start()
@@ -323,42 +317,42 @@ def _run_in_threads(eng: Recorder, n: int) -> list[threading.Thread]:
 
 
 def test_the_base_serialises_an_engine_that_is_not_concurrent() -> None:
-    eng = Recorder(concurrent=False)
+    eng = recorder(concurrent=False)
     threads = _run_in_threads(eng, 3)
-    assert eng.entered.acquire(timeout=10)
-    assert not eng.entered.acquire(timeout=0.2), "a second _generate started while the first was running"
-    eng.gate.set()
+    assert eng.engine.entered.acquire(timeout=10)
+    assert not eng.engine.entered.acquire(timeout=0.2), "a second _generate started while the first was running"
+    eng.engine.gate.set()
     for t in threads:
         t.join(10)
-    assert eng.peak == 1 and len(eng.seen) == 3
+    assert eng.engine.peak == 1 and len(eng.engine.seen) == 3
 
 
 def test_a_concurrent_engine_runs_samples_together() -> None:
-    eng = Recorder(concurrent=True)
+    eng = recorder(concurrent=True)
     threads = _run_in_threads(eng, 3)
     for _ in range(3):
-        assert eng.entered.acquire(timeout=10)
-    assert eng.peak == 3
-    eng.gate.set()
+        assert eng.engine.entered.acquire(timeout=10)
+    assert eng.engine.peak == 3
+    eng.engine.gate.set()
     for t in threads:
         t.join(10)
 
 
 def test_an_adapter_removal_waits_for_the_samples_using_it() -> None:
     """The adapter check and the generation are one step: a removal cannot slip between them."""
-    eng = Recorder(concurrent=True)
+    eng = recorder(concurrent=True)
     eng.add_adapter_to_model("a", {"r": 1}, weights={"shift": torch.tensor(10.0)})
     results: list[list[SampleResponse]] = []
     sampler_thread = threading.Thread(
         target=lambda: results.append(eng.sample(InputFeature(input_ids=[1]), adapter_name="a"))
     )
     sampler_thread.start()
-    assert eng.entered.acquire(timeout=10)  # inside _generate, with adapter "a"
+    assert eng.engine.entered.acquire(timeout=10)  # inside _generate, with adapter "a"
     removed = threading.Event()
     remover = threading.Thread(target=lambda: (eng.remove_adapter("a"), removed.set()))
     remover.start()
     assert not removed.wait(0.2), "remove_adapter must wait for the sample using the adapter"
-    eng.gate.set()
+    eng.engine.gate.set()
     sampler_thread.join(10)
     remover.join(10)
     seq = results[0][0].sequences[0]

@@ -235,10 +235,10 @@ def _write_dist(root: Path, name: str, entry_points: dict[str, str], modules: di
 
 
 PLUGIN = """\
-from twinkle_core import Sampler
+from twinkle_core.engine import BatchEngine
 from twinkle_core.plugins import hookimpl
 
-class Engine(Sampler):
+class Engine(BatchEngine):
     \"\"\"Never built: only resolved by name.\"\"\"
 
 @hookimpl

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 
 from twinkle_core import create_sampler, get_sampler_class, list_samplers, register_sampler
+from twinkle_core.engine import Engine, EngineContext, EngineInfo
 from twinkle_core.errors import (
     ConfigError,
     DuplicateSamplerError,
@@ -21,21 +22,16 @@ from twinkle_core.sampler import Sampler
 from twinkle_core.template import ChatMLTemplate, get_template, register_template, template_registry
 
 
-class _Engine(Sampler):
-    """Smallest possible engine: enough to be constructed by the factory."""
+class _Engine(Engine):
+    """Smallest possible engine: enough to be built by the factory."""
 
-    engine_name = "unit"
-
-    def __init__(self, model_id: str = "m", **kwargs: object) -> None:
-        super().__init__()
+    def __init__(self, context: EngineContext, model_id: str = "m", **kwargs: object) -> None:
+        super().__init__(context)
+        self.info = EngineInfo(name="unit", max_model_len=16)
         self.model_id = model_id
         self.kwargs = kwargs
 
-    @property
-    def max_model_len(self) -> int:
-        return 16
-
-    def _generate(self, prompts, params, adapter_name):  # type: ignore[no-untyped-def]
+    def run(self, run):  # type: ignore[no-untyped-def]
         return []
 
 
@@ -65,13 +61,14 @@ def in_process_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 def test_register_class_and_create(registered):
     registered("unit", _Engine)
     s = create_sampler("unit", model_id="x", foo=1)
-    assert isinstance(s, _Engine) and s.model_id == "x" and s.kwargs == {"foo": 1}
+    assert isinstance(s, Sampler) and isinstance(s.engine, _Engine)
+    assert s.engine.model_id == "x" and s.engine.kwargs == {"foo": 1}
     assert "unit" in [i.name for i in list_samplers()]
     # The model may come second, as in most libraries' factories; given twice, it is an error.
     s = create_sampler("unit", "y", foo=2)
-    assert s.model_id == "y" and s.kwargs == {"foo": 2}
+    assert s.engine.model_id == "y" and s.engine.kwargs == {"foo": 2}
     s = create_sampler({"sampler": "unit", "model_id": "from-config"}, "z")
-    assert s.model_id == "z"
+    assert s.engine.model_id == "z"
     with pytest.raises(TypeError, match="model twice"):
         create_sampler("unit", "y", model_id="x")
 
@@ -166,14 +163,14 @@ def test_non_sampler_target_is_rejected(registered):
 def test_create_from_config_mapping_and_files(registered, tmp_path):
     registered("unit", _Engine)
     s = create_sampler({"sampler": "unit", "model_id": "cfg"}, extra=2)
-    assert s.model_id == "cfg" and s.kwargs == {"extra": 2}
+    assert s.engine.model_id == "cfg" and s.engine.kwargs == {"extra": 2}
     yml = tmp_path / "s.yaml"
     yml.write_text("sampler: unit\nmodel_id: from-yaml\nenable_x: false\n")
     s = create_sampler(str(yml))
-    assert s.model_id == "from-yaml" and s.kwargs == {"enable_x": False}
+    assert s.engine.model_id == "from-yaml" and s.engine.kwargs == {"enable_x": False}
     js = tmp_path / "s.json"
     js.write_text('{"sampler": "unit", "model_id": "from-json"}')
-    assert create_sampler(str(js)).model_id == "from-json"
+    assert create_sampler(str(js)).engine.model_id == "from-json"
     with pytest.raises(ConfigError, match="no 'sampler' key"):
         create_sampler({"model_id": "x"})
     bad = tmp_path / "bad.yaml"

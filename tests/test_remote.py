@@ -2,8 +2,8 @@
 
 One cluster serves the whole module. The main behaviour runs on two real
 TorchSampler replicas of the tiny model; the failure paths that need an
-engine to misbehave on purpose use ``EchoEngine``, a small, real ``Sampler``
-subclass defined here.
+engine to misbehave on purpose use ``EchoEngine(...)``: a ``Sampler`` around
+``Echo``, a small, real engine defined here.
 
 Threads and replicas are ordered by what can be observed, never by sleeping:
 a test that needs a call in flight arms a :class:`Hold`, and the armed replica
@@ -59,6 +59,7 @@ from twinkle_core.remote._balance import split_by_cost  # noqa: E402
 from twinkle_core.template import Template  # noqa: E402
 from twinkle_core.testing import TINY_CHAT_PROMPTS, build_tiny_model  # noqa: E402
 from twinkle_core.testing.tokenizers import CharTokenizer  # noqa: E402
+from twinkle_torch.engine import TorchEngine  # noqa: E402
 from twinkle_torch.sampler import TorchSampler  # noqa: E402
 
 GREEDY = {"temperature": 0.0, "max_tokens": 24}
@@ -111,63 +112,61 @@ def hold_here(folder: str | None) -> None:
     wait_until(lambda: os.path.exists(os.path.join(folder, "go")), f"the test releasing replica {index}")
 
 
-class HeldTorchSampler(TorchSampler):
+class HeldTorchEngine(TorchEngine):
     """The real torch engine, whose calls a :class:`Hold` can stop in flight."""
 
     def __init__(
-        self, model_id: str, device_mesh: DeviceMesh | None = None, *, hold: str | None = None, **kwargs: Any
+        self,
+        context: EngineContext,
+        model_id: str,
+        device_mesh: DeviceMesh | None = None,
+        *,
+        hold: str | None = None,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(model_id, device_mesh, **kwargs)
+        super().__init__(context, model_id, device_mesh, **kwargs)
         self.hold = hold
 
-    def _run(self, run):  # type: ignore[no-untyped-def]
+    def run(self, run):  # type: ignore[no-untyped-def]
         hold_here(self.hold)
-        return super()._run(run)
+        return super().run(run)
 
 
 # -- a small real engine for the failure paths ------------------------------------------------
-class EchoEngine(Sampler):
+class Echo(BatchEngine):
     """Counts up from the last prompt token (+ a weight offset, + an adapter shift); text = its pid.
 
     ``fail_if_exists``: the constructor fails while that file exists (a model that went missing).
     ``hold``: a :class:`Hold` folder, to keep a call in flight until the test releases it.
     """
 
-    engine_name = "echo"
-
     def __init__(
         self,
+        context: EngineContext,
         model_id: str = "echo",
         device_mesh: DeviceMesh | None = None,
         *,
         hold: str | None = None,
         fail_if_exists: str | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(context)
         if fail_if_exists and os.path.exists(fail_if_exists):
             raise FileNotFoundError(f"model files missing: {fail_if_exists}")
         self.mesh = device_mesh
         self.hold = hold
         self.offset = 0
         self.shifts: dict[str, int] = {}
-        self._init_template(Template(CharTokenizer()), None)
+        context.init_template(Template(CharTokenizer()))
+        self.info = EngineInfo(name="echo", max_model_len=64, vocab_size=256)
 
-    @property
-    def max_model_len(self) -> int:
-        return 64
-
-    @property
-    def vocab_size(self) -> int:
-        return 256
-
-    def _generate(self, prompts, params, adapter_name):  # type: ignore[no-untyped-def]
+    def generate(self, prompts, params, adapter_name):  # type: ignore[no-untyped-def]
         hold_here(self.hold)
         shift = self.shifts.get(adapter_name, 0)
         out = []
         for p in prompts:
             base = p.input_ids[-1] + self.offset + shift
             seqs = [
-                self._make_sequence(
+                self.context.make_sequence(
                     p.input_ids,
                     [(base + s + i) % 256 for i in range(params.max_tokens)],
                     stop_reason="length",
@@ -179,7 +178,7 @@ class EchoEngine(Sampler):
             out.append(SampleResponse(prompt_token_ids=p.input_ids, sequences=seqs))
         return out
 
-    def _update_weights(self, named_tensors, *, version):  # type: ignore[no-untyped-def]
+    def update_weights(self, named_tensors, *, version):  # type: ignore[no-untyped-def]
         """``offset``; ``fail_on_replica``: this update fails on that replica only (a broken device, say)."""
         tensors = dict(named_tensors)
         if set(tensors) - {"offset", "fail_on_replica"}:
@@ -188,12 +187,17 @@ class EchoEngine(Sampler):
             raise WeightUpdateError(f"replica {current_replica().index} cannot take this update")
         self.offset = int(tensors["offset"])
 
-    def _load_adapter(self, adapter, **kwargs):  # type: ignore[no-untyped-def]
+    def load_adapter(self, adapter, **kwargs):  # type: ignore[no-untyped-def]
         self.shifts[adapter.name] = int(adapter.state_dict()["shift"])
         return adapter.source
 
-    def _remove_adapter(self, name: str) -> None:
+    def remove_adapter(self, name: str) -> None:
         del self.shifts[name]
+
+
+def EchoEngine(*args: Any, **kwargs: Any) -> Any:
+    """``Sampler(Echo, ...)``: the test engine as users build one (``remote_group=`` included)."""
+    return Sampler(Echo, *args, **kwargs)
 
 
 @remote_class
@@ -254,7 +258,6 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def local(model_dir):
-    from twinkle_torch.sampler import TorchSampler
 
     with TorchSampler(model_dir) as s:
         yield s
@@ -268,7 +271,7 @@ def torch_hold(tmp_path_factory) -> Hold:
 @pytest.fixture(scope="module")
 def remote(cluster, model_dir, torch_hold):
     with tw.create_sampler(
-        HeldTorchSampler,
+        HeldTorchEngine,
         model_id=model_dir,
         device_mesh=DeviceMesh.from_sizes(dp_size=2),
         remote_group="pair",
@@ -828,24 +831,25 @@ def test_local_mode_runs_remote_code_in_process(tmp_path):
     code = textwrap.dedent("""
         import sys
         import twinkle_core as tw
+        import twinkle_core.engine
         from twinkle_core.remote import UnknownGroupError
         from twinkle_core.errors import InvalidMeshError
-        class E(tw.Sampler):
-            def __init__(self, device_mesh=None):
-                super().__init__()
+        class E(tw.engine.BatchEngine):
+            def __init__(self, context, device_mesh=None):
+                super().__init__(context)
                 self.mesh = device_mesh
-            max_model_len = 8
-            def _generate(self, prompts, params, adapter_name):
+                self.info = tw.engine.EngineInfo(name="e", max_model_len=8)
+            def generate(self, prompts, params, adapter_name):
                 return []
         try:
-            E(remote_group="sampler")
+            tw.Sampler(E, remote_group="sampler")
         except UnknownGroupError as exc:
             assert "initialize() was never called" in str(exc), exc
         tw.initialize("local", groups=[tw.DeviceGroup(name="sampler", ranks=2, device_type="cpu")])
-        e = E(device_mesh=tw.DeviceMesh.from_sizes(dp_size=2), remote_group="sampler")
-        assert type(e) is E and e.mesh.dp_size == 2
+        e = tw.Sampler(E, device_mesh=tw.DeviceMesh.from_sizes(dp_size=2), remote_group="sampler")
+        assert type(e) is tw.Sampler and type(e.engine) is E and e.engine.mesh.dp_size == 2
         try:
-            E(device_mesh=tw.DeviceMesh.from_sizes(dp_size=3), remote_group="sampler")
+            tw.Sampler(E, device_mesh=tw.DeviceMesh.from_sizes(dp_size=3), remote_group="sampler")
         except InvalidMeshError as exc:
             assert "needs 3 devices but group 'sampler' has 2" in str(exc)
         tw.shutdown()

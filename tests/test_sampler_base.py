@@ -1,4 +1,4 @@
-"""What the ``Sampler`` base class does for every engine: params, inputs, versions, lifecycle."""
+"""What the ``Sampler`` does for every engine: params, inputs, versions, lifecycle."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import pytest
 
 from twinkle_core import InputFeature, SamplingParams, Trajectory
 from twinkle_core.data_format import SampleResponse
+from twinkle_core.engine import BatchEngine, EngineContext, EngineInfo
 from twinkle_core.errors import (
     InvalidInputError,
     InvalidSamplingParams,
@@ -16,43 +17,34 @@ from twinkle_core.errors import (
 from twinkle_core.sampler import Sampler, normalize_inputs, resolve_params
 
 
-class CountingEngine(Sampler):
-    """Generates ``[prompt[-1] + 1, ...]``: enough to watch the base class work."""
+class CountingEngine(BatchEngine):
+    """Generates ``[prompt[-1] + 1, ...]``: enough to watch the sampler work."""
 
-    engine_name = "counting"
-
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, context: EngineContext) -> None:
+        super().__init__(context)
+        self.info = EngineInfo(name="counting", max_model_len=8, vocab_size=100)
         self.calls: list[int] = []
         self.closed_count = 0
         self.applied: list[list[str]] = []
 
-    @property
-    def max_model_len(self) -> int:
-        return 8
-
-    @property
-    def vocab_size(self) -> int:
-        return 100
-
-    def _generate(self, prompts, params, adapter_name):  # type: ignore[no-untyped-def]
+    def generate(self, prompts, params, adapter_name):  # type: ignore[no-untyped-def]
         self.calls.append(len(prompts))
         out = []
         for p in prompts:
             toks = [p.input_ids[-1] + 1 + i for i in range(params.max_tokens)]
             seqs = [
-                self._make_sequence(p.input_ids, toks, stop_reason="length", adapter_name=adapter_name, text="x")
+                self.context.make_sequence(p.input_ids, toks, stop_reason="length", adapter_name=adapter_name, text="x")
                 for _ in range(params.num_samples)
             ]
             out.append(SampleResponse(prompt_token_ids=p.input_ids, sequences=seqs))
         return out
 
-    def _update_weights(self, named_tensors, *, version):  # type: ignore[no-untyped-def]
+    def update_weights(self, named_tensors, *, version):  # type: ignore[no-untyped-def]
         if any(name.startswith("bad") for name, _ in named_tensors):
             raise WeightUpdateError("bad name")
         self.applied.append([n for n, _ in named_tensors])
 
-    def _close(self) -> None:
+    def close(self) -> None:
         self.closed_count += 1
 
 
@@ -82,7 +74,7 @@ def test_normalize_inputs_accepts_mixed_lists_and_single_items():
 
 
 def test_sample_counts_order_and_version_stamp():
-    eng = CountingEngine()
+    eng = Sampler(CountingEngine)
     out = eng.sample([InputFeature(input_ids=[i, i + 1]) for i in range(3)], {"max_tokens": 2}, num_samples=2)
     assert [r.sequences[0].tokens for r in out] == [[2, 3], [3, 4], [4, 5]]
     assert all(len(r.sequences) == 2 for r in out)
@@ -91,10 +83,10 @@ def test_sample_counts_order_and_version_stamp():
 
 
 def test_invalid_token_ids_and_length_checked_before_generation():
-    eng = CountingEngine()
+    eng = Sampler(CountingEngine)
     with pytest.raises(InvalidInputError, match="token id 100 outside the vocabulary"):
         eng.sample([InputFeature(input_ids=[1]), InputFeature(input_ids=[100])], {"max_tokens": 1})
-    assert eng.calls == []
+    assert eng.engine.calls == []
     out = eng.sample(
         [InputFeature(input_ids=[1] * 9), InputFeature(input_ids=[1])], {"max_tokens": 1}, on_invalid="skip"
     )
@@ -106,7 +98,7 @@ def test_invalid_token_ids_and_length_checked_before_generation():
 
 
 def test_update_weights_versions_are_monotonic_and_all_or_nothing():
-    eng = CountingEngine()
+    eng = Sampler(CountingEngine)
     assert eng.update_weights({"w": 1}) == 1
     assert eng.update_weights([("w", 2)], version=10) == 10
     with pytest.raises(WeightUpdateError, match="greater than the current weights_version 10"):
@@ -123,17 +115,17 @@ def test_update_weights_versions_are_monotonic_and_all_or_nothing():
 
 
 def test_adapters_unsupported_by_default_with_clear_error():
-    eng = CountingEngine()
+    eng = Sampler(CountingEngine)
     with pytest.raises(UnsupportedFeatureError, match="counting engine has no LoRA support"):
         eng.add_adapter_to_model("a", "/nowhere")
     assert dict(eng.adapters) == {} and eng.weights_version == 0
 
 
 def test_close_twice_and_context_manager():
-    with CountingEngine() as eng:
+    with Sampler(CountingEngine) as eng:
         pass
-    assert eng.closed and eng.closed_count == 1
+    assert eng.closed and eng.engine.closed_count == 1
     eng.close()
-    assert eng.closed_count == 1
+    assert eng.engine.closed_count == 1
     with pytest.raises(SamplerClosedError):
         eng.sample(InputFeature(input_ids=[1]))

@@ -263,7 +263,7 @@ class BatchEngine(Engine):
 def run_in_batches(run: EngineRun, generate: Any) -> list[SampleResponse]:
     """Run ``run`` through a whole-batch ``generate(prompts, params, adapter_name)``, one call per budget.
 
-    What :meth:`BatchEngine.run` does; the sampler runs an engine written as a subclass through it too.
+    What :meth:`BatchEngine.run` does.
 
     Continued sequences of one run can have different budgets (``run.max_tokens``).
     """

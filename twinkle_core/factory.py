@@ -33,7 +33,7 @@ def register_sampler(name: str, target: Any = None, *, replace: bool = False) ->
     Without ``target`` it is a class decorator::
 
         @register_sampler("mine")
-        class MySampler(Sampler): ...
+        class MyEngine(twinkle_core.engine.Engine): ...
     """
     return sampler_registry.register(name, target, replace=replace)
 

@@ -86,9 +86,9 @@ class StopSwitch(threading.Event):
 class EngineRun:
     """What one engine run generates, and how the engine reports back.
 
-    Engines that override ``Sampler._run`` read it: ``prompts``, ``params``
-    (with ``num_samples`` completions per prompt) and ``adapter_name`` as
-    ``_generate`` gets them, plus, for continued sequences, the sample index
+    ``Engine.run`` reads it: ``prompts``, ``params`` (with ``num_samples``
+    completions per prompt) and ``adapter_name`` as ``BatchEngine.generate``
+    gets them, plus, for continued sequences, the sample index
     and the number of tokens generated before this run of each prompt
     (``sample_base`` and ``generated``: seeded randomness keyed on them makes
     a continued sequence draw what the uninterrupted one would have). While

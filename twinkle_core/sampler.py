@@ -1,9 +1,8 @@
 """The ``Sampler`` users hold, around an engine, and the input handling every engine shares.
 
 An engine is a :class:`twinkle_core.engine.Engine` object, built by
-``Sampler(EngineClass, *args, **kwargs)``. Engines written the older way
-subclass :class:`Sampler`, implement the hooks of its "Engine API" block and
-call only the helpers listed there. Everything a user calls
+``Sampler(EngineClass, *args, **kwargs)``; ``Sampler`` itself is final (a
+subclass may only name an engine's constructor). Everything a user calls
 (``sample``, ``add_adapter_to_model``, ``update_weights``...) lives here, so
 input normalisation, validation, error messages, versioning and locking are
 the same for every engine.
@@ -38,7 +37,7 @@ from twinkle_core.data_format import (
     training_feature,
 )
 from twinkle_core.data_format.params import resolve_params
-from twinkle_core.engine import Engine, EngineContext, EngineInfo, run_in_batches
+from twinkle_core.engine import Engine, EngineContext, EngineInfo
 from twinkle_core.errors import (
     ConfigError,
     EngineDeadError,
@@ -47,7 +46,6 @@ from twinkle_core.errors import (
     TemplateError,
     TwinkleError,
     UnknownAdapterError,
-    UnsupportedFeatureError,
     WeightUpdateError,
     did_you_mean,
 )
@@ -124,8 +122,8 @@ class SamplerMeta(ABCMeta):
 class AppliedWithError(Exception):
     """Raised by a front end's state-change hook that applied the change, but not cleanly.
 
-    The base records the change (adapter table, version) as applied, then
-    raises ``error``. ``RemoteSampler`` uses it when some replicas took an
+    The sampler records the change (adapter table, version) as applied, then
+    raises ``error``. The Ray engine uses it when some replicas took an
     update and the others had to be rebuilt with it.
     """
 
@@ -134,18 +132,10 @@ class AppliedWithError(Exception):
         self.error = error
 
 
-def _check_hooks(cls: type[Sampler]) -> None:
-    """An engine written as a ``Sampler`` subclass must define its two required hooks (as ABC did)."""
-    missing = []
-    if cls.max_model_len is Sampler.max_model_len:
-        missing.append("max_model_len")
-    if cls._generate is Sampler._generate and cls._run is Sampler._run:
-        missing.append("_generate (or _run)")
-    if missing:
-        raise TypeError(
-            f"Can't instantiate {cls.__name__}: it does not define {' and '.join(missing)}. Write the engine as a"
-            " twinkle_core.engine.Engine and build Sampler(YourEngine, ...) instead."
-        )
+#: The names of ``Sampler`` a subclass may define: its constructor, and what names its engine.
+_SUBCLASS_MAY_SET = frozenset(
+    {"__init__", "__repr__", "engine", "engine_name", "supported_params", "concurrent_samples"}
+)
 
 
 def require_engine_class(engine: Any) -> None:
@@ -219,8 +209,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
 
     The engine (a :class:`twinkle_core.engine.Engine`) is built as
     ``EngineClass(context, *args, **kwargs)``; ``create_sampler(name, ...)``
-    does this for a registered engine. An engine written as a subclass of
-    ``Sampler`` (the "Engine API" below) is built by its own constructor.
+    does this for a registered engine.
 
     Any engine built with ``remote_group="name"`` (after
     ``twinkle_core.initialize("ray", groups=[...])``) runs as
@@ -241,80 +230,10 @@ class Sampler(ABC, metaclass=SamplerMeta):
 
     Every sequence carries the ``weights_version`` it was produced with.
 
-    Engine API
-    ----------
-    The older way: an engine subclasses ``Sampler``, implements the hooks
-    below and calls only the helpers below (an ``Engine`` object has a method
-    of the same meaning for each hook; ``twinkle_core.engine``); every other attribute of this class is private
-    to the core. ``tests/test_engine_api.py`` keeps this list and the code in step.
-
-    Hooks (the engine implements or sets them):
-
-    * ``engine_name``: the registry name, for messages.
-    * ``supported_params``: the ``SamplingParams`` fields the engine honours.
-      A call that sets any other field to a non-default value raises
-      ``UnsupportedFeatureError`` before any work, so a field added to
-      ``SamplingParams`` later is refused, never silently dropped.
-    * ``concurrent_samples``: ``True`` if ``_generate`` may run in several
-      threads at once; otherwise the base runs one ``_generate`` at a time.
-    * ``max_model_len`` (property, required): prompt + completion, in tokens.
-    * ``vocab_size`` (property): token ids must be below it (``None``: unchecked).
-      The base also refuses ``logprobs`` / ``prompt_logprobs`` above it and
-      ``stop_token_ids`` outside it.
-    * ``_max_prompt_len(params)``: the longest prompt accepted for ``params``
-      (default: ``max_model_len``, minus one when ``max_tokens > 0``).
-    * ``_generate(prompts, params, adapter_name)`` (required): called with the
-      lock held shared; the adapter exists and cannot be removed until it
-      returns; ``weights_version`` cannot change. Prompts are validated
-      ``InputFeature`` s; ``max_tokens=0`` means score the prompt only (with
-      ``prompt_logprobs``) and return one empty sequence per sample. Returns one
-      ``SampleResponse`` per prompt, in order, each with ``num_samples``
-      sequences built with ``_make_sequence``.
-    * ``_run(run)`` (optional, instead of relying on ``_generate``): the same
-      work described by an ``EngineRun``, for engines that stop early and
-      stream. Between steps it checks ``run.stopped()`` and then ends its
-      unfinished sequences with ``stop_reason="abort"`` and their partial
-      tokens; it reports each final sequence with ``run.finish(prompt, sample,
-      sequence)``; it honours ``run.max_tokens`` per prompt and, for seeded
-      sampling, keys randomness on ``run.sample_base`` and ``run.generated``
-      so a continued sequence draws what the uninterrupted one would. The
-      default calls ``_generate`` (then aborts act before a run starts, and
-      sequences stream when the run ends).
-    * ``_load_adapter(adapter, *, version, **kwargs)``: load or replace a
-      LoRA adapter; returns its source for listings. ``adapter`` is a
-      ``twinkle_core.adapter_input.AdapterInput``: config and tensors already
-      read (from a folder or memory) and checked to be floating point and finite.
-    * ``_remove_adapter(name)``: the adapter is known to be loaded.
-    * ``_update_weights(named_tensors, *, version)``: ``named_tensors`` is a
-      non-empty list of ``(str, value)`` pairs; validate them (see
-      ``twinkle_core.weights.check_update``) and apply all or nothing.
-    * ``_close()``: release the engine's resources (called once).
-    * ``_after_engine_death(error)``: called with no lock held when ``_run``
-      raised ``EngineDeadError``; an engine that can restart itself does it
-      here (taking ``_exclusive()``) and returns the error the call raises.
-    * ``_on_template_changed()``: after ``set_template`` (engines caching
-      tokenizer data refresh it).
-
-    The three state-change hooks run with the lock held exclusively: no
-    ``_generate`` or ``_run`` runs meanwhile. ``version`` is the ``weights_version`` the
-    change will carry once it returns.
-
-    Helpers (the engine may call them):
-
-    * ``_init_template(template, model_dir, *, tokenizer=None)``: load
-      ``model_dir`` 's tokenizer (or take ``tokenizer``) and set the template
-      (default: the tokenizer's own chat template).
-    * ``_make_sequence(prompt_ids, tokens, *, stop_reason, adapter_name, ...)``:
-      a ``SampledSequence`` with its text, version and training feature.
-    * ``_exclusive()``: a context manager holding the lock exclusively, for
-      engine-specific state changes (vLLM's ``sleep`` / ``wake_up``).
-    * ``_restore_version(version)``: state the version of a rebuilt engine
-      that replayed its state (never lowers it).
-    * ``template``, ``tokenizer``, ``weights_version``, ``adapters``, ``closed``
-      and the public methods.
-    * From other modules: ``twinkle_core.hub.resolve_model_id`` (model ids to
-      folders), ``twinkle_core.weights`` (update checks), the errors of
-      ``twinkle_core.errors``.
+    ``Sampler`` is final: an engine is a :class:`twinkle_core.engine.Engine`,
+    never a subclass of this class. A subclass may only name an engine (a
+    constructor with its arguments, like ``TorchSampler``) and add accessors;
+    one that overrides anything of this class is refused when it is defined.
 
     For the Ray replica host: ``_sample(items, params, adapter_name, on_invalid,
     indices)`` runs a share of a call whose arguments the driver checked (lock
@@ -324,14 +243,33 @@ class Sampler(ABC, metaclass=SamplerMeta):
     its error raised.
     """
 
-    #: The registry name of the engine (``"torch"``, ``"vllm"``), for messages.
+    #: The registry name of the engine (``"torch"``, ``"vllm"``), for messages (the engine's ``info.name``).
     engine_name: str = ""
-    #: The ``SamplingParams`` fields this engine honours (see the class docstring).
+    #: The ``SamplingParams`` fields the engine honours (its ``info.supported_params``).
     supported_params: ClassVar[frozenset[str]] = frozenset({"max_tokens", "num_samples"})
-    #: Whether ``_generate`` may run in several threads at once.
+    #: Whether the engine's runs may overlap (its ``info.concurrent``).
     concurrent_samples: ClassVar[bool] = False
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # ``_generate``: the required hook of engines written as subclasses before the contract
+        base_names = {"_generate"} | {name for klass in Sampler.__mro__ for name in vars(klass)}
+        overridden = sorted(
+            name
+            for name in vars(cls)
+            if name in base_names
+            and name not in _SUBCLASS_MAY_SET
+            and not (name.startswith("__") and name.endswith("__"))
+        )
+        if overridden:
+            raise TypeError(
+                f"{cls.__name__} overrides Sampler's {', '.join(overridden)}: Sampler is final. Write the engine as a"
+                " twinkle_core.engine.Engine and build Sampler(YourEngine, ...) (a Sampler subclass may only give"
+                " an engine's constructor a name, and add accessors)."
+            )
+
     def __init__(self, engine: type[Engine] | None = None, /, *args: Any, **kwargs: Any) -> None:
+        # None only while the engine's constructor runs (it may set the template then).
         self._held_engine: Engine | None = None
         self._template: Template | None = None
         self._tokenizer: Any = None
@@ -341,7 +279,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         self._closed = False
         # Samples hold it shared; weight, adapter and template changes exclusively.
         self._lock = ReadWriteLock()
-        # Serialises _generate for engines that cannot run it concurrently.
+        # Serialises the runs of engines that cannot run concurrently.
         self._serial = threading.Lock()
         # Adapters loaded by sample(adapter_path=...): the weights files' stamps they were loaded from.
         self._path_stamps: dict[str, tuple[tuple[str, int, int], ...]] = {}
@@ -350,13 +288,10 @@ class Sampler(ABC, metaclass=SamplerMeta):
         self._live: set[CallFeed] = set()
         self._live_lock = threading.Lock()
         if engine is None:
-            if args or kwargs or type(self) is Sampler:
-                raise TypeError(
-                    "Sampler(engine, *args, **kwargs) needs an engine class (a twinkle_core.engine.Engine subclass)"
-                    " first; pick one by name with twinkle_core.create_sampler(name, ...)."
-                )
-            _check_hooks(type(self))
-            return
+            raise TypeError(
+                "Sampler(engine, *args, **kwargs) needs an engine class (a twinkle_core.engine.Engine subclass)"
+                " first; pick one by name with twinkle_core.create_sampler(name, ...)."
+            )
         require_engine_class(engine)
         self._closed = True  # until the engine is built: nothing to close if its constructor fails
         built = engine(_Context(self), *args, **kwargs)
@@ -373,78 +308,49 @@ class Sampler(ABC, metaclass=SamplerMeta):
         self.concurrent_samples = info.concurrent  # type: ignore[misc]
 
     def __repr__(self) -> str:
-        if self._held_engine is None:
-            return super().__repr__()
         return f"Sampler({self._held_engine!r})"
 
     @property
-    def engine(self) -> Engine | None:
-        """The engine this sampler runs (``None`` for an engine written as a ``Sampler`` subclass)."""
+    def engine(self) -> Engine:
+        """The engine this sampler runs."""
+        if self._held_engine is None:
+            raise TwinkleError(
+                "The engine is still being built: a Sampler's engine exists once its constructor returns."
+            )
         return self._held_engine
 
-    # -- engine hooks ------------------------------------------------------------------
-    # With an engine object each hook calls the engine's method of the same meaning; an engine
-    # written as a subclass overrides them instead.
+    # -- the engine ------------------------------------------------------------------------
     @property
     def max_model_len(self) -> int:
         """The longest sequence (prompt + completion) the engine accepts, in tokens."""
-        if self._held_engine is None:
-            raise NotImplementedError(f"{type(self).__name__} does not define max_model_len.")
-        return self._held_engine.info.max_model_len
+        return self.engine.info.max_model_len
 
     @property
     def vocab_size(self) -> int | None:
         """Number of token ids the model accepts (``None``: unchecked)."""
-        return None if self._held_engine is None else self._held_engine.info.vocab_size
+        return self.engine.info.vocab_size
 
     def _max_prompt_len(self, params: SamplingParams) -> int:
-        """The longest prompt accepted for ``params`` (room for one generated token when generating)."""
-        if self._held_engine is not None:
-            return self._held_engine.max_prompt_len(params)
-        return self.max_model_len - (1 if params.max_tokens > 0 else 0)
-
-    def _generate(self, prompts: list[InputFeature], params: SamplingParams, adapter_name: str) -> list[SampleResponse]:
-        """Generate for already-validated prompts: one response per prompt, in order.
-
-        Runs with the lock held shared (see the class docstring). Each
-        response holds ``params.num_samples`` sequences built with
-        :meth:`_make_sequence`.
-        """
-        raise NotImplementedError(f"{type(self).__name__} defines neither _generate nor _run.")
+        return self.engine.max_prompt_len(params)
 
     def _load_adapter(self, adapter: AdapterInput, *, version: int, **kwargs: Any) -> str:
-        """Load (or replace) ``adapter`` (read and checked by the core); return its source. Lock held exclusively."""
-        if self._held_engine is not None:
-            return self._held_engine.load_adapter(adapter, version=version, **kwargs)
-        raise UnsupportedFeatureError(f"The {self._label()} engine has no LoRA support.")
+        return self.engine.load_adapter(adapter, version=version, **kwargs)
 
     def _remove_adapter(self, name: str) -> None:
-        """Unload a LoRA adapter. Lock held exclusively."""
-        if self._held_engine is not None:
-            return self._held_engine.remove_adapter(name)
-        raise UnsupportedFeatureError(f"The {self._label()} engine has no LoRA support.")
+        self.engine.remove_adapter(name)
 
     def _update_weights(self, named_tensors: list[tuple[str, Any]], *, version: int) -> None:
-        """Validate then apply new base weights (all or nothing). Lock held exclusively."""
-        if self._held_engine is not None:
-            return self._held_engine.update_weights(named_tensors, version=version)
-        raise UnsupportedFeatureError(f"The {self._label()} engine cannot update weights.")
+        self.engine.update_weights(named_tensors, version=version)
 
     def _close(self) -> None:
-        """Release the engine's resources. Called once, by ``close()``."""
         if self._held_engine is not None:
             self._held_engine.close()
 
     def _after_engine_death(self, error: EngineDeadError) -> BaseException:
-        """Called with no lock held when a run raised ``EngineDeadError``; returns what the call raises.
-
-        An engine that can restart itself does it here (it may take ``_exclusive()``).
-        """
-        return error if self._held_engine is None else self._held_engine.after_death(error)
+        return self.engine.after_death(error)
 
     def _on_template_changed(self) -> None:
-        """Called after ``set_template``, lock held exclusively (engines caching template data override it)."""
-        if self._held_engine is not None:
+        if self._held_engine is not None:  # not while the engine's constructor sets its first template
             self._held_engine.template_changed()
 
     def _label(self) -> str:
@@ -1108,10 +1014,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         return SampleResponse(prompt_token_ids=list(prompt.input_ids), sequences=empty)
 
     def _run(self, run: EngineRun) -> list[SampleResponse]:
-        """Generate one run (see ``EngineRun``): the engine's ``run``, else ``_generate`` (no early stop)."""
-        if self._held_engine is not None:
-            return self._held_engine.run(run)
-        return run_in_batches(run, self._generate)
+        return self.engine.run(run)
 
     def _encode_checked(self, item: InputFeature | Trajectory, index: int) -> InputFeature:
         """``encode``, with any failure of the template or tokenizer as a typed error naming the input."""
@@ -1140,7 +1043,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
     ) -> SampledSequence:
         """Build a ``SampledSequence`` with its text, version and training feature.
 
-        ``weights_version`` defaults to the current one (stable while ``_generate`` runs).
+        ``weights_version`` defaults to the current one (stable while the engine runs).
         """
         tokens = [int(t) for t in tokens]
         if text is None:

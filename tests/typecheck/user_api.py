@@ -23,29 +23,23 @@ from twinkle_core import (
     TwinkleError,
     create_sampler,
 )
+from twinkle_core.engine import BatchEngine, EngineContext, EngineInfo
 
 
-class ConstantSampler(Sampler):
-    """An engine author's subclass: the two required hooks, typed as the base declares them."""
+class ConstantEngine(BatchEngine):
+    """An engine author's engine: the one required method, typed as the contract declares it."""
 
-    engine_name = "constant"
-    supported_params = frozenset({"max_tokens", "num_samples", "seed"})
-
-    def __init__(self, token: int = 7, *, context: int = 64) -> None:
-        super().__init__()
+    def __init__(self, context: EngineContext, token: int = 7, *, window: int = 64) -> None:
+        super().__init__(context)
         self._token = token
-        self._context = context
+        self.info = EngineInfo(name="constant", max_model_len=window, supported_params={"seed"})
 
-    @property
-    def max_model_len(self) -> int:
-        return self._context
-
-    def _generate(self, prompts: list[InputFeature], params: SamplingParams, adapter_name: str) -> list[SampleResponse]:
+    def generate(self, prompts: list[InputFeature], params: SamplingParams, adapter_name: str) -> list[SampleResponse]:
         return [
             SampleResponse(
                 prompt_token_ids=list(p.input_ids),
                 sequences=[
-                    self._make_sequence(
+                    self.context.make_sequence(
                         list(p.input_ids),
                         [self._token] * params.max_tokens,
                         stop_reason="length",
@@ -57,6 +51,13 @@ class ConstantSampler(Sampler):
             )
             for p in prompts
         ]
+
+
+class ConstantSampler(Sampler):
+    """The engine's constructor under a name, as ``TorchSampler`` is ``Sampler(TorchEngine, ...)``."""
+
+    def __init__(self, token: int = 7, *, window: int = 64) -> None:
+        super().__init__(ConstantEngine, token, window=window)
 
 
 def train_step(sampler: Sampler, prompts: list[Trajectory], new_weights: dict[str, Any]) -> list[float]:
@@ -85,7 +86,9 @@ def main() -> None:
     # With remote_group= it is a RemoteSampler, so a class argument still gives a Sampler.
     by_class = create_sampler(ConstantSampler, token=3)
     assert_type(by_class, Sampler)
-    direct = ConstantSampler(5, context=128)
+    by_engine = create_sampler(ConstantEngine, token=3)
+    assert_type(by_engine, Sampler)
+    direct = ConstantSampler(5, window=128)
     assert_type(direct, ConstantSampler)
     with direct as sampler:
         assert_type(sampler, ConstantSampler)

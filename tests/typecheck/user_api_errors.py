@@ -7,16 +7,16 @@ other line may get one. Not part of ``make lint`` (it is wrong on purpose).
 from __future__ import annotations
 
 from twinkle_core import InputFeature, Sampler, SampleResponse, SamplingParams, create_sampler
+from twinkle_core.engine import BatchEngine
 
 
-class WrongHookSampler(Sampler):
-    """An engine whose hooks do not match the base's signatures."""
+class WrongHookEngine(BatchEngine):
+    """An engine whose methods do not match the contract's signatures."""
 
-    @property
-    def max_model_len(self) -> str:  # E: override
+    def max_prompt_len(self, params: SamplingParams) -> str:  # E: override
         return "64"
 
-    def _generate(self, prompts: list[str], params: SamplingParams, name: str) -> list[SampleResponse]:  # E: override
+    def generate(self, prompts: list[str], params: SamplingParams, name: str) -> list[SampleResponse]:  # E: override
         return []
 
 
