@@ -546,6 +546,9 @@ class PidEngine(BatchEngine):
         context.init_template(Template(CharTokenizer()))
         self.info = EngineInfo(name="pid", max_model_len=64, vocab_size=256, supported_params={"temperature"})
 
+    def max_prompt_len(self, params):  # type: ignore[no-untyped-def]
+        return 40 if params.max_tokens > 0 else 50  # its own limits, not max_model_len's
+
     def generate(self, prompts, params, adapter_name):  # type: ignore[no-untyped-def]
         where = self.context.placement
         text = f"{os.getpid()}:{None if where is None else where.index}:{self.mesh.dp_size if self.mesh else None}"
@@ -590,6 +593,14 @@ def test_an_engine_object_runs_as_replicas_like_a_sampler_subclass(cluster):
         served = {r.sequences[0].text for r in out}
         assert {t.split(":", 1)[1] for t in served} == {"0:1", "1:1"}
         assert {int(t.split(":")[0]) for t in served} == {r.pid for r in s.replicas}
+        # the driver checks prompts against the engine's own limits, read from a replica
+        long = InputFeature(input_ids=[1] * 45)
+        with pytest.raises(PromptTooLongError, match="at most 40") as info:
+            s.sample([inputs[0], long], {"max_tokens": 1})
+        assert info.value.index == 1
+        skipped = s.sample([inputs[0], long], {"max_tokens": 1}, on_invalid="skip")
+        assert "at most 40" in (skipped[1].error or "") and skipped[0].sequences
+        assert s.sample(long, {"max_tokens": 0})[0].sequences[0].tokens == []  # scoring may use 50
 
 
 def test_work_is_balanced_across_replicas_and_order_kept(cluster):

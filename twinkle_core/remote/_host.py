@@ -109,12 +109,18 @@ class ReplicaHost:
         from twinkle_core.sampler import Sampler
 
         if isinstance(self._target, Sampler):
+            engine = self._target.engine
             info.update(
                 max_model_len=self._target.max_model_len,
                 vocab_size=self._target.vocab_size,
                 engine_name=self._target.engine_name,
                 supported_params=sorted(self._target.supported_params),
                 weights_version=self._target.weights_version,
+                # the engine's own limits, so the driver checks prompts as the replica would
+                max_prompt_len={
+                    "score": engine.max_prompt_len(SamplingParams(max_tokens=0)),
+                    "generate": engine.max_prompt_len(SamplingParams(max_tokens=1)),
+                },
             )
         return info
 

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from twinkle_core.adapter_input import AdapterInput
-from twinkle_core.data_format import SampledSequence, SampleResponse
+from twinkle_core.data_format import SampledSequence, SampleResponse, SamplingParams
 from twinkle_core.engine import Engine, EngineContext, EngineInfo, EngineRun
 from twinkle_core.errors import ConfigError
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
@@ -103,6 +103,7 @@ class RemoteEngine(Engine):
                 supported_params=frozenset(info.get("supported_params", ())),
                 concurrent=True,
             )
+            self._prompt_limits: dict[str, int] = dict(info.get("max_prompt_len") or {})
             context.init_template(self._replicas_template)
             context.restore_version(info.get("weights_version", 0))
         except BaseException:
@@ -125,6 +126,11 @@ class RemoteEngine(Engine):
             f"RemoteEngine({self.label}, group={self.group.name!r}, dp_size={m.dp_size},"
             f" tp_size={m.tp_size}, replicas in service={len(self.pool.alive())})"
         )
+
+    def max_prompt_len(self, params: SamplingParams) -> int:
+        """The replicas' engine's limit (what each replica reported), so a prompt it refuses is refused here."""
+        limit = self._prompt_limits.get("generate" if params.max_tokens > 0 else "score")
+        return super().max_prompt_len(params) if limit is None else limit
 
     # -- state changes ---------------------------------------------------------------------
     def _replay_ops(self) -> tuple[list[Op], int]:
