@@ -20,7 +20,6 @@ from abc import ABC, ABCMeta
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any, ClassVar, TypeVar
 
 import attrs
@@ -47,12 +46,11 @@ from twinkle_core.errors import (
     TwinkleError,
     UnknownAdapterError,
     WeightUpdateError,
-    did_you_mean,
 )
 from twinkle_core.inputs import OnInvalid, SampleInputs, check_params, check_prompt, normalize_inputs
-from twinkle_core.locks import ReadWriteLock
 from twinkle_core.placement import current_replica
-from twinkle_core.requests import IN_FLIGHT_POLICIES, CallFeed, EngineRun, Finished, SampleHandle
+from twinkle_core.requests import CallFeed, EngineRun, Finished, SampleHandle
+from twinkle_core.state import AdapterInfo, AppliedWithError, PolicyState
 from twinkle_core.template import Template, get_template, load_tokenizer
 from twinkle_core.weights import find_non_finite
 
@@ -68,23 +66,6 @@ __all__ = [
 ]
 
 S = TypeVar("S", bound="Sampler")
-
-
-@attrs.frozen
-class AdapterInfo:
-    """A loaded LoRA adapter, as ``Sampler.adapters`` shows it.
-
-    Attributes:
-        name: the name ``sample(..., adapter_name=...)`` selects it by.
-        adapter_id: a stable integer id for the name (engines key caches on it).
-        version: the sampler's ``weights_version`` when it was (re)loaded.
-        source: the folder it came from, or ``"<memory>"``.
-    """
-
-    name: str
-    adapter_id: int
-    version: int
-    source: str
 
 
 @attrs.frozen
@@ -117,19 +98,6 @@ class SamplerMeta(ABCMeta):
         if _remote_builder is None:  # pragma: no cover - ``import twinkle_core`` imports the remote package
             raise ConfigError(f"remote_group={remote_group!r} needs twinkle_core.remote: import twinkle_core first.")
         return _remote_builder(cls, remote_group, args, kwargs)
-
-
-class AppliedWithError(Exception):
-    """Raised by a front end's state-change hook that applied the change, but not cleanly.
-
-    The sampler records the change (adapter table, version) as applied, then
-    raises ``error``. The Ray engine uses it when some replicas took an
-    update and the others had to be rebuilt with it.
-    """
-
-    def __init__(self, error: BaseException) -> None:
-        super().__init__(str(error))
-        self.error = error
 
 
 #: The names of ``Sampler`` a subclass may define: its constructor, and what names its engine.
@@ -273,20 +241,13 @@ class Sampler(ABC, metaclass=SamplerMeta):
         self._held_engine: Engine | None = None
         self._template: Template | None = None
         self._tokenizer: Any = None
-        self._adapters: dict[str, AdapterInfo] = {}
-        self._next_adapter_id = 1
-        self._weights_version = 0
+        self._state = PolicyState()
         self._closed = False
-        # Samples hold it shared; weight, adapter and template changes exclusively.
-        self._lock = ReadWriteLock()
         # Serialises the runs of engines that cannot run concurrently.
         self._serial = threading.Lock()
         # Adapters loaded by sample(adapter_path=...): the weights files' stamps they were loaded from.
         self._path_stamps: dict[str, tuple[tuple[str, int, int], ...]] = {}
         self._path_lock = threading.Lock()
-        # Calls in flight, for abort_all() and the in_flight policies of state changes.
-        self._live: set[CallFeed] = set()
-        self._live_lock = threading.Lock()
         if engine is None:
             raise TypeError(
                 "Sampler(engine, *args, **kwargs) needs an engine class (a twinkle_core.engine.Engine subclass)"
@@ -380,15 +341,12 @@ class Sampler(ABC, metaclass=SamplerMeta):
     @contextmanager
     def _exclusive(self) -> Iterator[None]:
         """Hold the sampler's lock exclusively: no sample runs, no other state change."""
-        with self._lock.write():
+        with self._state.lock.write():
             yield
 
     def _restore_version(self, version: int) -> None:
         """Raise ``weights_version`` to ``version`` (a rebuilt engine that replayed its state)."""
-        if isinstance(version, bool) or not isinstance(version, int):
-            raise WeightUpdateError(f"version={version!r} is invalid: expected an integer.")
-        with self._lock.write():
-            self._weights_version = max(self._weights_version, version)
+        self._state.restore_version(version)
 
     # -- template ------------------------------------------------------------------------
     @property
@@ -424,7 +382,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
             raise TypeError(
                 f"set_template expects a registered name, a Template subclass or instance; got {template!r}."
             )
-        with self._lock.write():
+        with self._state.lock.write():
             previous = (self._template, self._tokenizer)
             self._template = template
             self._tokenizer = template.tokenizer
@@ -440,23 +398,11 @@ class Sampler(ABC, metaclass=SamplerMeta):
     @property
     def adapters(self) -> Mapping[str, AdapterInfo]:
         """The loaded LoRA adapters by name (read-only)."""
-        return MappingProxyType(dict(self._adapters))
+        return self._state.adapters
 
     def adapter_id(self, name: str) -> int:
         """The stable integer id of a loaded adapter."""
-        return self._require_adapter(name).adapter_id
-
-    def _require_adapter(self, name: str) -> AdapterInfo:
-        if not isinstance(name, str):
-            raise UnknownAdapterError(f"adapter_name={name!r} is invalid: expected a string ('' = base model).")
-        info = self._adapters.get(name)
-        if info is None:
-            loaded = ", ".join(sorted(self._adapters)) or "(none)"
-            raise UnknownAdapterError(
-                f"Unknown adapter {name!r}.{did_you_mean(name, list(self._adapters))} Loaded adapters: {loaded};"
-                " use '' for the base model, or add it with add_adapter_to_model()."
-            )
-        return info
+        return self._state.require_adapter(name).adapter_id
 
     def add_adapter_to_model(
         self,
@@ -500,23 +446,16 @@ class Sampler(ABC, metaclass=SamplerMeta):
             raise InvalidInputError(f"adapter_name={adapter_name!r} is invalid: expected a non-empty string.")
         # Tensors in memory are checked now, before in_flight acts; a folder is read when the engine asks.
         adapter = AdapterInput(adapter_name, config_or_dir, weights, check_finite=check_finite)
-        self._make_room(in_flight)
-        with self._lock.write():
-            new_version = self._next_version(version)
-            try:
-                source = self._load_adapter(adapter, version=new_version, **kwargs)
-                error = None
-            except AppliedWithError as applied:
-                source, error = adapter.source, applied.error
-            old = self._adapters.get(adapter_name)
-            adapter_id = old.adapter_id if old is not None else self._next_adapter_id
-            if old is None:
-                self._next_adapter_id += 1
-            self._adapters[adapter_name] = AdapterInfo(adapter_name, adapter_id, new_version, str(source))
-            self._weights_version = new_version
-        if error is not None:
-            raise error
-        return new_version
+
+        def record(new_version: int, source: Any) -> None:
+            self._state.record_adapter(adapter_name, new_version, adapter.source if source is None else source)
+
+        return self._state.change(
+            in_flight,
+            version,
+            lambda new_version: self._load_adapter(adapter, version=new_version, **kwargs),
+            record,
+        )
 
     def remove_adapter(self, adapter_name: str, *, in_flight: str = "wait") -> None:
         """Unload an adapter (after the samples in flight finish, or as ``in_flight`` says).
@@ -525,49 +464,18 @@ class Sampler(ABC, metaclass=SamplerMeta):
             UnknownAdapterError: it is not loaded.
         """
         self._check_open()
-        self._make_room(in_flight)
-        with self._lock.write():
-            self._require_adapter(adapter_name)
-            try:
-                self._remove_adapter(adapter_name)
-                error = None
-            except AppliedWithError as applied:
-                error = applied.error
-            del self._adapters[adapter_name]
-        if error is not None:
-            raise error
 
-    def _make_room(self, in_flight: str) -> None:
-        """Apply an ``in_flight`` policy before a state change takes the lock exclusively."""
-        if in_flight not in IN_FLIGHT_POLICIES:
-            raise InvalidInputError(
-                f"in_flight={in_flight!r} is invalid: expected one of {', '.join(map(repr, IN_FLIGHT_POLICIES))}."
-            )
-        if in_flight == "wait":
-            return
-        with self._live_lock:
-            live = list(self._live)
-        for feed in live:
-            if in_flight == "abort":
-                feed.handle.abort()
-            else:
-                feed.suspend()
+        def remove(_version: int) -> None:
+            self._state.require_adapter(adapter_name)
+            self._remove_adapter(adapter_name)
+
+        self._state.change(in_flight, None, remove, lambda _v, _r: self._state.drop_adapter(adapter_name), bump=False)
 
     # -- weights -------------------------------------------------------------------------
     @property
     def weights_version(self) -> int:
         """Bumped by every ``update_weights`` and adapter (re)load; 0 at start."""
-        return self._weights_version
-
-    def _next_version(self, version: int | None) -> int:
-        if version is None:
-            return self._weights_version + 1
-        if isinstance(version, bool) or not isinstance(version, int) or version <= self._weights_version:
-            raise WeightUpdateError(
-                f"version={version!r} is invalid: expected an integer greater than the current"
-                f" weights_version {self._weights_version} (or None to increment it)."
-            )
-        return version
+        return self._state.version
 
     def update_weights(
         self,
@@ -615,18 +523,12 @@ class Sampler(ABC, metaclass=SamplerMeta):
             bad = find_non_finite(items)
             if bad is not None:
                 raise WeightUpdateError(f"update_weights: {bad}; nothing was updated.")
-        self._make_room(in_flight)
-        with self._lock.write():
-            new_version = self._next_version(version)
-            try:
-                self._update_weights(items, version=new_version)
-                error = None
-            except AppliedWithError as applied:
-                error = applied.error
-            self._weights_version = new_version
-        if error is not None:
-            raise error
-        return new_version
+        return self._state.change(
+            in_flight,
+            version,
+            lambda new_version: self._update_weights(items, version=new_version),
+            lambda _version, _result: None,
+        )
 
     # -- sampling ------------------------------------------------------------------------
     def encode(self, item: InputFeature | Trajectory) -> InputFeature:
@@ -720,8 +622,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
 
     def abort_all(self) -> int:
         """Abort every call in flight (see ``SampleHandle.abort``); returns how many were."""
-        with self._live_lock:
-            live = list(self._live)
+        live = self._state.live_calls()
         for feed in live:
             feed.handle.abort()
         return len(live)
@@ -748,7 +649,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
             if f.is_file()
         )
         with self._path_lock:
-            if name not in self._adapters or self._path_stamps.get(name) != stamp:
+            if name not in self._state.adapters or self._path_stamps.get(name) != stamp:
                 self.add_adapter_to_model(name, str(folder))
                 self._path_stamps[name] = stamp
         return name
@@ -771,7 +672,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         if not isinstance(adapter_name, str):
             raise UnknownAdapterError(f"adapter_name={adapter_name!r} is invalid: expected a string ('' = base model).")
         if items and adapter_name:
-            self._require_adapter(adapter_name)
+            self._state.require_adapter(adapter_name)
         feed = self._new_feed(len(items), params)
         if not items:
             feed.settle([], None)
@@ -795,8 +696,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         self, feed: CallFeed, first: Callable[[], list[SampleResponse]], params: SamplingParams, adapter: str
     ) -> None:
         """The one path every call takes: in flight while it runs, continued after each ``keep``, then settled."""
-        with self._live_lock:
-            self._live.add(feed)
+        self._state.track(feed)
         try:
             responses = first()
             while feed.take_suspended():
@@ -806,8 +706,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         else:
             feed.settle(responses, None)
         finally:
-            with self._live_lock:
-                self._live.discard(feed)
+            self._state.untrack(feed)
 
     def _resume_handle(self, previous: SampleHandle, params: SamplingParams) -> SampleHandle:
         self._check_open()
@@ -815,7 +714,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         adapters = {seq.adapter_name for r in responses for seq in r.sequences}
         adapter = adapters.pop() if len(adapters) == 1 else ""
         if adapter:
-            self._require_adapter(adapter)
+            self._state.require_adapter(adapter)
         feed = self._new_feed(previous.num_inputs, params)
         threading.Thread(
             target=self._run_call,
@@ -875,10 +774,10 @@ class Sampler(ABC, metaclass=SamplerMeta):
         meanwhile. A Ray replica serving a share of a call enters here.
         """
         try:
-            with self._lock.read():
+            with self._state.lock.read():
                 self._check_open()
                 if adapter_name:
-                    self._require_adapter(adapter_name)
+                    self._state.require_adapter(adapter_name)
                 return self._process(items, params, adapter_name, on_invalid, indices, feed, spec)
         except EngineDeadError as exc:
             error = self._after_engine_death(exc)  # no lock held: the engine may restart itself
@@ -1060,7 +959,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
             top_logprobs=top_logprobs,
             stop_reason=stop_reason,  # type: ignore[arg-type]
             stop=stop,
-            weights_version=self._weights_version if weights_version is None else weights_version,
+            weights_version=self._state.version if weights_version is None else weights_version,
             adapter_name=adapter_name,
             training_feature=feature,
             sampling_mask=sampling_mask,

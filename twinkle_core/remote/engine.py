@@ -28,7 +28,7 @@ from twinkle_core.remote._pool import Op, ReplicaPool, _Died, add_note
 from twinkle_core.remote._runtime import PlacedGroup, import_ray
 from twinkle_core.remote.errors import ReplicaLostError
 from twinkle_core.remote.remote_class import held_engine
-from twinkle_core.sampler import AppliedWithError
+from twinkle_core.state import AppliedWithError
 
 __all__ = ["RemoteEngine"]
 
