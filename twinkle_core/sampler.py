@@ -14,6 +14,7 @@ other.
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
 from abc import ABC, ABCMeta
@@ -104,6 +105,16 @@ class SamplerMeta(ABCMeta):
 _SUBCLASS_MAY_SET = frozenset(
     {"__init__", "__repr__", "engine", "engine_name", "supported_params", "concurrent_samples"}
 )
+
+
+def engine_signature(engine: type[Engine]) -> inspect.Signature:
+    """``engine``'s constructor signature without its context: what ``Sampler(engine, ...)`` takes after it.
+
+    A sampler subclass that names an engine (``TorchSampler``) sets it as its
+    ``__init__.__signature__``, for Ray's argument check and for ``help()``.
+    """
+    sig = inspect.signature(engine.__init__)
+    return sig.replace(parameters=[p for i, p in enumerate(sig.parameters.values()) if i != 1])
 
 
 def require_engine_class(engine: Any) -> None:

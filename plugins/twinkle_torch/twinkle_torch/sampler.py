@@ -10,14 +10,13 @@ and reads ``sampler.model`` keeps working. ``Sampler(TorchEngine, ...)`` and
 
 from __future__ import annotations
 
-import inspect
 import os
 from typing import Any
 
 import torch
 
 from twinkle_core.mesh import DeviceMesh
-from twinkle_core.sampler import Sampler
+from twinkle_core.sampler import Sampler, engine_signature
 from twinkle_torch.engine import DEFAULT_MAX_BATCH_TOKENS, SUPPORTED_PARAMS, TorchEngine
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "TorchEngine", "TorchSampler"]
@@ -77,7 +76,4 @@ class TorchSampler(Sampler):
 
 
 # The engine's own signature (after its context), for Ray's argument check and for help().
-_engine_sig = inspect.signature(TorchEngine.__init__)
-TorchSampler.__init__.__signature__ = _engine_sig.replace(  # type: ignore[attr-defined]
-    parameters=[p for i, p in enumerate(_engine_sig.parameters.values()) if i != 1]
-)
+TorchSampler.__init__.__signature__ = engine_signature(TorchEngine)  # type: ignore[attr-defined]

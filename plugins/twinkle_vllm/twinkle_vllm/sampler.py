@@ -10,13 +10,12 @@ build the same sampler.
 
 from __future__ import annotations
 
-import inspect
 import os
 from pathlib import Path
 from typing import Any
 
 from twinkle_core.mesh import DeviceMesh
-from twinkle_core.sampler import Sampler
+from twinkle_core.sampler import Sampler, engine_signature
 from twinkle_vllm.engine import SUPPORTED_PARAMS, vLLMEngine
 
 __all__ = ["vLLMEngine", "vLLMSampler"]
@@ -82,7 +81,4 @@ class vLLMSampler(Sampler):
 
 
 # The engine's own signature (after its context), for Ray's argument check and for help().
-_engine_sig = inspect.signature(vLLMEngine.__init__)
-vLLMSampler.__init__.__signature__ = _engine_sig.replace(  # type: ignore[attr-defined]
-    parameters=[p for i, p in enumerate(_engine_sig.parameters.values()) if i != 1]
-)
+vLLMSampler.__init__.__signature__ = engine_signature(vLLMEngine)  # type: ignore[attr-defined]
