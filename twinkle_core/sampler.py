@@ -102,9 +102,7 @@ class SamplerMeta(ABCMeta):
 
 
 #: The names of ``Sampler`` a subclass may define: its constructor, and what names its engine.
-_SUBCLASS_MAY_SET = frozenset(
-    {"__init__", "__repr__", "engine", "engine_name", "supported_params", "concurrent_samples"}
-)
+_SUBCLASS_MAY_SET = frozenset({"engine", "engine_name", "supported_params", "concurrent_samples"})
 
 
 def engine_signature(engine: type[Engine]) -> inspect.Signature:
@@ -818,6 +816,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         """
         features: list[InputFeature | None] = []
         errors: dict[int, TwinkleError] = {}
+        limit, vocab, max_model_len = self._max_prompt_len(params), self.vocab_size, self.max_model_len
         for k, item in enumerate(items):
             index = k if indices is None else indices[k]
             feature: InputFeature | None = item if isinstance(item, InputFeature) else None
@@ -825,13 +824,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
                 if isinstance(item, TwinkleError):
                     raise item
                 feature = self._encode_checked(item, index)
-                check_prompt(
-                    feature,
-                    index,
-                    limit=self._max_prompt_len(params),
-                    vocab=self.vocab_size,
-                    max_model_len=self.max_model_len,
-                )
+                check_prompt(feature, index, limit=limit, vocab=vocab, max_model_len=max_model_len)
             except TwinkleError as exc:
                 if on_invalid == "raise" or not isinstance(exc, ValueError):
                     raise
