@@ -658,7 +658,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
             if f.is_file()
         )
         with self._path_lock:
-            if name not in self._state.adapters or self._path_stamps.get(name) != stamp:
+            if not self._state.has_adapter(name) or self._path_stamps.get(name) != stamp:
                 self.add_adapter_to_model(name, str(folder))
                 self._path_stamps[name] = stamp
         return name

@@ -71,6 +71,9 @@ class PolicyState:
         """The loaded adapters by name (a read-only copy)."""
         return MappingProxyType(dict(self._adapters))
 
+    def has_adapter(self, name: str) -> bool:
+        return name in self._adapters
+
     def require_adapter(self, name: str) -> AdapterInfo:
         """The adapter ``name``, or a typed error listing the loaded ones (with a did-you-mean)."""
         if not isinstance(name, str):
