@@ -21,9 +21,10 @@ import pytest
 import torch
 
 import twinkle_core
-from twinkle_core import InputFeature, Sampler, SampleResponse, SamplingParams
+from twinkle_core import InputFeature, NamedSampler, Sampler, SampleResponse, SamplingParams
 from twinkle_core.engine import BatchEngine, EngineContext, EngineInfo
 from twinkle_core.errors import (
+    ConfigError,
     InvalidInputError,
     InvalidSamplingParams,
     UnknownAdapterError,
@@ -91,6 +92,27 @@ def test_sampler_is_final() -> None:
     assert named.concurrent_samples and len(named.seen) == 1
 
 
+def test_a_named_sampler_takes_its_engines_arguments() -> None:
+    class RecorderSampler(NamedSampler):
+        engine_class = Recorder
+
+    # help() and Ray's argument check see the engine's constructor, after its context, and remote_group
+    params = inspect.signature(RecorderSampler).parameters
+    engine_params = list(inspect.signature(Recorder.__init__).parameters)[2:]
+    assert list(params) == [*engine_params, "remote_group"] == ["concurrent", "fields", "remote_group"]
+    with RecorderSampler(concurrent=True) as s:
+        assert type(s) is RecorderSampler and isinstance(s.engine, Recorder) and s.concurrent_samples
+    with pytest.raises(TypeError, match="must set engine_class"):
+
+        class Nameless(NamedSampler):
+            pass
+
+    with pytest.raises(ConfigError, match="Engine subclass"):
+
+        class NotAnEngine(NamedSampler):
+            engine_class = dict  # type: ignore[assignment]
+
+
 def _sampler_classes(trees: dict[Path, ast.Module]) -> set[str]:
     """Names of the classes in ``trees`` that derive from ``Sampler``, directly or through each other."""
     bases = {
@@ -99,11 +121,11 @@ def _sampler_classes(trees: dict[Path, ast.Module]) -> set[str]:
         for node in ast.walk(tree)
         if isinstance(node, ast.ClassDef)
     }
-    found = {"Sampler"}
+    found = {"Sampler", "NamedSampler"}
     while True:
         more = {name for name, parents in bases.items() if parents & found} - found
         if not more:
-            return found - {"Sampler"}
+            return found - {"Sampler", "NamedSampler"}
         found |= more
 
 

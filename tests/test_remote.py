@@ -44,6 +44,7 @@ from twinkle_core.errors import (  # noqa: E402
     UnsupportedFeatureError,
     WeightUpdateError,
 )
+from twinkle_core.factory import build_sampler  # noqa: E402
 from twinkle_core.locks import ReadWriteLock  # noqa: E402
 from twinkle_core.remote import (  # noqa: E402
     RemoteSampler,
@@ -196,8 +197,8 @@ class Echo(BatchEngine):
 
 
 def EchoEngine(*args: Any, **kwargs: Any) -> Any:
-    """``Sampler(Echo, ...)``: the test engine as users build one (``remote_group=`` included)."""
-    return Sampler(Echo, *args, **kwargs)
+    """The test engine as users build one: ``build_sampler(Echo, ...)`` (``remote_group=`` included)."""
+    return build_sampler(Echo, *args, **kwargs)
 
 
 @remote_class
@@ -576,10 +577,13 @@ def test_an_engine_object_runs_as_replicas_like_a_sampler_subclass(cluster):
         assert local.engine_name == "pid" and local.engine.context.placement is None
     # a typo in the engine's own arguments fails in the driver, before any actor starts
     with pytest.raises(TypeError):
-        Sampler(PidEngine, stepp=2, remote_group="aux")
+        tw.create_sampler(PidEngine, stepp=2, remote_group="aux")
     # so does what is not an engine at all
     with pytest.raises(ConfigError, match="Engine subclass"):
-        Sampler(dict, remote_group="aux")  # type: ignore[arg-type]
+        build_sampler(Sampler, dict, remote_group="aux")
+    # Sampler(...) itself runs its engine here: asked for replicas, it names the factory that builds them
+    with pytest.raises(ConfigError, match=r"create_sampler\(PidEngine"):
+        Sampler(PidEngine, step=2, remote_group="aux")
     mesh = DeviceMesh.from_sizes(dp_size=2)
     with tw.create_sampler(PidEngine, step=2, device_mesh=mesh, remote_group="aux") as s:
         assert isinstance(s, RemoteSampler) and "PidEngine" in repr(s)
@@ -853,14 +857,14 @@ def test_local_mode_runs_remote_code_in_process(tmp_path):
             def generate(self, prompts, params, adapter_name):
                 return []
         try:
-            tw.Sampler(E, remote_group="sampler")
+            tw.create_sampler(E, remote_group="sampler")
         except UnknownGroupError as exc:
             assert "initialize() was never called" in str(exc), exc
         tw.initialize("local", groups=[tw.DeviceGroup(name="sampler", ranks=2, device_type="cpu")])
-        e = tw.Sampler(E, device_mesh=tw.DeviceMesh.from_sizes(dp_size=2), remote_group="sampler")
+        e = tw.create_sampler(E, device_mesh=tw.DeviceMesh.from_sizes(dp_size=2), remote_group="sampler")
         assert type(e) is tw.Sampler and type(e.engine) is E and e.engine.mesh.dp_size == 2
         try:
-            tw.Sampler(E, device_mesh=tw.DeviceMesh.from_sizes(dp_size=3), remote_group="sampler")
+            tw.create_sampler(E, device_mesh=tw.DeviceMesh.from_sizes(dp_size=3), remote_group="sampler")
         except InvalidMeshError as exc:
             assert "needs 3 devices but group 'sampler' has 2" in str(exc)
         tw.shutdown()

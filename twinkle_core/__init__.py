@@ -40,7 +40,7 @@ from twinkle_core.errors import (
     WeightSyncTimeoutError,
     WeightUpdateError,
 )
-from twinkle_core.factory import create_sampler, get_sampler_class, list_samplers, register_sampler
+from twinkle_core.factory import NamedSampler, create_sampler, get_sampler_class, list_samplers, register_sampler
 from twinkle_core.hub import resolve_model_id
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
 from twinkle_core.remote import initialize, remote_class, shutdown
@@ -65,6 +65,7 @@ __all__ = [
     "MergedAdapterError",
     "Message",
     "ModelNotFoundError",
+    "NamedSampler",
     "PluginLoadError",
     "PolicyMismatchError",
     "PromptTooLongError",

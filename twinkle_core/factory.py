@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
 from twinkle_core.engine import Engine
 from twinkle_core.errors import ConfigError, PluginLoadError
 from twinkle_core.plugins.engines import INSTALL_HINTS, sampler_registry
-from twinkle_core.sampler import Sampler
+from twinkle_core.sampler import Sampler, require_engine_class
 
 __all__ = [
     "INSTALL_HINTS",
+    "NamedSampler",
     "SamplerInfo",
     "build_sampler",
     "create_sampler",
@@ -59,15 +61,71 @@ def get_sampler_class(name: str) -> type[Sampler] | type[Engine]:
     return cls
 
 
-def build_sampler(engine: type[Sampler] | type[Engine], /, *args: Any, **kwargs: Any) -> Sampler:
+def build_sampler(
+    engine: type[Sampler] | type[Engine], /, *args: Any, remote_group: str | None = None, **kwargs: Any
+) -> Sampler:
     """The sampler of an engine class: ``Sampler(engine, ...)`` for an ``Engine``, else ``engine(...)``.
 
-    ``remote_group=`` works either way (the engine then runs as Ray replicas).
+    With ``remote_group=`` (in ``"ray"`` mode, after ``twinkle_core.initialize``)
+    the engine runs as Ray replicas behind a ``RemoteSampler``; in ``"local"``
+    mode it is built here, in this process.
     """
-    if isinstance(engine, type) and issubclass(engine, Engine):
+    if not (isinstance(engine, type) and issubclass(engine, (Sampler, Engine))):
+        raise ConfigError(
+            f"build_sampler() got {engine!r}: expected a twinkle_core.engine.Engine subclass or a named sampler"
+            " class (a Sampler subclass such as TorchSampler)."
+        )
+    if remote_group is not None:
+        from twinkle_core.remote.sampler import build_remote
+
+        # an Engine runs as Sampler(engine, ...) in each replica; a named sampler as itself
+        call = (Sampler, (engine, *args)) if issubclass(engine, Engine) else (engine, args)
+        built: Sampler = build_remote(call[0], remote_group, call[1], kwargs)
+        return built
+    if issubclass(engine, Engine):
         return Sampler(engine, *args, **kwargs)
-    sampler: Sampler = engine(*args, **kwargs)
-    return sampler
+    return engine(*args, **kwargs)
+
+
+class NamedSampler(Sampler):
+    """A ``Sampler`` named after its engine: ``TorchSampler(...)`` is ``Sampler(TorchEngine, ...)``.
+
+    A subclass sets ``engine_class`` and may add accessors to what its engine
+    holds. Its constructor takes the engine's arguments, and ``remote_group=``:
+    then it returns the Ray replicas :func:`build_sampler` builds (a
+    ``RemoteSampler``, not an instance of the subclass). ``help()`` and
+    ``inspect.signature`` show the engine's arguments.
+    """
+
+    #: The engine this sampler builds (``engine_class(context, *args, **kwargs)``).
+    engine_class: ClassVar[type[Engine]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        engine = cls.__dict__.get("engine_class")
+        if engine is None:
+            raise TypeError(f"{cls.__name__}(NamedSampler) must set engine_class to its Engine subclass.")
+        require_engine_class(engine)
+        cls.__signature__ = _signature_of(engine)  # type: ignore[attr-defined]
+
+    def __new__(cls, *args: Any, remote_group: str | None = None, **kwargs: Any) -> Any:
+        if remote_group is not None:
+            # not an instance of cls: Python then skips __init__
+            return build_sampler(cls, *args, remote_group=remote_group, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, *args: Any, remote_group: str | None = None, **kwargs: Any) -> None:
+        super().__init__(type(self).engine_class, *args, **kwargs)
+
+
+def _signature_of(engine: type[Engine]) -> inspect.Signature:
+    """``engine``'s constructor arguments after its context, and ``remote_group``."""
+    params = list(inspect.signature(engine.__init__).parameters.values())[2:]  # self, context
+    remote = inspect.Parameter("remote_group", inspect.Parameter.KEYWORD_ONLY, default=None, annotation="str | None")
+    if any(p.name == "remote_group" for p in params):
+        return inspect.Signature(params)
+    at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
+    return inspect.Signature([*params[:at], remote, *params[at:]])
 
 
 @attrs.frozen

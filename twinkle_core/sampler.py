@@ -14,19 +14,15 @@ other.
 
 from __future__ import annotations
 
-import inspect
 import os
 import threading
-from abc import ABC, ABCMeta
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-import attrs
-
 from twinkle_core.adapter_input import AdapterInput
-from twinkle_core.continuation import RunSpec, merge_sequences, plan_continuation
+from twinkle_core.calls import Calls
 from twinkle_core.data_format import (
     InputFeature,
     SampledSequence,
@@ -43,14 +39,12 @@ from twinkle_core.errors import (
     EngineDeadError,
     InvalidInputError,
     SamplerClosedError,
-    TemplateError,
     TwinkleError,
-    UnknownAdapterError,
     WeightUpdateError,
 )
-from twinkle_core.inputs import OnInvalid, SampleInputs, check_params, check_prompt, normalize_inputs
+from twinkle_core.inputs import OnInvalid, SampleInputs, normalize_inputs
 from twinkle_core.placement import current_replica
-from twinkle_core.requests import CallFeed, EngineRun, Finished, SampleHandle
+from twinkle_core.requests import SampleHandle
 from twinkle_core.state import AdapterInfo, AppliedWithError, PolicyState
 from twinkle_core.template import Template, get_template, load_tokenizer
 from twinkle_core.weights import find_non_finite
@@ -63,56 +57,13 @@ __all__ = [
     "Sampler",
     "normalize_inputs",
     "resolve_params",
-    "set_remote_builder",
 ]
 
 S = TypeVar("S", bound="Sampler")
 
 
-@attrs.frozen
-class _Call:
-    """The checked arguments of one call."""
-
-    items: list[Any]
-    params: SamplingParams
-    adapter_name: str
-    on_invalid: OnInvalid
-
-
-#: Set by ``twinkle_core.remote`` when it is imported (``import twinkle_core`` does): builds a
-#: ``remote_group=`` sampler. The spec never imports ``remote``, which stands above it.
-_remote_builder: Callable[[type, str, tuple[Any, ...], dict[str, Any]], Any] | None = None
-
-
-def set_remote_builder(builder: Callable[[type, str, tuple[Any, ...], dict[str, Any]], Any]) -> None:
-    """Install what ``Engine(..., remote_group=...)`` calls (``twinkle_core.remote`` does this)."""
-    global _remote_builder
-    _remote_builder = builder
-
-
-class SamplerMeta(ABCMeta):
-    """Lets every engine take ``remote_group=``: then it is built as Ray replicas (``twinkle_core.remote``)."""
-
-    def __call__(cls, *args: Any, remote_group: str | None = None, **kwargs: Any) -> Any:
-        if remote_group is None:
-            return super().__call__(*args, **kwargs)
-        if _remote_builder is None:  # pragma: no cover - ``import twinkle_core`` imports the remote package
-            raise ConfigError(f"remote_group={remote_group!r} needs twinkle_core.remote: import twinkle_core first.")
-        return _remote_builder(cls, remote_group, args, kwargs)
-
-
 #: The names of ``Sampler`` a subclass may define: its constructor, and what names its engine.
 _SUBCLASS_MAY_SET = frozenset({"engine", "engine_name", "supported_params", "concurrent_samples"})
-
-
-def engine_signature(engine: type[Engine]) -> inspect.Signature:
-    """``engine``'s constructor signature without its context: what ``Sampler(engine, ...)`` takes after it.
-
-    A sampler subclass that names an engine (``TorchSampler``) sets it as its
-    ``__init__.__signature__``, for Ray's argument check and for ``help()``.
-    """
-    sig = inspect.signature(engine.__init__)
-    return sig.replace(parameters=[p for i, p in enumerate(sig.parameters.values()) if i != 1])
 
 
 def require_engine_class(engine: Any) -> None:
@@ -145,30 +96,11 @@ class _Context(EngineContext):
     def weights_version(self) -> int:
         return self._sampler.weights_version
 
-    def make_sequence(
-        self,
-        prompt_ids: list[int],
-        tokens: list[int],
-        *,
-        stop_reason: str,
-        adapter_name: str,
-        text: str | None = None,
-        stop: str | int | None = None,
-        logprobs: list[float] | None = None,
-        top_logprobs: Any = None,
-        sampling_mask: SamplingMask | None = None,
-    ) -> SampledSequence:
-        return self._sampler._make_sequence(
-            prompt_ids,
-            tokens,
-            stop_reason=stop_reason,
-            adapter_name=adapter_name,
-            text=text,
-            stop=stop,
-            logprobs=logprobs,
-            top_logprobs=top_logprobs,
-            sampling_mask=sampling_mask,
-        )
+    def make_sequence(self, prompt_ids: list[int], tokens: list[int], **fields: Any) -> SampledSequence:
+        # the contract's keywords (EngineContext.make_sequence), but never a weights version: the sampler states it
+        if "weights_version" in fields:
+            raise TypeError("make_sequence() takes no weights_version: each sequence carries the sampler's own.")
+        return self._sampler._make_sequence(prompt_ids, tokens, **fields)
 
     def exclusive(self) -> Any:
         return self._sampler._exclusive()
@@ -181,15 +113,17 @@ class _Context(EngineContext):
         return current_replica()
 
 
-class Sampler(ABC, metaclass=SamplerMeta):
+class Sampler:
     """Generates completions from a language model: ``Sampler(EngineClass, *args, **kwargs)``.
 
     The engine (a :class:`twinkle_core.engine.Engine`) is built as
     ``EngineClass(context, *args, **kwargs)``; ``create_sampler(name, ...)``
     does this for a registered engine.
 
-    Any engine built with ``remote_group="name"`` (after
-    ``twinkle_core.initialize("ray", groups=[...])``) runs as
+    ``Sampler`` runs its engine in this process. For Ray replicas (after
+    ``twinkle_core.initialize("ray", groups=[...])``), the factory builds it:
+    ``create_sampler(EngineClass, ..., remote_group="name")``, or a named
+    sampler (``TorchSampler(..., remote_group="name")``) gives
     ``device_mesh.dp_size`` Ray actors behind a ``RemoteSampler`` with this
     same API; engines need no code for it.
 
@@ -252,8 +186,7 @@ class Sampler(ABC, metaclass=SamplerMeta):
         self._tokenizer: Any = None
         self._state = PolicyState()
         self._closed = False
-        # Serialises the runs of engines that cannot run concurrently.
-        self._serial = threading.Lock()
+        self._calls = Calls(self, self._state)
         # Adapters loaded by sample(adapter_path=...): the weights files' stamps they were loaded from.
         self._path_stamps: dict[str, tuple[tuple[str, int, int], ...]] = {}
         self._path_lock = threading.Lock()
@@ -263,6 +196,12 @@ class Sampler(ABC, metaclass=SamplerMeta):
                 " first; pick one by name with twinkle_core.create_sampler(name, ...)."
             )
         require_engine_class(engine)
+        if "remote_group" in kwargs:
+            raise ConfigError(
+                f"Sampler({engine.__name__}, ..., remote_group={kwargs['remote_group']!r}): Sampler runs its engine"
+                f" in this process. Build Ray replicas with twinkle_core.create_sampler({engine.__name__}, ...,"
+                " remote_group=...)."
+            )
         self._closed = True  # until the engine is built: nothing to close if its constructor fails
         built = engine(_Context(self), *args, **kwargs)
         info = getattr(built, "info", None)
@@ -586,9 +525,9 @@ class Sampler(ABC, metaclass=SamplerMeta):
             UnknownAdapterError: ``adapter_name`` is not loaded.
         """
         adapter_name = self._adapter_from_path(adapter_name, adapter_path)
-        feed, call = self._new_call(inputs, sampling_params, adapter_name, num_samples, on_invalid)
+        feed, call = self._calls.check(inputs, sampling_params, adapter_name, num_samples, on_invalid)
         if call is not None:
-            self._execute(feed, call)  # in this thread: the same work submit() does in its own
+            self._calls.execute(feed, call)  # in this thread: the same work submit() does in its own
         return feed.handle.result()
 
     def submit(
@@ -611,9 +550,9 @@ class Sampler(ABC, metaclass=SamplerMeta):
         batched together on engines that sample concurrently.
         """
         adapter_name = self._adapter_from_path(adapter_name, adapter_path)
-        feed, call = self._new_call(inputs, sampling_params, adapter_name, num_samples, on_invalid)
+        feed, call = self._calls.check(inputs, sampling_params, adapter_name, num_samples, on_invalid)
         if call is not None:
-            threading.Thread(target=self._execute, args=(feed, call), name="twinkle-request", daemon=True).start()
+            self._calls.execute(feed, call, background=True)
         return feed.handle
 
     async def asample(
@@ -663,272 +602,10 @@ class Sampler(ABC, metaclass=SamplerMeta):
                 self._path_stamps[name] = stamp
         return name
 
-    def _new_call(
-        self,
-        inputs: SampleInputs,
-        sampling_params: SamplingParams | dict[str, Any] | None,
-        adapter_name: str,
-        num_samples: int | None,
-        on_invalid: OnInvalid,
-    ) -> tuple[CallFeed, _Call | None]:
-        """Check the arguments of a call; its feed, and the work (``None``: nothing to do)."""
-        self._check_open()
-        if on_invalid not in ("raise", "skip"):
-            raise InvalidInputError(f"on_invalid={on_invalid!r} is invalid: expected 'raise' or 'skip'.")
-        params = resolve_params(sampling_params, num_samples)
-        check_params(params, self.supported_params, self.vocab_size, self._label())
-        items = normalize_inputs(inputs, on_invalid=on_invalid)
-        if not isinstance(adapter_name, str):
-            raise UnknownAdapterError(f"adapter_name={adapter_name!r} is invalid: expected a string ('' = base model).")
-        if items and adapter_name:
-            self._state.require_adapter(adapter_name)
-        feed = self._new_feed(len(items), params)
-        if not items:
-            feed.settle([], None)
-            return feed, None
-        return feed, _Call(items, params, adapter_name, on_invalid)
-
-    def _new_feed(self, num_inputs: int, params: SamplingParams) -> CallFeed:
-        """The feed of a new call, whose handle's ``resume()`` continues it with ``params``."""
-        return CallFeed(num_inputs, params.num_samples, resumer=lambda previous: self._resume_handle(previous, params))
-
-    def _execute(self, feed: CallFeed, call: _Call) -> None:
-        """Run a call to the end: one run, then a continuation after each ``keep`` weight change."""
-        self._run_call(
-            feed,
-            lambda: self._sample(call.items, call.params, call.adapter_name, call.on_invalid, None, feed),
-            call.params,
-            call.adapter_name,
-        )
-
-    def _run_call(
-        self, feed: CallFeed, first: Callable[[], list[SampleResponse]], params: SamplingParams, adapter: str
-    ) -> None:
-        """The one path every call takes: in flight while it runs, continued after each ``keep``, then settled."""
-        self._state.track(feed)
-        try:
-            responses = first()
-            while feed.take_suspended():
-                responses = self._continue(feed, responses, params, adapter)
-        except BaseException as exc:
-            feed.settle(None, exc)
-        else:
-            feed.settle(responses, None)
-        finally:
-            self._state.untrack(feed)
-
-    def _resume_handle(self, previous: SampleHandle, params: SamplingParams) -> SampleHandle:
-        self._check_open()
-        responses = previous.result()
-        adapters = {seq.adapter_name for r in responses for seq in r.sequences}
-        adapter = adapters.pop() if len(adapters) == 1 else ""
-        if adapter:
-            self._state.require_adapter(adapter)
-        feed = self._new_feed(previous.num_inputs, params)
-        threading.Thread(
-            target=self._run_call,
-            args=(feed, lambda: self._continue(feed, responses, params, adapter, emit_all=True), params, adapter),
-            name="twinkle-resume",
-            daemon=True,
-        ).start()
-        return feed.handle
-
-    def _continue(
-        self,
-        feed: CallFeed,
-        responses: list[SampleResponse],
-        params: SamplingParams,
-        adapter_name: str,
-        *,
-        emit_all: bool = False,
-    ) -> list[SampleResponse]:
-        """Continue every aborted sequence of ``responses`` from its partial tokens; merge each with its continuation.
-
-        Each continuation is one prompt (the original prompt and the partial
-        tokens) with one sample, what is left of ``max_tokens``, and its
-        sample index and position, so seeded engines draw what the
-        uninterrupted sequence would have.
-        """
-        limit = self._max_prompt_len(params.replace(max_tokens=1))
-        out, todo = plan_continuation(feed, responses, params, limit, emit_all=emit_all)
-        if todo is None:
-            return out
-        prompts, cont_params, spec = todo
-        results = self._sample(prompts, cont_params, adapter_name, "raise", None, feed, spec)
-        for (i, j), result in zip(spec.slots, results):
-            merged = merge_sequences(
-                out[i].prompt_token_ids,
-                out[i].sequences[j],
-                result.sequences[0],
-                decode=self.template.decode,
-                make_sequence=self._make_sequence,
-            )
-            out[i].sequences[j] = merged
-        return out
-
-    def _sample(
-        self,
-        items: list[Any],
-        params: SamplingParams,
-        adapter_name: str,
-        on_invalid: OnInvalid,
-        indices: list[int] | None,
-        feed: CallFeed | None = None,
-        spec: RunSpec | None = None,
-    ) -> list[SampleResponse]:
-        """Run checked arguments: hold the lock shared, check the adapter, then :meth:`_process`.
-
-        The adapter check and the generation are one step under the lock, so
-        no sequence is labelled with an adapter that was removed or replaced
-        meanwhile. A Ray replica serving a share of a call enters here.
-        """
-        try:
-            with self._state.lock.read():
-                self._check_open()
-                if adapter_name:
-                    self._state.require_adapter(adapter_name)
-                return self._process(items, params, adapter_name, on_invalid, indices, feed, spec)
-        except EngineDeadError as exc:
-            error = self._after_engine_death(exc)  # no lock held: the engine may restart itself
-            if error is exc:
-                raise
-            raise error from exc.__cause__
-
-    def _process(
-        self,
-        items: list[Any],
-        params: SamplingParams,
-        adapter_name: str,
-        on_invalid: OnInvalid,
-        indices: list[int] | None,
-        feed: CallFeed | None = None,
-        spec: RunSpec | None = None,
-    ) -> list[SampleResponse]:
-        """Encode and check each input, run the valid ones, and answer in input order.
-
-        ``items`` may hold errors (inputs ``normalize_inputs`` refused in skip
-        mode). An invalid input raises, or with ``on_invalid="skip"`` gets a
-        response with ``error`` set. Errors name input ``k`` as
-        ``inputs[indices[k]]`` (default ``k``): a Ray replica serving a share of
-        a call names each by its place in the whole call. ``feed`` receives
-        each sequence as it finishes and can stop the run; ``spec`` describes a
-        continuation (see ``_continue``).
-        """
-        features: list[InputFeature | None] = []
-        errors: dict[int, TwinkleError] = {}
-        limit, vocab, max_model_len = self._max_prompt_len(params), self.vocab_size, self.max_model_len
-        for k, item in enumerate(items):
-            index = k if indices is None else indices[k]
-            feature: InputFeature | None = item if isinstance(item, InputFeature) else None
-            try:
-                if isinstance(item, TwinkleError):
-                    raise item
-                feature = self._encode_checked(item, index)
-                check_prompt(feature, index, limit=limit, vocab=vocab, max_model_len=max_model_len)
-            except TwinkleError as exc:
-                if on_invalid == "raise" or not isinstance(exc, ValueError):
-                    raise
-                errors[k] = exc
-            features.append(feature)
-        valid_at = [k for k, f in enumerate(features) if k not in errors and f is not None]
-        generated: Iterator[SampleResponse] = iter([])
-        if valid_at:
-            run = self._engine_run([features[k] for k in valid_at], params, adapter_name, valid_at, feed, spec)  # type: ignore[misc]
-            if run.stopped():  # aborted before it started: nothing generated
-                responses = [self._aborted_response(p, params, adapter_name) for p in run.prompts]
-            elif self.concurrent_samples:
-                responses = self._run(run)
-            else:
-                with self._serial:
-                    responses = self._run(run)
-            run.report_all(responses)
-            generated = iter(responses)
-        out: list[SampleResponse] = []
-        for k, feature in enumerate(features):
-            if k in errors:
-                ids = feature.input_ids if feature is not None else []
-                out.append(SampleResponse(prompt_token_ids=list(ids), error=str(errors[k])))
-            else:
-                out.append(next(generated))
-        return out
-
-    def _engine_run(
-        self,
-        prompts: list[InputFeature],
-        params: SamplingParams,
-        adapter_name: str,
-        positions: list[int],
-        feed: CallFeed | None,
-        spec: RunSpec | None,
-    ) -> EngineRun:
-        """The run of ``prompts`` (inputs ``positions`` of the call), reporting finished sequences to ``feed``."""
-        stop = feed.start_run() if feed is not None else None
-        if spec is None:
-
-            def on_finish(p: int, s: int, seq: SampledSequence) -> None:
-                if feed is not None and not (seq.stop_reason == "abort" and feed.suspended):
-                    feed.emit(Finished(positions[p], s, seq))
-
-            return EngineRun(prompts, params, adapter_name, on_finish=on_finish, stop_event=stop)
-        sample_base = [spec.sample_base[k] for k in positions]
-        generated = [spec.generated[k] for k in positions]
-
-        def on_continued(p: int, s: int, seq: SampledSequence) -> None:
-            if seq.stop_reason == "abort" and spec.feed.suspended:
-                return  # continued again after the next change
-            if spec.responses is None:
-                spec.feed.emit(Finished(positions[p], s, seq))
-                return
-            i, j = spec.slots[positions[p]]
-            merged = merge_sequences(
-                spec.responses[i].prompt_token_ids,
-                spec.responses[i].sequences[j],
-                seq,
-                decode=self.template.decode,
-                make_sequence=self._make_sequence,
-            )
-            spec.feed.emit(Finished(i, j, merged))
-
-        return EngineRun(
-            prompts,
-            params,
-            adapter_name,
-            sample_base=sample_base,
-            generated=generated,
-            max_tokens=[spec.budgets[k] for k in positions],
-            on_finish=on_continued,
-            stop_event=stop,
-        )
-
-    def _aborted_response(self, prompt: InputFeature, params: SamplingParams, adapter_name: str) -> SampleResponse:
-        empty = [
-            self._make_sequence(
-                list(prompt.input_ids),
-                [],
-                stop_reason="abort",
-                adapter_name=adapter_name,
-                text="",
-                logprobs=[] if params.logprobs is not None else None,
-                top_logprobs=[] if params.logprobs else None,
-                sampling_mask=SamplingMask.from_rows([]) if params.return_sampling_mask else None,
-            )
-            for _ in range(params.num_samples)
-        ]
-        return SampleResponse(prompt_token_ids=list(prompt.input_ids), sequences=empty)
-
-    def _run(self, run: EngineRun) -> list[SampleResponse]:
-        return self.engine.run(run)
-
-    def _encode_checked(self, item: InputFeature | Trajectory, index: int) -> InputFeature:
-        """``encode``, with any failure of the template or tokenizer as a typed error naming the input."""
-        try:
-            return self.encode(item)
-        except TwinkleError:
-            raise
-        except (TypeError, ValueError, KeyError, IndexError, UnicodeError) as exc:
-            raise TemplateError(
-                f"inputs[{index}] could not be encoded by the chat template: {type(exc).__name__}: {exc}"
-            ) from exc
+    @property
+    def _sample(self) -> Callable[..., list[SampleResponse]]:
+        """What the Ray replica host calls: a share of a call the driver checked (``Calls.run_checked``)."""
+        return self._calls.run_checked
 
     def _make_sequence(
         self,

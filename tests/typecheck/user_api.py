@@ -15,6 +15,7 @@ from typing_extensions import assert_type
 import twinkle_core
 from twinkle_core import (
     InputFeature,
+    NamedSampler,
     SampledSequence,
     Sampler,
     SampleResponse,
@@ -53,11 +54,13 @@ class ConstantEngine(BatchEngine):
         ]
 
 
-class ConstantSampler(Sampler):
+class ConstantSampler(NamedSampler):
     """The engine's constructor under a name, as ``TorchSampler`` is ``Sampler(TorchEngine, ...)``."""
 
-    def __init__(self, token: int = 7, *, window: int = 64) -> None:
-        super().__init__(ConstantEngine, token, window=window)
+    engine_class = ConstantEngine
+
+    def __init__(self, token: int = 7, *, window: int = 64, remote_group: str | None = None) -> None:
+        super().__init__(token, window=window)
 
 
 def train_step(sampler: Sampler, prompts: list[Trajectory], new_weights: dict[str, Any]) -> list[float]:

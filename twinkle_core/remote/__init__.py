@@ -61,26 +61,9 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
-    # Loaded on first use: keeps ``import twinkle_core`` cheap, and the import graph acyclic
-    # (RemoteSampler imports the Sampler base, which builds remote samplers through this package).
+    # Loaded on first use: keeps ``import twinkle_core`` cheap (Ray is imported only when replicas are built).
     if name in _LAZY:
         import importlib
 
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def _build_remote(cls: type, remote_group: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    from twinkle_core.remote.sampler import build_remote
-
-    return build_remote(cls, remote_group, args, kwargs)
-
-
-def _install() -> None:
-    # The spec asks this package to build ``remote_group=`` samplers; it never imports it.
-    from twinkle_core.sampler import set_remote_builder
-
-    set_remote_builder(_build_remote)
-
-
-_install()

@@ -61,14 +61,20 @@ def _coerce_mesh(value: Any) -> DeviceMesh:
 
 
 def held_engine(cls: type, args: tuple[Any, ...]) -> type[Engine] | None:
-    """The ``Engine`` class of a ``Sampler(SomeEngine, ...)`` call, or ``None`` (any other class or call)."""
+    """The ``Engine`` class a sampler class builds, or ``None`` (any other class or call).
+
+    It is the first argument of ``Sampler(SomeEngine, ...)``, or the
+    ``engine_class`` of a named sampler (``TorchSampler``, a
+    ``twinkle_core.factory.NamedSampler``).
+    """
     from twinkle_core.engine import Engine
     from twinkle_core.sampler import Sampler
 
-    if isinstance(cls, type) and issubclass(cls, Sampler) and args:
-        first = args[0]
-        if isinstance(first, type) and issubclass(first, Engine):
-            return first
+    if not (isinstance(cls, type) and issubclass(cls, Sampler)):
+        return None
+    for candidate in (getattr(cls, "engine_class", None), args[0] if args else None):
+        if isinstance(candidate, type) and issubclass(candidate, Engine):
+            return candidate
     return None
 
 
@@ -84,11 +90,12 @@ def split_mesh(
     ``device_mesh`` is only the layout and is not passed on.
     """
     engine = held_engine(cls, args)
-    if engine is not None:
+    if engine is not None and args and args[0] is engine:
         # ``Sampler(SomeEngine, ...)``: the arguments are the engine's, after its context
         mesh, engine_args, engine_kwargs = _split_by(engine.__init__, 2, args[1:], kwargs)
         return mesh, (engine, *engine_args), engine_kwargs
-    # the class's own __init__, not the metaclass's __call__ that inspect.signature(cls) would give
+    if engine is not None:  # a named sampler: its arguments are its engine's
+        return _split_by(engine.__init__, 2, args, kwargs)
     return _split_by(cls.__init__, 1, args, kwargs)  # type: ignore[misc]
 
 
@@ -160,14 +167,23 @@ def remote_class(cls: C) -> C:
     The class is returned itself (still picklable, still subclassable): its
     constructor learns the ``remote_group`` keyword, and with it returns a
     :class:`RemoteObject` whose public methods run in the replicas, as
-    :func:`dispatch` marks them. Samplers need no decorator: every ``Sampler``
-    subclass takes ``remote_group`` already.
+    :func:`dispatch` marks them. Samplers need no decorator: a named sampler
+    takes ``remote_group`` already, and ``create_sampler(..., remote_group=)``
+    builds any other.
     """
     from twinkle_core.sampler import Sampler
 
     if not isinstance(cls, type):
         raise TypeError(f"@remote_class decorates a class, not {cls!r}.")
-    if issubclass(cls, Sampler) or getattr(cls, "__twinkle_remote__", False) is cls:
+    if issubclass(cls, Sampler):
+        if held_engine(cls, ()) is None:
+            raise TypeError(
+                f"@remote_class on {cls.__name__}: a sampler runs as replicas through its engine. Build it with"
+                " twinkle_core.create_sampler(YourEngine, ..., remote_group=...), or name it as a"
+                " twinkle_core.NamedSampler (engine_class = YourEngine), which takes remote_group= itself."
+            )
+        return cls
+    if getattr(cls, "__twinkle_remote__", False) is cls:
         return cls
     original_new = cls.__new__
     original_init = cls.__init__

@@ -10,19 +10,17 @@ and reads ``sampler.model`` keeps working. ``Sampler(TorchEngine, ...)`` and
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
-from twinkle_core.mesh import DeviceMesh
-from twinkle_core.sampler import Sampler, engine_signature
+from twinkle_core.factory import NamedSampler
 from twinkle_torch.engine import DEFAULT_MAX_BATCH_TOKENS, SUPPORTED_PARAMS, TorchEngine
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "TorchEngine", "TorchSampler"]
 
 
-class TorchSampler(Sampler):
+class TorchSampler(NamedSampler):
     """``Sampler(TorchEngine, ...)``, named: the arguments are :class:`~twinkle_torch.engine.TorchEngine`'s."""
 
     # What the registry and the Ray front end read before a replica exists; the engine's info says the same.
@@ -30,8 +28,7 @@ class TorchSampler(Sampler):
     supported_params = SUPPORTED_PARAMS
     concurrent_samples = True
 
-    def __init__(self, model_id: str | os.PathLike[str], device_mesh: DeviceMesh | None = None, **options: Any) -> None:
-        super().__init__(TorchEngine, model_id, device_mesh, **options)
+    engine_class = TorchEngine
 
     @property
     def engine(self) -> TorchEngine:
@@ -73,7 +70,3 @@ class TorchSampler(Sampler):
     def model_path(self) -> Any:
         """The local folder the model was loaded from."""
         return self.engine.model_path
-
-
-# The engine's own signature (after its context), for Ray's argument check and for help().
-TorchSampler.__init__.__signature__ = engine_signature(TorchEngine)  # type: ignore[attr-defined]

@@ -10,18 +10,16 @@ build the same sampler.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Any
 
+from twinkle_core.factory import NamedSampler
 from twinkle_core.mesh import DeviceMesh
-from twinkle_core.sampler import Sampler, engine_signature
 from twinkle_vllm.engine import SUPPORTED_PARAMS, vLLMEngine
 
 __all__ = ["vLLMEngine", "vLLMSampler"]
 
 
-class vLLMSampler(Sampler):
+class vLLMSampler(NamedSampler):
     """``Sampler(vLLMEngine, ...)``, named: the arguments are :class:`~twinkle_vllm.engine.vLLMEngine`'s."""
 
     # What the registry and the Ray front end read before a replica exists; the engine's info says the same.
@@ -29,8 +27,7 @@ class vLLMSampler(Sampler):
     supported_params = SUPPORTED_PARAMS
     concurrent_samples = True
 
-    def __init__(self, model_id: str | os.PathLike[str], device_mesh: DeviceMesh | None = None, **options: Any) -> None:
-        super().__init__(vLLMEngine, model_id, device_mesh, **options)
+    engine_class = vLLMEngine
 
     @property
     def engine(self) -> vLLMEngine:
@@ -78,7 +75,3 @@ class vLLMSampler(Sampler):
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what :meth:`sleep` freed."""
         self.engine.wake_up(tags)
-
-
-# The engine's own signature (after its context), for Ray's argument check and for help().
-vLLMSampler.__init__.__signature__ = engine_signature(vLLMEngine)  # type: ignore[attr-defined]
