@@ -138,6 +138,17 @@ def test_sample_prompts_flags_to_jsonl(tiny):
     assert "Paris" in records[0]["sequences"][0]["text"]
 
 
+def test_token_constraints_and_bias_from_flags(tiny):
+    out = run(
+        "sample", "-e", "torch", "-m", tiny, "-p", "Count to five.", "--max-tokens", "6", "--temperature", "0",
+        "--allowed-token-ids", "5", "--allowed-token-ids", "6", "--allowed-token-ids", "7",
+        "--logit-bias", '{"7": 100}', "--min-tokens", "6", "--no-progress",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    (record,) = [json.loads(line) for line in out.stdout.splitlines()]
+    assert record["sequences"][0]["tokens"] == [7] * 6
+
+
 def test_sample_as_readable_text(tiny):
     out = run(
         "sample",

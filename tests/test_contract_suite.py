@@ -31,7 +31,20 @@ ECHO_DIR = ROOT / "examples" / "twinkle_echo"
 #: Every ``SamplingParams`` field: an engine ignoring any of them must fail the suite.
 FIELDS = [f.name for f in attrs.fields(SamplingParams)]
 #: Fields the numeric reference covers, tried on the torch engine too.
-TORCH_FIELDS = ["temperature", "top_p", "min_p", "repetition_penalty"]
+TORCH_FIELDS = [
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "min_tokens",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+]
 
 
 def _suite_module(engine_import: str, engine_class: str, build: str, fields: list[str], intact: bool = True) -> str:

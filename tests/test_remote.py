@@ -394,6 +394,27 @@ def test_seeded_requests_give_the_same_tokens_on_any_replica(remote, local):
     assert tokens(alone) == tokens([expected[6]])
 
 
+def test_constraints_and_prompt_truncation_reach_the_replicas(remote, local):
+    params = {
+        "temperature": 1.2,
+        "max_tokens": 12,
+        "seed": 9,
+        "min_tokens": 12,
+        "allowed_token_ids": list(range(3, 300)),
+        "bad_words": ["the"],
+        "logit_bias": {"40": 2.0},
+        "presence_penalty": 0.5,
+        "truncate_prompt_tokens": 9,
+        "include_stop_str_in_output": True,
+    }
+    expected = local.sample(chats(), params)
+    got = remote.sample(chats(), params)
+    assert tokens(got) == tokens(expected)
+    assert [r.prompt_token_ids for r in got] == [r.prompt_token_ids for r in expected]
+    assert all(len(r.prompt_token_ids) == 9 and len(r.sequences[0].tokens) == 12 for r in got)
+    assert all(set(r.sequences[0].tokens) <= set(range(3, 300)) for r in got)
+
+
 def test_errors_come_back_as_their_own_type_naming_the_replica(remote, local):
     with pytest.raises(InvalidSamplingParams, match="temperature"):
         remote.sample(chats()[0], {"temperature": -1})

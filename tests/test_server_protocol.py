@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("fastapi")
 
+from twinkle_core.data_format import InputFeature
 from twinkle_core.server import RunningServer, start_server
 from twinkle_core.server.protocol import FIELDS, model_fields
 
@@ -201,12 +202,6 @@ def test_the_table_names_every_accepted_field(route: str) -> None:
 
 
 _NEUTRAL_PROBES: dict[str, Any] = {
-    "presence_penalty": 0.5,
-    "frequency_penalty": -0.5,
-    "min_tokens": 3,
-    "logit_bias": {"5": 10},
-    "allowed_token_ids": [1, 2],
-    "bad_words": ["fox"],
     "structured_outputs": {"regex": "[a-z]+"},
     "response_format": {"type": "json_object"},
     "use_beam_search": True,
@@ -224,6 +219,36 @@ def test_neutral_fields_refuse_any_other_value(server: RunningServer, name: str,
     assert err["param"] == name and name in err["message"]
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, name: value}
     assert _post(server, "/v1/chat/completions", chat, status=400)["error"]["param"] == name
+
+
+#: vLLM's sampling fields twinkle's engines honour: the server passes them on as they are.
+_ENGINE_FIELDS: dict[str, Any] = {
+    "presence_penalty": 1.5,
+    "frequency_penalty": -0.5,
+    "min_tokens": 3,
+    "logit_bias": {"5": 10.0, "9": -4.0},
+    "allowed_token_ids": [5, 6, 7, 9],
+    "bad_words": ["fox"],
+}
+
+
+@pytest.mark.parametrize(("name", "value"), sorted(_ENGINE_FIELDS.items()))
+def test_engine_sampling_fields_reach_the_engine(server: RunningServer, sampler: Any, name: str, value: Any) -> None:
+    body = {"model": "tiny", "prompt": [[5, 6, 7, 8]], "max_tokens": 6, "temperature": 0.9, "seed": 3, name: value}
+    out = _post(server, "/v1/completions", body)
+    direct = sampler.sample(InputFeature(input_ids=[5, 6, 7, 8]), {**body_params(body), name: value})[0]
+    assert out["choices"][0]["token_ids"] == direct.sequences[0].tokens
+    # a value the field refuses is a 400 that names it
+    bad = {"presence_penalty": 9, "frequency_penalty": 9, "min_tokens": 99, "logit_bias": {"5": 1e3}}.get(name)
+    if bad is None:
+        bad = {"allowed_token_ids": [10**9], "bad_words": [""]}[name]
+    err = _post(server, "/v1/completions", {**body, name: bad}, status=400)["error"]
+    assert name in err["message"]
+
+
+def body_params(body: dict[str, Any]) -> dict[str, Any]:
+    """The sampling fields of a completions body, as ``SamplingParams`` names them."""
+    return {"max_tokens": body["max_tokens"], "temperature": body["temperature"], "seed": body["seed"], "logprobs": 0}
 
 
 def test_trl_defaults_and_unknown_fields(server: RunningServer) -> None:

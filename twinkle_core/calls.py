@@ -29,7 +29,14 @@ from twinkle_core.data_format import (
 )
 from twinkle_core.data_format.params import resolve_params
 from twinkle_core.errors import EngineDeadError, InvalidInputError, TemplateError, TwinkleError, UnknownAdapterError
-from twinkle_core.inputs import OnInvalid, SampleInputs, check_params, check_prompt, normalize_inputs
+from twinkle_core.inputs import (
+    OnInvalid,
+    SampleInputs,
+    check_params,
+    check_prompt,
+    normalize_inputs,
+    truncate_prompt,
+)
 from twinkle_core.requests import CallFeed, EngineRun, Finished, SampleHandle
 from twinkle_core.state import PolicyState
 
@@ -238,7 +245,7 @@ class Calls:
             try:
                 if isinstance(item, TwinkleError):
                     raise item
-                feature = self._encode_checked(item, index)
+                feature = truncate_prompt(self._encode_checked(item, index), params, limit)
                 check_prompt(feature, index, limit=limit, vocab=vocab, max_model_len=max_model_len)
             except TwinkleError as exc:
                 if on_invalid == "raise" or not isinstance(exc, ValueError):

@@ -120,5 +120,8 @@ def plan_continuation(
     if not todo:
         return out, None
     budgets = [params.max_tokens - g for g in generated]
-    cont_params = params.replace(max_tokens=max(budgets), num_samples=1, prompt_logprobs=None)
+    # the prompts are the (already truncated) prompts and their partial completions: never cut again
+    cont_params = params.replace(
+        max_tokens=max(budgets), num_samples=1, prompt_logprobs=None, truncate_prompt_tokens=None
+    )
     return out, (prompts, cont_params, RunSpec(feed, base, generated, budgets, todo, out))

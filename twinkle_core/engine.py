@@ -265,16 +265,18 @@ def run_in_batches(run: EngineRun, generate: Any) -> list[SampleResponse]:
 
     What :meth:`BatchEngine.run` does.
 
-    Continued sequences of one run can have different budgets (``run.max_tokens``).
+    Continued sequences of one run can have different budgets (``run.max_tokens``),
+    and have generated some tokens already (``run.generated``): each call's
+    ``max_tokens`` is its budget and its ``min_tokens`` what is left of the
+    request's, so ``generate`` needs to know nothing of continuations.
     """
-    budgets = run.max_tokens
-    if len(set(budgets)) <= 1:
-        got: list[SampleResponse] = generate(run.prompts, run.params.replace(max_tokens=budgets[0]), run.adapter_name)
-        return got
+    groups: dict[tuple[int, int], list[int]] = {}
+    for k, (budget, done) in enumerate(zip(run.max_tokens, run.generated)):
+        groups.setdefault((budget, min(done, run.params.min_tokens)), []).append(k)
     out: list[SampleResponse | None] = [None] * len(run.prompts)
-    for budget in sorted(set(budgets)):
-        picked = [k for k, b in enumerate(budgets) if b == budget]
-        part = generate([run.prompts[k] for k in picked], run.params.replace(max_tokens=budget), run.adapter_name)
+    for (budget, done), picked in sorted(groups.items()):
+        params = run.params.replace(max_tokens=budget, min_tokens=min(budget, run.params.min_tokens - done))
+        part = generate([run.prompts[k] for k in picked], params, run.adapter_name)
         for k, response in zip(picked, part):
             out[k] = response
     return out  # type: ignore[return-value]

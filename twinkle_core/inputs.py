@@ -68,14 +68,23 @@ def normalize_inputs(inputs: SampleInputs, *, on_invalid: OnInvalid = "raise") -
     )
 
 
+#: ``SamplingParams`` fields the sampler itself applies, for every engine (before the engine sees a prompt).
+CORE_FIELDS = frozenset({"truncate_prompt_tokens"})
+
+
 def check_params(params: SamplingParams, supported: frozenset[str], vocab: int | None, engine: str) -> None:
     """Refuse fields the engine does not honour (``supported``), and values beyond its vocabulary.
 
     ``engine`` names the engine in messages.
     """
+    if params.min_tokens > params.max_tokens:
+        raise InvalidSamplingParams(
+            f"SamplingParams.min_tokens={params.min_tokens} is invalid: expected at most"
+            f" max_tokens={params.max_tokens}."
+        )
     for field in attrs.fields(SamplingParams):
         value = getattr(params, field.name)
-        if field.name not in supported and value != field.default:
+        if field.name not in supported and field.name not in CORE_FIELDS and value != field.default:
             raise UnsupportedFeatureError(
                 f"SamplingParams.{field.name}={value!r} is not supported by the {engine} engine"
                 f" (it honours: {', '.join(sorted(supported))}); leave it at its default"
@@ -89,11 +98,32 @@ def check_params(params: SamplingParams, supported: frozenset[str], vocab: int |
             raise InvalidSamplingParams(
                 f"SamplingParams.{name}={k} is invalid: expected at most the vocabulary size {vocab}."
             )
-    bad_stop = [t for t in params.stop_token_ids if t >= vocab]
-    if bad_stop:
-        raise InvalidSamplingParams(
-            f"SamplingParams.stop_token_ids contains {bad_stop[0]}, outside the vocabulary [0, {vocab})."
-        )
+    for name, ids in (
+        ("stop_token_ids", params.stop_token_ids),
+        ("allowed_token_ids", params.allowed_token_ids or ()),
+        ("logit_bias", [t for t, _ in params.logit_bias]),
+    ):
+        beyond = [t for t in ids if t >= vocab]
+        if beyond:
+            raise InvalidSamplingParams(
+                f"SamplingParams.{name} contains {beyond[0]}, outside the vocabulary [0, {vocab})."
+            )
+
+
+def truncate_prompt(feature: InputFeature, params: SamplingParams, limit: int) -> InputFeature:
+    """``feature`` cut to its last ``params.truncate_prompt_tokens`` tokens (``-1``: to ``limit``)."""
+    keep = params.truncate_prompt_tokens
+    if keep is None:
+        return feature
+    keep = limit if keep == -1 else keep
+    if len(feature.input_ids) <= keep:
+        return feature
+    return attrs.evolve(
+        feature,
+        input_ids=feature.input_ids[-keep:],
+        attention_mask=None if feature.attention_mask is None else feature.attention_mask[-keep:],
+        labels=None if feature.labels is None else feature.labels[-keep:],
+    )
 
 
 def check_prompt(feature: InputFeature, index: int, *, limit: int, vocab: int | None, max_model_len: int) -> None:

@@ -3,7 +3,7 @@
 from twinkle_core.data_format.chat import ROLES, Message, Tool, Trajectory
 from twinkle_core.data_format.feature import IGNORE_INDEX, InputFeature, training_feature
 from twinkle_core.data_format.output import SampledSequence, SampleResponse, SamplingMask, StopReason, TopLogprobs
-from twinkle_core.data_format.params import LogprobsMode, SamplingParams
+from twinkle_core.data_format.params import LogprobsMode, SamplingParams, bad_word_token_ids, check_constraints
 
 __all__ = [
     "IGNORE_INDEX",
@@ -19,5 +19,7 @@ __all__ = [
     "Tool",
     "TopLogprobs",
     "Trajectory",
+    "bad_word_token_ids",
+    "check_constraints",
     "training_feature",
 ]

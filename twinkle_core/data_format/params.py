@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, ClassVar, Literal
 
 import attrs
@@ -10,7 +11,7 @@ import attrs
 from twinkle_core.data_format._base import Record
 from twinkle_core.errors import InvalidSamplingParams
 
-__all__ = ["LogprobsMode", "SamplingParams", "resolve_params"]
+__all__ = ["LogprobsMode", "SamplingParams", "bad_word_token_ids", "check_constraints", "resolve_params"]
 
 LogprobsMode = Literal["processed", "raw"]
 
@@ -23,6 +24,11 @@ MIN_REPETITION_PENALTY = 1e-2
 MAX_REPETITION_PENALTY = 1e2
 MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_NUM_SAMPLES = 4096
+#: vLLM's ranges: presence and frequency penalties in [-2, 2], a logit bias in [-100, 100].
+MAX_PENALTY = 2.0
+MAX_LOGIT_BIAS = 100.0
+#: Bad words, and the token sequences they become (vLLM's ``VLLM_MAX_NUM_BAD_WORDS``).
+MAX_BAD_WORDS = 128
 
 
 def _bad(field: str, value: Any, accepted: str) -> InvalidSamplingParams:
@@ -98,6 +104,53 @@ def _stop_ids(value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _logit_bias(value: Any) -> tuple[tuple[int, float], ...]:
+    """``{token id: bias}`` (ids may be strings of digits, as JSON gives them) as sorted ``(id, bias)`` pairs."""
+    accepted = f"a mapping of token ids (integers >= 0) to biases in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+    if value is None:
+        return ()
+    items = value.items() if isinstance(value, dict) else value
+    try:
+        pairs = [(k, b) for k, b in items]
+    except (TypeError, ValueError):
+        raise _bad("logit_bias", value, accepted) from None
+    out: dict[int, float] = {}
+    for key, bias in pairs:
+        token = int(key) if isinstance(key, str) and key.strip().isdigit() else key
+        if not _is_int(token) or token < 0 or not _is_number(bias) or abs(bias) > MAX_LOGIT_BIAS:
+            raise _bad("logit_bias", value, accepted)
+        if token in out:
+            raise _bad("logit_bias", value, f"{accepted}, each id once")
+        out[token] = float(bias)
+    return tuple(sorted(out.items()))
+
+
+def _allowed_ids(value: Any) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not value or not all(_is_int(t) and t >= 0 for t in value):
+        raise _bad("allowed_token_ids", value, "None or a non-empty list of token ids (integers >= 0)")
+    return tuple(dict.fromkeys(value))
+
+
+def _bad_words(value: Any) -> tuple[str, ...]:
+    accepted = f"a list of at most {MAX_BAD_WORDS} non-empty strings"
+    items = (value,) if isinstance(value, str) else value
+    if items is None:
+        return ()
+    if not isinstance(items, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in items):
+        raise _bad("bad_words", value, accepted)
+    words = tuple(dict.fromkeys(items))
+    if len(words) > MAX_BAD_WORDS:
+        raise _bad("bad_words", value, accepted)
+    return words
+
+
+def _check_truncate(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is not None and (not _is_int(value) or not (value >= 1 or value == -1)):
+        raise _bad(attribute.name, value, "None, -1 (the longest prompt the engine takes) or an integer >= 1")
+
+
 def _check_bool(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, bool):
         raise _bad(attribute.name, value, "True or False")
@@ -146,11 +199,37 @@ class SamplingParams(Record):
             only. ``"raw"``: log-softmax of the model's raw logits.
         num_samples: completions per input, at most 4096.
         return_sampling_mask: also return, per generated position, the token
-            ids the sampler kept after top-k, top-p and min-p (the support the
-            token was drawn from) in ``SampledSequence.sampling_mask``, so a
-            trainer can recompute log-probs over exactly that support (see
+            ids the sampler kept after the token constraints, top-k, top-p and
+            min-p (the support the token was drawn from) in
+            ``SampledSequence.sampling_mask``, so a trainer can recompute
+            log-probs over exactly that support (see
             ``twinkle_core.rl.replay_logprobs``). Engines that cannot see the
             kept set refuse it with ``UnsupportedFeatureError``.
+        presence_penalty: subtracted from the logit of every token already in
+            the completion (vLLM / OpenAI); in ``[-2, 2]``, 0 disables it.
+        frequency_penalty: subtracted from a token's logit once per time it is
+            already in the completion; in ``[-2, 2]``, 0 disables it.
+        min_tokens: the end-of-sequence and ``stop_token_ids`` tokens cannot be
+            drawn, and stop strings do not end the sequence, until this many
+            tokens are generated (counting any generated before a
+            continuation); at most ``max_tokens`` (checked when sampling).
+        logit_bias: ``{token id: bias}`` added to those logits before
+            sampling, each bias in ``[-100, 100]`` (vLLM clamps larger ones;
+            twinkle refuses them). JSON's string keys (``{"42": -5}``) are accepted.
+        allowed_token_ids: only these tokens can be drawn (``None``: any).
+        bad_words: words the completion may not contain: each is tokenized
+            as written and with a leading space (vLLM's rule), and the last
+            token of such a sequence cannot follow the rest of it (a one-token
+            word is never drawn). At most 128, and 128 token sequences.
+        include_stop_str_in_output: keep the stop string at the end of the
+            text (the tokens always keep it).
+        skip_special_tokens: leave special tokens out of the text.
+        spaces_between_special_tokens: put spaces between special tokens in
+            the text (with ``skip_special_tokens=False``; tokenizers that
+            decode fast may ignore it).
+        truncate_prompt_tokens: keep only the last k tokens of each prompt
+            (``-1``: the longest prompt the engine takes), before the length
+            checks; ``None`` keeps the whole prompt.
     """
 
     _error = InvalidSamplingParams
@@ -173,6 +252,16 @@ class SamplingParams(Record):
     logprobs_mode: LogprobsMode = attrs.field(default="processed", validator=_check_mode)
     num_samples: int = attrs.field(default=1, validator=_check_int(1, MAX_NUM_SAMPLES))
     return_sampling_mask: bool = attrs.field(default=False, validator=_check_bool)
+    presence_penalty: float = attrs.field(default=0.0, validator=_check_float(-MAX_PENALTY, MAX_PENALTY))
+    frequency_penalty: float = attrs.field(default=0.0, validator=_check_float(-MAX_PENALTY, MAX_PENALTY))
+    min_tokens: int = attrs.field(default=0, validator=_check_int(0, MAX_TOKENS_LIMIT))
+    logit_bias: tuple[tuple[int, float], ...] = attrs.field(default=(), converter=_logit_bias)
+    allowed_token_ids: tuple[int, ...] | None = attrs.field(default=None, converter=_allowed_ids)
+    bad_words: tuple[str, ...] = attrs.field(default=(), converter=_bad_words)
+    include_stop_str_in_output: bool = attrs.field(default=False, validator=_check_bool)
+    skip_special_tokens: bool = attrs.field(default=True, validator=_check_bool)
+    spaces_between_special_tokens: bool = attrs.field(default=True, validator=_check_bool)
+    truncate_prompt_tokens: int | None = attrs.field(default=None, validator=_check_truncate)
 
     @property
     def greedy(self) -> bool:
@@ -216,3 +305,69 @@ def resolve_params(sampling_params: SamplingParams | dict[str, Any] | None, num_
             " give it once, or give the same value."
         )
     return params.replace(num_samples=num_samples)
+
+
+def bad_word_token_ids(tokenizer: Any, words: Sequence[str], vocab: int) -> list[list[int]]:
+    """The token sequences ``SamplingParams.bad_words`` bans, by vLLM's rule (what every engine uses).
+
+    Each word is tokenized as written (leading spaces stripped), and with one
+    leading space when that gives a different first token and as many tokens
+    (the word in the middle of a text).
+
+    Raises:
+        InvalidSamplingParams: a word that tokenizes to nothing, too many
+            sequences, or a token id outside the vocabulary.
+    """
+    out: list[list[int]] = []
+    for word in words:
+        for prefix in ("", " "):
+            ids = [int(t) for t in tokenizer.encode(prefix + word.lstrip(), add_special_tokens=False)]
+            if not ids:
+                if not prefix:
+                    raise InvalidSamplingParams(
+                        f"SamplingParams.bad_words={list(words)!r} is invalid: {word!r} tokenizes to no tokens."
+                    )
+                continue
+            if not prefix or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
+                out.append(ids)
+    if len(out) > MAX_BAD_WORDS:
+        raise InvalidSamplingParams(
+            f"SamplingParams.bad_words={list(words)!r} is invalid: it tokenizes to {len(out)} token sequences,"
+            f" more than the {MAX_BAD_WORDS} accepted."
+        )
+    beyond = [t for ids in out for t in ids if not 0 <= t < vocab]
+    if beyond:
+        raise InvalidSamplingParams(
+            f"SamplingParams.bad_words={list(words)!r} is invalid: token id {beyond[0]} is outside the"
+            f" vocabulary [0, {vocab})."
+        )
+    return out
+
+
+def check_constraints(params: SamplingParams, bad_words: Sequence[Sequence[int]], held_back: Sequence[int]) -> None:
+    """Refuse token constraints that leave nothing to draw at the first position, before any work.
+
+    ``bad_words`` are the token sequences of ``params.bad_words``
+    (:func:`bad_word_token_ids`); ``held_back`` what ``min_tokens`` holds back
+    (the engine's end-of-sequence ids and ``stop_token_ids``). Engines check
+    every later position as they go.
+
+    Raises:
+        InvalidSamplingParams: every allowed token is removed.
+    """
+    if params.allowed_token_ids is None:
+        return
+    removed = {ids[0] for ids in bad_words if len(ids) == 1}
+    if params.min_tokens:
+        removed |= set(held_back)
+    if not set(params.allowed_token_ids) - removed:
+        raise InvalidSamplingParams(
+            f"SamplingParams.allowed_token_ids={list(params.allowed_token_ids)!r} leaves no token to draw:"
+            f" bad_words={list(params.bad_words)!r}"
+            + (
+                f" and min_tokens={params.min_tokens} (which holds back ids {sorted(held_back)})"
+                if params.min_tokens
+                else ""
+            )
+            + " remove every one of them. Allow a token they do not remove."
+        )

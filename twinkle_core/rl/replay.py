@@ -5,8 +5,10 @@ distribution. A trainer that takes ``log_softmax`` over the whole vocabulary
 scores the same token lower (the dropped mass is back in the normaliser), so
 the importance ratio drifts from 1 even with identical weights. Given the
 sampler's :class:`~twinkle_core.data_format.SamplingMask`, :func:`masked_logprobs`
-applies the same processing as the sampler (repetition penalty, temperature)
-and normalises over the kept ids only.
+applies the same processing as the sampler (logit bias, repetition penalty,
+frequency and presence penalties, temperature) and normalises over the kept
+ids only; the token constraints (``allowed_token_ids``, ``bad_words``,
+``min_tokens``) are in the mask.
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ def masked_logprobs(
     For position ``t`` with kept set ``K_t`` (the whole vocabulary when the
     mask's row is empty) and processed logits ``z_t``::
 
-        z_t = penalise(logits_t, seen_t) / temperature      (no division when greedy)
+        z_t = (penalise(logits_t + bias, seen_t) - frequency * count_t - presence * [count_t > 0]) / temperature
         logp_t[v] = z_t[v] - logsumexp(z_t[K_t])  for v in K_t,  -inf otherwise
+
+    (no division when greedy; ``count_t`` counts each token in the completion before ``t``)
 
     which is the sampler's ``logprobs_mode="processed"`` distribution. The
     result is differentiable in ``logits``, computed in float32 whatever their dtype.
@@ -61,7 +65,9 @@ def masked_logprobs(
             (the logits that predict each completion token), any float dtype.
         mask: the sequence's ``SampledSequence.sampling_mask`` (``T`` rows).
         params: the ``SamplingParams`` the sequence was sampled with.
-        tokens: the ``T`` sampled tokens; needed only with a repetition penalty.
+        tokens: the ``T`` sampled tokens; needed with a repetition, frequency
+            or presence penalty (the whole completion: a continued sequence's
+            earlier tokens included).
         prompt_ids: the prompt's ids; needed only with a repetition penalty
             (a token seen in the prompt or earlier in the completion is penalised).
 
@@ -84,6 +90,17 @@ def masked_logprobs(
     positions, vocab = logits.shape
     device = logits.device
     z = logits.float()
+    if params.logit_bias:
+        bias = torch.zeros(vocab, dtype=torch.float32, device=device)
+        bias[torch.tensor([t for t, _ in params.logit_bias], device=device)] = torch.tensor(
+            [b for _, b in params.logit_bias], dtype=torch.float32, device=device
+        )
+        z = z + bias
+    if (params.frequency_penalty or params.presence_penalty) and tokens is None:
+        raise InvalidInputError(
+            f"frequency_penalty={params.frequency_penalty} and presence_penalty={params.presence_penalty} need"
+            " tokens= to replay which tokens the completion held."
+        )
     if params.repetition_penalty != 1.0:
         if tokens is None or prompt_ids is None:
             raise InvalidInputError(
@@ -100,6 +117,14 @@ def masked_logprobs(
         seen = seen.cumsum(dim=0) > 0
         seen[:, _as_tokens(list(prompt_ids), device)] = True
         z = torch.where(seen, torch.where(z > 0, z / params.repetition_penalty, z * params.repetition_penalty), z)
+    if params.frequency_penalty or params.presence_penalty:
+        toks = _as_tokens(tokens, device)  # type: ignore[arg-type]
+        if toks.numel() != positions:
+            raise InvalidInputError(f"tokens has {toks.numel()} entries: expected {positions}, one per position.")
+        drawn = torch.zeros(positions, vocab, dtype=torch.float32, device=device)
+        drawn[torch.arange(positions, device=device), toks] = 1.0
+        before = drawn.cumsum(dim=0) - drawn  # per position, how often each token came before it
+        z = z - params.frequency_penalty * before - params.presence_penalty * (before > 0).float()
     if not params.greedy and params.temperature != 1.0:
         z = z / params.temperature
     counts = torch.tensor(

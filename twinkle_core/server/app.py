@@ -158,7 +158,19 @@ class _Server:
             "prompt_logprobs": prompt_logprobs,
             "ignore_eos": req.ignore_eos,
         }
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "seed"):
+        for name in (
+            "temperature",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "seed",
+            "presence_penalty",
+            "frequency_penalty",
+            "min_tokens",
+            "logit_bias",
+            "allowed_token_ids",
+            "bad_words",
+        ):
             if getattr(req, name) is not None:
                 fields[name] = getattr(req, name)
         if req.top_k is not None:

@@ -186,12 +186,12 @@ FIELDS: tuple[FieldRule, ...] = (
     FieldRule("session_id", BOTH, "implemented", note="chat: the twinkle session; completions: no effect"),
     FieldRule("cache_salt", BOTH, "no effect", note="prefix caches here never change what is sampled"),
     FieldRule("priority", BOTH, "neutral", (0,), note="no priority scheduling"),
-    FieldRule("presence_penalty", BOTH, "neutral", (0, 0.0), note=_NEEDS_ENGINE),
-    FieldRule("frequency_penalty", BOTH, "neutral", (0, 0.0), note=_NEEDS_ENGINE),
-    FieldRule("min_tokens", BOTH, "neutral", (0,), note=_NEEDS_ENGINE),
-    FieldRule("logit_bias", BOTH, "neutral", ({},), note=_NEEDS_ENGINE),
-    FieldRule("allowed_token_ids", BOTH, "neutral", ([],), note=_NEEDS_ENGINE),
-    FieldRule("bad_words", BOTH, "neutral", ([],), note=_NEEDS_ENGINE),
+    FieldRule("presence_penalty", BOTH, "implemented", note="over the completion, in [-2, 2]"),
+    FieldRule("frequency_penalty", BOTH, "implemented", note="over the completion, in [-2, 2]"),
+    FieldRule("min_tokens", BOTH, "implemented", note="EOS, stop ids and stop strings held back until then"),
+    FieldRule("logit_bias", BOTH, "implemented", note="`{token id: bias}`, each in [-100, 100] (larger: a 400)"),
+    FieldRule("allowed_token_ids", BOTH, "implemented"),
+    FieldRule("bad_words", BOTH, "implemented", note="vLLM's rule: as written and after a space"),
     FieldRule("structured_outputs", BOTH, "neutral", ({},), note=_NEEDS_ENGINE),
     FieldRule("response_format", BOTH, "neutral", ({"type": "text"},), note=_NEEDS_ENGINE),
     FieldRule("logprob_token_ids", BOTH, "neutral", (), note="chosen logprob ids: not yet"),
@@ -296,12 +296,12 @@ class _Request(BaseModel):
     stream_interval: int | None = None
     # Accepted only at their neutral values (checked against FIELDS before anything runs).
     priority: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    min_tokens: Any = None
-    logit_bias: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     structured_outputs: Any = None
     response_format: Any = None
     logprob_token_ids: Any = None

@@ -191,9 +191,42 @@ class Template:
         ids = list(self.tokenizer.encode(text, add_special_tokens=False))
         return InputFeature(input_ids=ids, extra=dict(trajectory.extra))
 
-    def decode(self, tokens: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(
+        self, tokens: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+    ) -> str:
         """Decode token ids to text."""
-        return str(self.tokenizer.decode(list(tokens), skip_special_tokens=skip_special_tokens))
+        if spaces_between_special_tokens:  # the tokenizers' default: not passed, for tokenizers without it
+            return str(self.tokenizer.decode(list(tokens), skip_special_tokens=skip_special_tokens))
+        return str(
+            self.tokenizer.decode(
+                list(tokens), skip_special_tokens=skip_special_tokens, spaces_between_special_tokens=False
+            )
+        )
+
+    def completion_text(self, tokens: list[int], params: Any, stop: str | int | None = None) -> str:
+        """The text of a completion, as every engine reports it.
+
+        Decoded with ``params.skip_special_tokens`` and
+        ``params.spaces_between_special_tokens``; a completion that ended on
+        the stop string ``stop`` is cut before it (after it with
+        ``params.include_stop_str_in_output``). The stop string is the first
+        one that ends after the text of the first ``params.min_tokens``
+        tokens, since stop strings do not count before that.
+        """
+        options = {
+            "skip_special_tokens": params.skip_special_tokens,
+            "spaces_between_special_tokens": params.spaces_between_special_tokens,
+        }
+        text = self.decode(tokens, **options)
+        if not isinstance(stop, str) or not stop:
+            return text
+        start = 0
+        if params.min_tokens:
+            start = max(0, len(self.decode(tokens[: params.min_tokens], **options)) - len(stop) + 1)
+        cut = text.find(stop, start)
+        if cut < 0:
+            return text
+        return text[: cut + len(stop)] if params.include_stop_str_in_output else text[:cut]
 
     def training_feature(self, prompt: InputFeature | list[int], completion_tokens: list[int]) -> InputFeature:
         """Prompt + completion as one training feature, labels ``-100`` on the prompt.

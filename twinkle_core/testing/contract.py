@@ -35,7 +35,7 @@ from typing import Any
 import attrs
 import pytest
 
-from twinkle_core.data_format import IGNORE_INDEX, InputFeature, SamplingParams, Trajectory
+from twinkle_core.data_format import IGNORE_INDEX, InputFeature, SamplingParams, Trajectory, bad_word_token_ids
 from twinkle_core.errors import (
     InvalidInputError,
     InvalidSamplingParams,
@@ -45,11 +45,13 @@ from twinkle_core.errors import (
     UnknownTemplateError,
     UnsupportedFeatureError,
 )
+from twinkle_core.inputs import CORE_FIELDS
 from twinkle_core.sampler import Sampler
 from twinkle_core.testing.reference import (
     NEG_INF,
+    Completion,
     ambiguous_tokens,
-    fit_logit_offset,
+    fit_logit_offsets,
     processed_logprobs,
     reference_error,
 )
@@ -86,23 +88,76 @@ def _greedy(**kw: Any) -> SamplingParams:
     return SamplingParams(**base)
 
 
-#: One value per sampling field the reference covers, strong enough to bind on a small model.
+def _spread_ids(vocab: int, n: int, salt: int) -> list[int]:
+    """``n`` distinct token ids spread over the vocabulary (none of the first few, often special)."""
+    return sorted({4 + (k * 7919 + salt * 104729) % (vocab - 4) for k in range(1, n + 1)})
+
+
+def _some_words(sampler: Sampler, n: int) -> list[str]:
+    """``n`` words of the model's own vocabulary: the text of single tokens."""
+    words: list[str] = []
+    for t in _spread_ids(sampler.vocab_size or 256, 8 * n, 3):
+        text = sampler.template.decode([t]).strip()
+        if text.isalpha() and text not in words:
+            words.append(text)
+        if len(words) == n:
+            break
+    return words
+
+
+#: One value per sampling field the reference covers, strong enough to bind on a small model
+#: (a function of the sampler where it depends on the vocabulary).
 _FIELD_VALUES: dict[str, Any] = {
     "temperature": 0.6,
     "top_k": 4,
     "top_p": 0.7,
     "min_p": 0.15,
     "repetition_penalty": 1.8,
+    "presence_penalty": 1.5,
+    "frequency_penalty": 1.2,
+    "logit_bias": lambda s: dict.fromkeys(_spread_ids(s.vocab_size or 256, 12, 1), 6.0),
+    "allowed_token_ids": lambda s: _spread_ids(s.vocab_size or 256, 40, 2),
 }
 
 #: The fields of each reference case: every field alone, then combinations (a temperature
 #: above 2 and a penalty below 1 too, which some engines emulate).
 _REFERENCE_CASES: dict[str, dict[str, Any]] = {
     **{name: {name: value} for name, value in _FIELD_VALUES.items()},
+    "min_tokens": {"min_tokens": 3, "temperature": 1.5},
+    "bad_words": {"bad_words": lambda s: _some_words(s, 12), "temperature": 1.5},
     "greedy-repetition_penalty": {"temperature": 0.0, "repetition_penalty": 1.8},
+    "greedy-constraints": {
+        "temperature": 0.0,
+        "repetition_penalty": 1.4,
+        "presence_penalty": 0.7,
+        "frequency_penalty": 0.4,
+        "logit_bias": lambda s: dict.fromkeys(_spread_ids(s.vocab_size or 256, 20, 4), -3.0),
+        "min_tokens": 2,
+    },
     "combined": {"temperature": 0.8, "top_k": 12, "top_p": 0.85, "min_p": 0.05, "repetition_penalty": 1.3},
     "combined-hot": {"temperature": 2.5, "top_k": 40, "top_p": 0.9, "min_p": 0.02, "repetition_penalty": 0.8},
+    "combined-constraints": {
+        "temperature": 0.9,
+        "top_k": 20,
+        "top_p": 0.9,
+        "repetition_penalty": 1.3,
+        "presence_penalty": 0.8,
+        "frequency_penalty": 0.5,
+        "logit_bias": lambda s: dict.fromkeys(_spread_ids(s.vocab_size or 256, 10, 5), 4.0),
+        "allowed_token_ids": lambda s: _spread_ids(s.vocab_size or 256, 60, 6),
+        "bad_words": lambda s: [s.template.decode([t]).strip() for t in _spread_ids(s.vocab_size or 256, 60, 6)[:3]],
+        "min_tokens": 2,
+    },
 }
+
+
+def _resolve(fields: dict[str, Any], sampler: Sampler) -> dict[str, Any]:
+    """``fields`` with each value that depends on the sampler computed for it."""
+    out = {name: value(sampler) if callable(value) else value for name, value in fields.items()}
+    if "bad_words" in out:
+        out["bad_words"] = [w for w in out["bad_words"] if w.strip()] or ["the"]
+    return out
+
 
 #: A value other than the default for every ``SamplingParams`` field.
 _NON_DEFAULT: dict[str, Any] = {
@@ -121,6 +176,16 @@ _NON_DEFAULT: dict[str, Any] = {
     "logprobs_mode": "raw",
     "num_samples": 2,
     "return_sampling_mask": True,
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.5,
+    "min_tokens": 1,
+    "logit_bias": {1: 1.0},
+    "allowed_token_ids": (1, 2, 3),
+    "bad_words": ("the",),
+    "include_stop_str_in_output": True,
+    "skip_special_tokens": False,
+    "spaces_between_special_tokens": False,
+    "truncate_prompt_tokens": 4,
 }
 
 
@@ -143,7 +208,9 @@ def _undeclared(sampler: Sampler, params: SamplingParams) -> list[str]:
     return [
         f.name
         for f in attrs.fields(SamplingParams)
-        if f.name not in supported and getattr(params, f.name) != getattr(defaults, f.name)
+        if f.name not in supported
+        and f.name not in CORE_FIELDS
+        and getattr(params, f.name) != getattr(defaults, f.name)
     ]
 
 
@@ -185,6 +252,19 @@ class SamplerContractTests:
             sampler.sample(_traj(0), params)
         return True
 
+    def held_back_ids(self, sampler: Sampler, params: SamplingParams) -> set[int]:
+        """What ``min_tokens`` holds back: ``stop_token_ids`` and the end-of-sequence ids.
+
+        The default reads the engine's ``eos_token_ids`` where the sampler
+        has them, else the tokenizer's ``eos_token_id``; override it for an
+        engine whose generation config adds others.
+        """
+        eos = getattr(sampler, "eos_token_ids", None)
+        if eos is None:
+            single = getattr(sampler.tokenizer, "eos_token_id", None)
+            eos = () if single is None else (single,)
+        return set(eos) | set(params.stop_token_ids)
+
     def raw_logprob_rows(self, sampler: Sampler, pairs: list[tuple[list[int], list[int]]]) -> list[list[list[float]]]:
         """The engine's raw log-probs over the whole vocabulary before each completion token.
 
@@ -223,6 +303,8 @@ class SamplerContractTests:
         """
         k = params.logprobs
         assert k and params.logprobs_mode == "processed"
+        held_back = self.held_back_ids(sampler, params)
+        bad_ids = bad_word_token_ids(sampler.tokenizer, params.bad_words, sampler.vocab_size or 0)
         out = sampler.sample(inputs, params)
         pairs = [(r.prompt_token_ids, s.tokens) for r in out for s in r.sequences]
         seqs = [s for r in out for s in r.sequences]
@@ -233,27 +315,18 @@ class SamplerContractTests:
             for j, (token, raw) in enumerate(zip(tokens, rows)):
                 where = f"sequence {n}, position {j} (token {token})"
                 context = prompt + tokens[:j]
+                done = Completion(tokens[:j], held_back, bad_ids)
                 top = seq.top_logprobs[j]
                 observed: dict[int, float] = dict(top)
                 observed[token] = seq.logprobs[j]
-                offset = fit_logit_offset(raw, params, context, observed)
-                ref = processed_logprobs(raw, params, context, logit_offset=offset)
-                unsure = ambiguous_tokens(raw, params, context, logit_offset=offset)
-                if ref[token] == NEG_INF and token not in unsure:
-                    problems.append(f"{where}: sampled a token the processing removes")
-                if params.greedy and ref[token] < max(ref) - self.reference_atol:
-                    problems.append(f"{where}: greedy token is not the argmax ({ref[token]:.4f} < {max(ref):.4f})")
-                if unsure:  # a token on a threshold: the normaliser is not pinned down
-                    continue
-                for tok, value in sorted(observed.items()):
-                    if reference_error(ref, {tok: value}) > self.reference_atol:
-                        problems.append(
-                            f"{where}: token {tok} has processed log-prob {value:.5f}, reference {ref[tok]:.5f}"
-                        )
-                want = sorted(ref, reverse=True)[:k]
-                got = [v for _, v in top]
-                if len(got) != len(want) or reference_error(want, dict(enumerate(got))) > self.reference_atol:
-                    problems.append(f"{where}: top-{k} log-probs {_fmt(got)}, reference {_fmt(want)}")
+                found: list[str] = []
+                # an offset the observed tokens cannot tell from the best one may be the true one: try each
+                values = [v for _, v in top]
+                for offset in fit_logit_offsets(raw, params, context, observed, done, self.reference_atol, values):
+                    found = self._position_mismatches(where, raw, params, context, done, offset, token, top, observed)
+                    if not found:
+                        break
+                problems += found
         return problems
 
     # -- shape of the output -----------------------------------------------------------------
@@ -461,6 +534,38 @@ class SamplerContractTests:
         for entry in topk.prompt_top_logprobs[1:]:
             assert entry is not None and len(entry) == 2 and entry[0][1] >= entry[1][1]
 
+    def _position_mismatches(
+        self,
+        where: str,
+        raw: list[float],
+        params: SamplingParams,
+        context: list[int],
+        done: Completion,
+        offset: float,
+        token: int,
+        top: list[tuple[int, float]],
+        observed: dict[int, float],
+    ) -> list[str]:
+        """Where one position's processed log-probs leave the reference under the logit offset ``offset``."""
+        k = params.logprobs or 0
+        problems: list[str] = []
+        ref = processed_logprobs(raw, params, context, logit_offset=offset, completion=done)
+        unsure = ambiguous_tokens(raw, params, context, logit_offset=offset, completion=done)
+        if ref[token] == NEG_INF and token not in unsure:
+            problems.append(f"{where}: sampled a token the processing removes")
+        if params.greedy and ref[token] < max(ref) - self.reference_atol:
+            problems.append(f"{where}: greedy token is not the argmax ({ref[token]:.4f} < {max(ref):.4f})")
+        if unsure:  # a token on a threshold: the normaliser is not pinned down
+            return problems
+        for tok, value in sorted(observed.items()):
+            if reference_error(ref, {tok: value}) > self.reference_atol:
+                problems.append(f"{where}: token {tok} has processed log-prob {value:.5f}, reference {ref[tok]:.5f}")
+        want = sorted(ref, reverse=True)[:k]
+        got = [v for _, v in top]
+        if len(got) != len(want) or reference_error(want, dict(enumerate(got))) > self.reference_atol:
+            problems.append(f"{where}: top-{k} log-probs {_fmt(got)}, reference {_fmt(want)}")
+        return problems
+
     # -- the numbers: processed log-probs against the reference ----------------------------------
     @pytest.mark.parametrize("case", list(_REFERENCE_CASES))
     def test_processed_logprobs_match_the_reference(self, sampler: Sampler, case: str) -> None:
@@ -469,7 +574,7 @@ class SamplerContractTests:
             ignore_eos=True,
             seed=1234,
             logprobs=self.reference_top_logprobs,
-            **_REFERENCE_CASES[case],
+            **_resolve(_REFERENCE_CASES[case], sampler),
         )
         if self.refused_if_undeclared(sampler, params):
             pytest.skip(f"the engine does not declare {_undeclared(sampler, params)} (and refuses them)")
@@ -479,7 +584,7 @@ class SamplerContractTests:
     @pytest.mark.parametrize("field", list(_FIELD_VALUES))
     def test_each_sampling_field_changes_the_samples(self, sampler: Sampler, field: str) -> None:
         base = SamplingParams(max_tokens=8, ignore_eos=True, seed=21, logprobs=0)
-        changed = base.replace(**{field: _FIELD_VALUES[field]})
+        changed = base.replace(**_resolve({field: _FIELD_VALUES[field]}, sampler))
         if self.refused_if_undeclared(sampler, changed):
             pytest.skip(f"the engine does not declare {field} (and refuses it)")
         inputs = [_traj(i) for i in range(4)]
@@ -490,12 +595,14 @@ class SamplerContractTests:
             assert a.logprobs is not None and b.logprobs is not None
             if a.tokens != b.tokens or any(abs(x - y) > self.reference_atol for x, y in zip(a.logprobs, b.logprobs)):
                 differs = True
-        assert differs, f"{field}={_FIELD_VALUES[field]!r} changed neither the tokens nor their log-probs"
+        assert differs, f"{field}={getattr(changed, field)!r} changed neither the tokens nor their log-probs"
 
     def test_undeclared_fields_are_refused(self, sampler: Sampler) -> None:
         supported = getattr(sampler, "supported_params", None)
         fields = [f.name for f in attrs.fields(SamplingParams)]
-        undeclared = [name for name in fields if supported is not None and name not in supported]
+        undeclared = [
+            name for name in fields if supported is not None and name not in supported and name not in CORE_FIELDS
+        ]
         if not undeclared:
             pytest.skip("the engine declares every SamplingParams field")
         for name in undeclared:
@@ -511,8 +618,12 @@ class SamplerContractTests:
             ("logprobs", SamplingParams(max_tokens=2, logprobs=vocab + 1)),
             ("prompt_logprobs", SamplingParams(max_tokens=0, prompt_logprobs=vocab + 1)),
             ("stop_token_ids", SamplingParams(max_tokens=2, stop_token_ids=[vocab])),
+            ("allowed_token_ids", SamplingParams(max_tokens=2, allowed_token_ids=[1, vocab])),
+            ("logit_bias", SamplingParams(max_tokens=2, logit_bias={vocab + 5: 1.0})),
         ]
         for name, params in cases:
+            if name not in sampler.supported_params:
+                continue  # refused as undeclared instead (test_undeclared_fields_are_refused)
             with pytest.raises(InvalidSamplingParams) as info:
                 sampler.sample(_traj(0), params)
             assert name in str(info.value) and str(vocab) in str(info.value)
@@ -537,6 +648,16 @@ class SamplerContractTests:
             {"seed": "abc"},
             {"stop": 5},
             {"max_new_token": 5},
+            {"presence_penalty": 2.5},
+            {"frequency_penalty": -3},
+            {"min_tokens": -1},
+            {"min_tokens": 20, "max_tokens": 10},
+            {"logit_bias": {1: 500}},
+            {"logit_bias": {"one": 1.0}},
+            {"allowed_token_ids": []},
+            {"bad_words": [""]},
+            {"truncate_prompt_tokens": 0},
+            {"skip_special_tokens": "yes"},
         ],
         ids=lambda d: next(iter(d)),
     )
@@ -636,6 +757,113 @@ class SamplerContractTests:
         masked = sampler.sample(_traj(1), params.replace(return_sampling_mask=True))[0].sequences
         assert [s.tokens for s in plain] == [s.tokens for s in masked]
         assert all(s.sampling_mask is None for s in plain)
+
+    # -- sampling breadth: constraints, bias, completion penalties, text and prompt options ------
+    def _declares(self, sampler: Sampler, *fields: str) -> None:
+        missing = [f for f in fields if f not in sampler.supported_params and f not in CORE_FIELDS]
+        if missing:
+            pytest.skip(f"the {_label(sampler)} engine does not declare {missing}")
+
+    def test_min_tokens_holds_back_stop_ids_and_strings(self, sampler: Sampler) -> None:
+        self._declares(sampler, "min_tokens")
+        greedy = self.greedy_tokens(sampler, _traj(0), max_tokens=8)[0]
+        first = greedy[0]
+        stopped = sampler.sample(_traj(0), _greedy(max_tokens=8, stop_token_ids=[first]))[0].sequences[0]
+        assert stopped.tokens == [first] and stopped.stop_reason == "stop"
+        held = sampler.sample(_traj(0), _greedy(max_tokens=8, stop_token_ids=[first], min_tokens=4))[0].sequences[0]
+        assert len(held.tokens) >= 4 and first not in held.tokens[:3], held.tokens
+        # a stop string does not end the sequence before min_tokens either
+        text = sampler.template.decode(greedy[:1])
+        if text.strip():
+            early = _greedy(max_tokens=8, stop=[text.strip()], min_tokens=3)
+            seq = sampler.sample(_traj(0), early)[0].sequences[0]
+            assert len(seq.tokens) >= 3, seq.tokens
+        self.assert_still_works(sampler)
+
+    def test_logit_bias_and_allowed_token_ids_steer_the_draw(self, sampler: Sampler) -> None:
+        self._declares(sampler, "logit_bias", "allowed_token_ids")
+        greedy = self.greedy_tokens(sampler, _traj(1), max_tokens=6)[0]
+        pushed = next(t for t in _spread_ids(sampler.vocab_size or 256, 5, 7) if t != greedy[0])
+        down = self.greedy_tokens(sampler, _traj(1), max_tokens=6, logit_bias={greedy[0]: -100})[0]
+        assert down[0] != greedy[0]
+        up = self.greedy_tokens(sampler, _traj(1), max_tokens=6, logit_bias={pushed: 100})[0]
+        assert up[0] == pushed
+        allowed = _spread_ids(sampler.vocab_size or 256, 5, 8)
+        params = SamplingParams(max_tokens=12, temperature=1.0, seed=4, ignore_eos=True, allowed_token_ids=allowed)
+        for seq in sampler.sample([_traj(0), _traj(2)], params.replace(num_samples=2))[0].sequences:
+            assert set(seq.tokens) <= set(allowed), seq.tokens
+        # allowing only what min_tokens holds back leaves nothing to draw: a typed error, and the engine goes on
+        held = sorted(self.held_back_ids(sampler, SamplingParams()))
+        if held and "min_tokens" in sampler.supported_params:
+            with pytest.raises(InvalidSamplingParams, match="allowed_token_ids"):
+                sampler.sample(_traj(0), _greedy(max_tokens=4, allowed_token_ids=held, min_tokens=2))
+        self.assert_still_works(sampler)
+
+    def test_bad_words_are_never_completed(self, sampler: Sampler) -> None:
+        self._declares(sampler, "bad_words")
+        vocab = sampler.vocab_size or 0
+        greedy = self.greedy_tokens(sampler, _traj(3), max_tokens=12)[0]
+        word, banned = None, []
+        for t in greedy:  # a word the model writes: some of its token sequences occur in the greedy completion
+            candidate = sampler.template.decode([t]).strip()
+            if not candidate:
+                continue
+            seqs = bad_word_token_ids(sampler.tokenizer, [candidate], vocab)
+            if any(_occurs(seq, greedy) for seq in seqs):
+                word, banned = candidate, seqs
+                break
+        assert word is not None, f"no token of the greedy completion {greedy} is a word of its own"
+        for params in (
+            _greedy(max_tokens=12, bad_words=[word]),
+            SamplingParams(max_tokens=12, seed=2, bad_words=[word]),
+        ):
+            for seq in sampler.sample(_traj(3), params.replace(num_samples=2))[0].sequences:
+                hits = [ids for ids in banned if _occurs(ids, seq.tokens)]
+                assert not hits, f"bad word {word!r} ({hits}) completed in {seq.tokens}"
+
+    def test_truncate_prompt_tokens_keeps_the_last_tokens(self, sampler: Sampler) -> None:
+        prompt = sampler.encode(_traj(1)).input_ids
+        assert len(prompt) > 6
+        cut = sampler.sample(_traj(1), _greedy(max_tokens=4, truncate_prompt_tokens=6))[0]
+        assert cut.prompt_token_ids == prompt[-6:]
+        direct = sampler.sample(InputFeature(input_ids=prompt[-6:]), _greedy(max_tokens=4))[0]
+        assert cut.sequences[0].tokens == direct.sequences[0].tokens
+        whole = sampler.sample(_traj(1), _greedy(max_tokens=1, truncate_prompt_tokens=-1))[0]
+        assert whole.prompt_token_ids == prompt
+
+    def test_include_stop_str_in_output_keeps_the_stop_string(self, sampler: Sampler) -> None:
+        self._declares(sampler, "include_stop_str_in_output")
+        text = sampler.sample(_traj(0), _greedy(max_tokens=12))[0].sequences[0].text
+        stop = next(
+            (text[i : i + 3] for i in range(2, len(text) - 3) if text[i : i + 3].strip() == text[i : i + 3]), None
+        )
+        assert stop is not None, f"no stop string to cut the greedy text {text!r} at"
+        cut = sampler.sample(_traj(0), _greedy(max_tokens=12, stop=[stop]))[0].sequences[0]
+        kept = sampler.sample(_traj(0), _greedy(max_tokens=12, stop=[stop], include_stop_str_in_output=True))
+        with_stop = kept[0].sequences[0]
+        assert cut.stop == stop and with_stop.tokens == cut.tokens and with_stop.text == cut.text + stop
+
+    def test_skip_special_tokens_and_spaces_between_special_tokens_shape_the_text(self, sampler: Sampler) -> None:
+        self._declares(sampler, "skip_special_tokens", "spaces_between_special_tokens", "allowed_token_ids")
+        special = sorted(self.held_back_ids(sampler, SamplingParams()))
+        assert special, "no end-of-sequence id to write"
+        params = _greedy(max_tokens=3, allowed_token_ids=special[:1] + _spread_ids(sampler.vocab_size or 256, 1, 9))
+        params = params.replace(logit_bias={special[0]: 50.0}) if "logit_bias" in sampler.supported_params else params
+        plain = sampler.sample(_traj(0), params)[0].sequences[0]
+        assert special[0] in plain.tokens, plain.tokens
+        shown = sampler.sample(_traj(0), params.replace(skip_special_tokens=False))[0].sequences[0]
+        assert plain.tokens == shown.tokens
+        assert plain.text == sampler.template.decode(plain.tokens) != shown.text
+        assert shown.text == sampler.template.decode(shown.tokens, skip_special_tokens=False)
+        tight = params.replace(skip_special_tokens=False, spaces_between_special_tokens=False)
+        joined = sampler.sample(_traj(0), tight)[0].sequences[0]
+        want = sampler.template.decode(joined.tokens, skip_special_tokens=False, spaces_between_special_tokens=False)
+        assert joined.text == want
+
+
+def _occurs(seq: list[int], tokens: list[int]) -> bool:
+    n = len(seq)
+    return any(tokens[i : i + n] == seq for i in range(len(tokens) - n + 1))
 
 
 def _label(sampler: Sampler) -> str:

@@ -4,14 +4,22 @@
 log-probs of the distribution a token was actually drawn from, after, in this
 order,
 
-1. the repetition penalty (the CTRL / Hugging Face rule: a token already in the
+1. the token constraints: tokens outside ``allowed_token_ids``, the last token
+   of a bad word whose other tokens end the completion, and (while the
+   completion is shorter than ``min_tokens``) the end-of-sequence and stop ids
+   are removed;
+2. ``logit_bias`` (added to the logits);
+3. the repetition penalty (the CTRL / Hugging Face rule: a token already in the
    context has its logit divided by the penalty when positive, multiplied by it
-   otherwise); greedy decoding stops here;
-2. temperature (logits divided by it);
-3. top-k (the k largest logits survive);
-4. top-p over what top-k left, renormalised (a token survives when the mass of
+   otherwise);
+4. the frequency and presence penalties (subtracted: ``frequency_penalty``
+   times the token's count in the completion, ``presence_penalty`` if it is in
+   the completion at all); greedy decoding stops here;
+5. temperature (logits divided by it);
+6. top-k (the k largest logits survive);
+7. top-p over what top-k left, renormalised (a token survives when the mass of
    the tokens more likely than it is below ``top_p``);
-5. min-p (a token survives when its probability is at least ``min_p`` times the
+8. min-p (a token survives when its probability is at least ``min_p`` times the
    largest one's).
 
 Removed tokens get ``-inf``. :func:`processed_logprobs` computes that from an
@@ -21,7 +29,8 @@ engine's processed numbers against its own raw ones.
 The logit offset. The repetition penalty acts on logits, and whether a logit
 is positive cannot be read from log-probs: ``logprob = logit - c`` with ``c``
 the log-sum-exp of the logits, unknown to the caller. The reference therefore
-takes ``c`` as ``logit_offset``; every other step is invariant to it. The
+takes ``c`` as ``logit_offset``; every other step is invariant to it (the
+bias and the other penalties add constants per token). The
 suite does not guess ``c``: :func:`fit_logit_offset` solves for the one ``c``
 that explains the engine's reported numbers (exactly, from one context token
 and one other token with finite processed log-probs), and the suite then
@@ -41,9 +50,19 @@ import itertools
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
+import attrs
+
 from twinkle_core.data_format import SamplingParams
 
-__all__ = ["NEG_INF", "ambiguous_tokens", "fit_logit_offset", "processed_logprobs", "reference_error"]
+__all__ = [
+    "NEG_INF",
+    "Completion",
+    "ambiguous_tokens",
+    "fit_logit_offset",
+    "fit_logit_offsets",
+    "processed_logprobs",
+    "reference_error",
+]
 
 NEG_INF = float("-inf")
 
@@ -55,14 +74,87 @@ def _log_softmax(scores: Sequence[float]) -> list[float]:
     return [x - norm if x != NEG_INF else NEG_INF for x in scores]
 
 
-def _penalised(raw_logprobs: Sequence[float], context: Iterable[int], penalty: float, offset: float) -> list[float]:
-    logits = [lp + offset for lp in raw_logprobs]
+def _ids(values: Iterable[int]) -> tuple[int, ...]:
+    return tuple(values)
+
+
+def _id_set(values: Iterable[int]) -> frozenset[int]:
+    return frozenset(values)
+
+
+def _sequences(words: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(w) for w in words)
+
+
+@attrs.frozen
+class Completion:
+    """What the steps before the temperature read besides the logits, at one position.
+
+    Attributes:
+        tokens: the completion so far (every token generated before this position).
+        held_back: the ids ``min_tokens`` removes while the completion is
+            shorter (the engine's end-of-sequence ids and ``stop_token_ids``).
+        bad_words: the token sequences of ``bad_words``
+            (``twinkle_core.data_format.bad_word_token_ids``).
+    """
+
+    tokens: tuple[int, ...] = attrs.field(default=(), converter=_ids)
+    held_back: frozenset[int] = attrs.field(default=frozenset(), converter=_id_set)
+    bad_words: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_sequences)
+
+
+def _removed(params: SamplingParams, vocab: int, completion: Completion) -> set[int]:
+    """Step 1: the ids the constraints remove."""
+    removed: set[int] = set()
+    if params.allowed_token_ids is not None:
+        allowed = set(params.allowed_token_ids)
+        removed.update(t for t in range(vocab) if t not in allowed)
+    done = completion.tokens
+    for word in completion.bad_words:
+        *prefix, last = word
+        if len(done) >= len(prefix) and list(done[len(done) - len(prefix) :]) == prefix:
+            removed.add(last)
+    if len(done) < params.min_tokens:
+        removed.update(completion.held_back)
+    return {t for t in removed if 0 <= t < vocab}
+
+
+def _shifts(params: SamplingParams, vocab: int, completion: Completion) -> tuple[list[float], list[float]]:
+    """Per token: what step 2 adds before the repetition penalty, and what step 4 subtracts after it."""
+    before = [0.0] * vocab
+    for token, bias in params.logit_bias:
+        if token < vocab:
+            before[token] += bias
+    after = [0.0] * vocab
+    counts: dict[int, int] = {}
+    for t in completion.tokens:
+        counts[t] = counts.get(t, 0) + 1
+    for t, n in counts.items():
+        if 0 <= t < vocab:
+            after[t] = params.frequency_penalty * n + params.presence_penalty
+    return before, after
+
+
+def _penalised(
+    raw_logprobs: Sequence[float],
+    context: Iterable[int],
+    params: SamplingParams,
+    offset: float,
+    completion: Completion = Completion(),
+) -> list[float]:
+    """Steps 1 to 4: the logits greedy decoding takes the argmax of."""
+    vocab = len(raw_logprobs)
+    before, after = _shifts(params, vocab, completion)
+    logits = [lp + offset + b for lp, b in zip(raw_logprobs, before)]
+    for t in _removed(params, vocab, completion):
+        logits[t] = NEG_INF
+    penalty = params.repetition_penalty
     if penalty != 1.0:
         for t in set(context):
-            if 0 <= t < len(logits):
+            if 0 <= t < vocab and logits[t] != NEG_INF:
                 z = logits[t]
                 logits[t] = z / penalty if z > 0 else z * penalty
-    return logits
+    return [z - a if z != NEG_INF else NEG_INF for z, a in zip(logits, after)]
 
 
 def _truncated(scores: list[float], top_k: int, top_p: float, min_p: float) -> list[float]:
@@ -99,6 +191,7 @@ def processed_logprobs(
     context: Iterable[int] = (),
     *,
     logit_offset: float = 0.0,
+    completion: Completion = Completion(),
 ) -> list[float]:
     """The processed log-probs over the whole vocabulary at one position.
 
@@ -111,11 +204,13 @@ def processed_logprobs(
             for the repetition penalty.
         logit_offset: ``c`` in ``logit = logprob + c`` (see the module docstring);
             it matters only with a repetition penalty.
+        completion: the completion so far and what the constraints need (see
+            :class:`Completion`); the default is an empty completion.
 
     Returns:
         One log-prob per token id; ``-inf`` for the tokens the processing removes.
     """
-    scores = _penalised(raw_logprobs, context, params.repetition_penalty, logit_offset)
+    scores = _penalised(raw_logprobs, context, params, logit_offset, completion)
     if params.greedy:
         return _log_softmax(scores)
     scores = [x / params.temperature for x in scores]
@@ -128,6 +223,7 @@ def ambiguous_tokens(
     context: Iterable[int] = (),
     *,
     logit_offset: float = 0.0,
+    completion: Completion = Completion(),
     slack: float = 1e-4,
 ) -> frozenset[int]:
     """Tokens whose survival flips when the top-p and min-p thresholds move by ``slack``.
@@ -139,7 +235,7 @@ def ambiguous_tokens(
     if params.greedy or (params.top_p >= 1.0 and params.min_p <= 0.0):
         return frozenset()
     context = list(context)
-    scores = _penalised(raw_logprobs, context, params.repetition_penalty, logit_offset)
+    scores = _penalised(raw_logprobs, context, params, logit_offset, completion)
     scores = [x / params.temperature for x in scores]
     # Fewer survivors: a smaller nucleus, a higher floor; more survivors: the opposite.
     top_p, min_p = params.top_p, params.min_p
@@ -170,8 +266,27 @@ def fit_logit_offset(
     params: SamplingParams,
     context: Iterable[int],
     observed: Mapping[int, float],
+    completion: Completion = Completion(),
 ) -> float:
-    """The logit offset ``c`` under which the reference best explains ``observed``.
+    """The logit offset ``c`` under which the reference best explains ``observed`` (see :func:`fit_logit_offsets`)."""
+    return fit_logit_offsets(raw_logprobs, params, context, observed, completion)[0]
+
+
+def fit_logit_offsets(
+    raw_logprobs: Sequence[float],
+    params: SamplingParams,
+    context: Iterable[int],
+    observed: Mapping[int, float],
+    completion: Completion = Completion(),
+    tolerance: float = 0.0,
+    top_values: Sequence[float] = (),
+) -> list[float]:
+    """The logit offsets ``c`` under which the reference explains ``observed``, best first.
+
+    Several may explain the observed tokens equally (within ``tolerance``)
+    while placing an unobserved context token on either side of zero, where
+    the repetition penalty acts differently: the caller may try each. At
+    least the best one is returned.
 
     Between two tokens the engine kept, the processed log-probs differ by the
     difference of their processed logits over the temperature, whatever the
@@ -188,18 +303,34 @@ def fit_logit_offset(
         context: the tokens before this position.
         observed: the engine's processed log-probs by token id (sampled token
             and top alternatives).
+        completion: as for :func:`processed_logprobs`.
+
+        tolerance: how far from ``observed`` a candidate may be and still be returned.
+        top_values: the engine's top-k log-probs, sorted: a candidate must
+            also reproduce them (where no observed token is in the context,
+            only they tell which context tokens the penalty raised or lowered).
 
     Returns:
-        ``c``; 0 when there is no repetition penalty (nothing depends on it).
+        The candidates for ``c``; ``[0.0]`` when there is no repetition penalty (nothing depends on it).
     """
     penalty = params.repetition_penalty
     if penalty == 1.0:
-        return 0.0
-    seen = {t for t in context if 0 <= t < len(raw_logprobs)}
+        return [0.0]
+    vocab = len(raw_logprobs)
+    removed = _removed(params, vocab, completion)
+    seen = {t for t in context if 0 <= t < vocab and t not in removed}
     temperature = 1.0 if params.greedy else params.temperature
+    before, after = _shifts(params, vocab, completion)
+    # the logit before the penalty is lp + before + c; the penalty's result loses `after`
+    shifted = [lp + b for lp, b in zip(raw_logprobs, before)]
 
     def error(c: float) -> float:
-        return reference_error(processed_logprobs(raw_logprobs, params, seen, logit_offset=c), observed)
+        ref = processed_logprobs(raw_logprobs, params, seen, logit_offset=c, completion=completion)
+        worst = reference_error(ref, observed)
+        if top_values:
+            want = sorted(ref, reverse=True)[: len(top_values)]
+            worst = max(worst, reference_error(want, dict(enumerate(top_values))))
+        return worst
 
     def factors(token: int) -> list[tuple[float, int]]:
         # (multiplier of the logit, required sign of the logit: 1 positive, -1 not, 0 any)
@@ -210,8 +341,9 @@ def fit_logit_offset(
     if finite:
         anchor_value, anchor = finite[-1]
         for value, token in finite[:-1]:
-            d = (value - anchor_value) * temperature  # = s_i (lp_i + c) - s_a (lp_a + c)
-            lp_i, lp_a = raw_logprobs[token], raw_logprobs[anchor]
+            # = s_i (lp_i + c) - after_i - s_a (lp_a + c) + after_a, lp counting the bias
+            d = (value - anchor_value) * temperature + after[token] - after[anchor]
+            lp_i, lp_a = shifted[token], shifted[anchor]
             for s_i, sign_i in factors(token):
                 for s_a, sign_a in factors(anchor):
                     if s_i == s_a:
@@ -223,7 +355,9 @@ def fit_logit_offset(
     # token shares one penalty, c only moves the normaliser. So also search the stretches
     # where no context logit changes sign: their middles first, then refine the best few
     # (inside a stretch the error is smooth in c).
-    breaks = sorted({-raw_logprobs[t] for t in seen})
+    breaks = sorted({-shifted[t] for t in seen})
+    if not breaks:
+        return [0.0]
     edges = [breaks[0] - 10.0, *breaks, breaks[-1] + 10.0]
     stretches = sorted(itertools.pairwise(edges), key=lambda pair: error((pair[0] + pair[1]) / 2))
     for lo, hi in stretches[:3]:
@@ -234,4 +368,6 @@ def fit_logit_offset(
             else:
                 lo = m1
         candidates.append((lo + hi) / 2)
-    return min(candidates, key=error)
+    ranked = sorted(set(candidates), key=error)
+    close = [c for c in ranked if error(c) <= tolerance]
+    return close or ranked[:1]

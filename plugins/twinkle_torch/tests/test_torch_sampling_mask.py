@@ -49,6 +49,23 @@ TRUNCATIONS: dict[str, dict[str, Any]] = {
     "top_p+min_p": {"top_p": 0.9, "min_p": 0.05, "temperature": 0.9},
     "top_k+top_p+min_p": {"top_k": 12, "top_p": 0.95, "min_p": 0.02, "temperature": 1.5},
     "top_k+repetition_penalty": {"top_k": 8, "repetition_penalty": 1.3, "temperature": 0.9},
+    # the token constraints are in the mask; the bias and the penalties are replayed from the parameters
+    "constraints": {"allowed_token_ids": list(range(3, 300)), "bad_words": ["the", "a"], "min_tokens": 6},
+    "constraints+top_p": {
+        "allowed_token_ids": list(range(3, 300)),
+        "bad_words": ["the"],
+        "min_tokens": 4,
+        "top_p": 0.9,
+        "temperature": 1.2,
+    },
+    "bias+penalties+top_k": {
+        "logit_bias": dict.fromkeys(range(10, 400, 7), 3.0),
+        "presence_penalty": 0.8,
+        "frequency_penalty": 0.6,
+        "repetition_penalty": 1.2,
+        "top_k": 10,
+        "temperature": 1.1,
+    },
 }
 
 
@@ -75,11 +92,28 @@ def test_replayed_logprobs_equal_the_samplers_processed_logprobs(
             torch.testing.assert_close(replayed, torch.tensor(seq.logprobs), atol=TOLERANCE, rtol=0)
             # over the whole vocabulary the same tokens score differently: the mask is what closes the gap
             scaled = logits.float() / params.temperature
-            if params.repetition_penalty == 1.0:
+            if params.repetition_penalty == 1.0 and not params.logit_bias:
                 full = torch.log_softmax(scaled, -1).gather(-1, torch.tensor(seq.tokens)[:, None]).squeeze(-1)
                 full_gap = max(full_gap, float((full - replayed).abs().max()))
-    if params.repetition_penalty == 1.0:
+    if params.repetition_penalty == 1.0 and not params.logit_bias:
         assert full_gap > 100 * TOLERANCE
+
+
+def test_greedy_mask_under_constraints_is_what_they_left_and_replays(
+    sampler: TorchSampler, trainer: Any, chat_prompts: list[Any]
+) -> None:
+    allowed = list(range(3, 120))
+    params = SamplingParams(
+        max_tokens=8, temperature=0, allowed_token_ids=allowed, min_tokens=8, logprobs=0, return_sampling_mask=True
+    )
+    (response,) = sampler.sample(chat_prompts[:1], params)
+    (seq,) = response.sequences
+    assert seq.sampling_mask is not None and set(seq.tokens) <= set(allowed)
+    for i in range(len(seq.tokens)):
+        assert set(seq.sampling_mask.kept(i)) == set(allowed) - set(sampler.eos_token_ids)
+    logits = _trainer_logits(trainer, response.prompt_token_ids, seq)
+    replayed = replay_logprobs(logits, seq.tokens, seq.sampling_mask, params)
+    torch.testing.assert_close(replayed, torch.tensor(seq.logprobs), atol=TOLERANCE, rtol=0)
 
 
 def test_greedy_mask_is_the_whole_vocabulary_and_replays(

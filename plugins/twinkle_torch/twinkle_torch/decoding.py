@@ -49,8 +49,9 @@ import attrs
 import torch
 
 from twinkle_core.data_format import SamplingMask, SamplingParams
-from twinkle_core.errors import SamplerClosedError
+from twinkle_core.errors import InvalidSamplingParams, SamplerClosedError
 from twinkle_torch.cache import PreallocatedLayer, join_caches, joinable, make_cache, select_rows
+from twinkle_torch.constraints import LogitConstraints
 from twinkle_torch.sampling import RowRandomness, TokenSampler, derive_seed
 from twinkle_torch.stopping import StopStringMatcher
 
@@ -201,6 +202,12 @@ class _Row:
         return self.job.prompts[self.prompt] + self.tokens
 
     @property
+    def output(self) -> list[int]:
+        """Its whole completion so far: what an earlier run generated (the prompt's tail) and its tokens."""
+        prompt = self.job.prompts[self.prompt]
+        return prompt[len(prompt) - self.position0 :] + self.tokens if self.position0 else self.tokens
+
+    @property
     def span(self) -> int:
         """The most cache columns it can need: prompt plus budget."""
         return len(self.job.prompts[self.prompt]) + self.limit
@@ -260,6 +267,7 @@ class Decoder:
             mask directly instead of having ``transformers`` build one each step.
         max_batch_tokens: the KV-cache budget of the batch, in tokens:
             rows x the longest (prompt + max_tokens) among them.
+        vocab_size: the width of the logits (token constraints are checked against it).
     """
 
     def __init__(
@@ -274,9 +282,11 @@ class Decoder:
         logits_to_keep: bool,
         sdpa_masks: bool = False,
         max_batch_tokens: int = 65536,
+        vocab_size: int | None = None,
     ) -> None:
         self.model = model
-        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size if vocab_size is not None else int(model.config.vocab_size)
+        self._tokenizer = tokenizer
         self.device = device
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         self.pad_token_id = pad_token_id
@@ -298,6 +308,16 @@ class Decoder:
         self._samplers: dict[Hashable, TokenSampler] = {}
 
     # -- public -------------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer of stop strings and bad words (set when the template changes)."""
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._samplers = {}  # their bad words were tokenized by the old one
+
     def run(
         self, prompts: list[list[int]], params: SamplingParams, *, control: RunControl | None = None
     ) -> tuple[list[list[SequenceResult]], list[PromptScores | None]]:
@@ -320,6 +340,8 @@ class Decoder:
         """
         control = control if control is not None else RunControl.plain(len(prompts), params)
         job = _Job(prompts, params, control, self.eos_token_ids)
+        if params.max_tokens > 0:
+            self._sampler(job)  # bad constraints (a bad word that cannot be tokenized) fail here, before any work
         n = params.num_samples
         generating = params.max_tokens > 0
         rows: list[_Row] = []
@@ -339,7 +361,9 @@ class Decoder:
                 if params.return_sampling_mask:
                     row.kept = []
                 if params.stop:
-                    row.matcher = StopStringMatcher(self.tokenizer, params.stop, 1)
+                    row.matcher = StopStringMatcher(
+                        self.tokenizer, params.stop, 1, skip_special_tokens=params.skip_special_tokens
+                    )
                 rows.append(row)
         if rows:
             job.pending = len(rows)
@@ -446,8 +470,6 @@ class Decoder:
             result.top_logprobs = row.top
             if row.kept is not None:
                 result.sampling_mask = SamplingMask.from_rows(row.kept)
-            if row.matcher is not None and isinstance(stop, str) and row.stop_text_end is not None:
-                result.text = row.matcher.final_text(row.tokens, stop, row.stop_text_end, 0)
             job.results[(row.prompt, row.sample)] = result
             if job.control.on_finish is not None:
                 try:
@@ -694,12 +716,17 @@ class Decoder:
             batch.seen = batch.seen[keep]
 
     # -- one step -----------------------------------------------------------------------------
+    def _min_tokens_ids(self, job: _Job) -> list[int]:
+        """What ``min_tokens`` holds back: the end-of-sequence ids (even with ``ignore_eos``) and the stop ids."""
+        return sorted(set(self.eos_token_ids) | set(job.params.stop_token_ids))
+
     def _sampler(self, job: _Job) -> TokenSampler:
         sampler = self._samplers.get(job.group)
         if sampler is None:
             if len(self._samplers) > 256:  # parameters of runs long gone
                 self._samplers.clear()
-            sampler = self._samplers[job.group] = TokenSampler(job.params)
+            constraints = LogitConstraints.of(job.params, self._min_tokens_ids(job), self.tokenizer, self.vocab_size)
+            sampler = self._samplers[job.group] = TokenSampler(job.params, constraints)
         return sampler
 
     def _sample(self, batch: _Batch) -> None:
@@ -719,11 +746,16 @@ class Decoder:
             idx = torch.tensor(members, dtype=torch.long, device=device)
             logits = batch.logits[idx]
             seen = batch.seen[idx] if sampler.needs_seen and batch.seen is not None else None
-            if sampler.needs_uniforms:
-                randomness = RowRandomness([r.seed for r in rows], [r.position0 + len(r.tokens) for r in rows])
-                result = sampler(logits, seen, randomness.uniforms(device), randomness.redraw)
-            else:
-                result = sampler(logits, seen)
+            outputs = [r.output for r in rows] if sampler.needs_outputs else None
+            try:
+                if sampler.needs_uniforms:
+                    randomness = RowRandomness([r.seed for r in rows], [r.position0 + len(r.tokens) for r in rows])
+                    result = sampler(logits, seen, randomness.uniforms(device), randomness.redraw, outputs)
+                else:
+                    result = sampler(logits, seen, outputs=outputs)
+            except InvalidSamplingParams as exc:  # this run's parameters leave nothing to draw: it fails alone
+                self._fail(job, exc)
+                continue
             tokens_in[idx] = result.tokens
             token_list = result.tokens.tolist()
             lp_list = result.logprobs.tolist() if result.logprobs is not None else None
@@ -745,6 +777,8 @@ class Decoder:
                     end = ("stop", token)
                 if row.matcher is not None:
                     hit = row.matcher.push(0, token)
+                    if hit is not None and row.position0 + len(row.tokens) <= job.params.min_tokens:
+                        hit = None  # stop strings count from min_tokens on (vLLM's rule)
                     # a stop string completed by the last allowed token still counts as a stop
                     if hit is not None and (end is None or end[0] == "length"):
                         end = ("stop", hit[0])

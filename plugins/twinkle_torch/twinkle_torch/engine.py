@@ -60,7 +60,9 @@ SUPPORTED_PARAMS = frozenset(
     {
         "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
         "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logprobs_mode", "num_samples",
-        "return_sampling_mask",
+        "return_sampling_mask", "presence_penalty", "frequency_penalty", "min_tokens", "logit_bias",
+        "allowed_token_ids", "bad_words", "include_stop_str_in_output", "skip_special_tokens",
+        "spaces_between_special_tokens",
     }
 )  # fmt: skip
 
@@ -261,6 +263,7 @@ class TorchEngine(Engine):
             logits_to_keep="logits_to_keep" in inspect.signature(type(self._model).forward).parameters,
             sdpa_masks=getattr(self._model.config, "_attn_implementation", None) in ("sdpa", ATTN_IMPLEMENTATION),
             max_batch_tokens=max_batch_tokens,
+            vocab_size=self.info.vocab_size,
         )
 
     @property
@@ -307,7 +310,7 @@ class TorchEngine(Engine):
                 result.tokens,
                 stop_reason=result.stop_reason,
                 adapter_name=adapter_name,
-                text=result.text,
+                text=self.context.template.completion_text(result.tokens, params, result.stop),
                 stop=result.stop,
                 logprobs=result.logprobs,
                 top_logprobs=result.top_logprobs,

@@ -4,8 +4,10 @@ Everything here is vectorised over the rows of the batch: one call per decode
 step, whatever the batch size, with no per-row Python work except drawing one
 uniform number per seeded row (see :class:`RowRandomness`).
 
-The processing order follows Hugging Face ``generate``: repetition penalty,
-temperature, top-k, top-p (renormalised over the top-k survivors), min-p.
+The processing order: the token constraints and the logit bias (see
+:mod:`twinkle_torch.constraints`), the repetition penalty, the frequency and
+presence penalties, then (as Hugging Face ``generate`` does) temperature,
+top-k, top-p (renormalised over the top-k survivors), min-p.
 Nothing sorts the vocabulary (``torch.sort`` over a 50k vocabulary is slower
 on CPU than a small model's forward): see :class:`TokenSampler` for how
 truncation is done instead.
@@ -26,6 +28,8 @@ import attrs
 import torch
 
 from twinkle_core.data_format import SamplingParams
+from twinkle_core.errors import InvalidSamplingParams
+from twinkle_torch.constraints import LogitConstraints
 
 __all__ = ["RowRandomness", "StepResult", "TokenSampler", "derive_seed"]
 
@@ -167,10 +171,13 @@ class TokenSampler:
 
     Args:
         params: the request's sampling parameters.
+        constraints: its token constraints, bias and completion penalties
+            (``LogitConstraints.of(params, ...)``), if it sets any.
     """
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, constraints: LogitConstraints | None = None) -> None:
         self.params = params
+        self.constraints = constraints
         self.greedy = params.greedy
         self.want_logprobs = params.logprobs is not None
         self.top_n = params.logprobs or 0
@@ -184,6 +191,11 @@ class TokenSampler:
         self.by_rejection = self.truncates and self.top_k is None
         self.want_mask = params.return_sampling_mask
         self._width = _FIRST_CANDIDATES  # candidate width that sufficed last step
+
+    @property
+    def needs_outputs(self) -> bool:
+        """Whether the caller must pass each row's completion so far (for the constraints)."""
+        return self.constraints is not None
 
     @property
     def needs_seen(self) -> bool:
@@ -201,6 +213,7 @@ class TokenSampler:
         seen: torch.Tensor | None = None,
         uniforms: torch.Tensor | None = None,
         redraw: Redraw = _global_redraw,
+        outputs: list[list[int]] | None = None,
     ) -> StepResult:
         """Choose one token per row.
 
@@ -211,22 +224,42 @@ class TokenSampler:
             uniforms: ``[rows]`` numbers in ``[0, 1)``; needed unless greedy.
             redraw: more uniform numbers for the given rows (rejection sampling
                 asks for them; seeded rows must draw from their own generators).
+            outputs: per row, its completion so far; needed with constraints.
+
+        Raises:
+            InvalidSamplingParams: the constraints leave a row no token to draw.
         """
         raw = logits.float()
         processed = raw
+        constraints = self.constraints
+        if constraints is not None:
+            assert outputs is not None
+            processed = constraints.before_penalty(processed, outputs)
         if self.penalty is not None:
             assert seen is not None
-            processed = apply_repetition_penalty(raw, seen, self.penalty)
+            processed = apply_repetition_penalty(processed, seen, self.penalty)
+        if constraints is not None:
+            processed = constraints.after_penalty(processed, outputs)  # type: ignore[arg-type]
+            if constraints.masks:
+                self._check_support(processed)
         if self.greedy:
             tokens = processed.argmax(dim=-1)
-            if not self.want_logprobs:
-                return StepResult(tokens)
-            return self._finish_full(tokens, raw if self.raw_mode else processed)
+            result = (
+                StepResult(tokens)
+                if not self.want_logprobs
+                else self._finish_full(tokens, raw if self.raw_mode else processed)
+            )
+            if self.want_mask and constraints is not None and constraints.masks:
+                result = attrs.evolve(result, kept=self._finite(processed))  # greedy draws from what is left
+            return result
         assert uniforms is not None
         if self.params.temperature != 1.0:
             processed = processed / self.params.temperature
         if not self.truncates:
-            return self._sample_full(processed, raw, uniforms)
+            result = self._sample_full(processed, raw, uniforms)
+            if self.want_mask and constraints is not None and constraints.masks:
+                result = attrs.evolve(result, kept=self._finite(processed))
+            return result
         if self.by_rejection:
             result = self._sample_by_rejection(processed, raw, uniforms, redraw)
         else:
@@ -235,7 +268,26 @@ class TokenSampler:
             result = attrs.evolve(result, kept=self._kept(processed, result.tokens))
         return result
 
+    def _check_support(self, processed: torch.Tensor) -> None:
+        empty = (~torch.isfinite(processed).any(dim=-1)).nonzero().flatten().tolist()
+        if empty:
+            p = self.params
+            raise InvalidSamplingParams(
+                "The token constraints leave no token to draw: every token is removed by allowed_token_ids="
+                f"{list(p.allowed_token_ids) if p.allowed_token_ids is not None else None!r}, bad_words="
+                f"{list(p.bad_words)!r} and min_tokens={p.min_tokens} (which holds back the end-of-sequence and"
+                " stop ids) together. Allow a token none of the others removes."
+            )
+
     # -- the sampling mask --------------------------------------------------------------------------
+    @staticmethod
+    def _finite(scores: torch.Tensor) -> list[list[int]]:
+        """Per row, the ids whose score is finite (the tokens the constraints left)."""
+        rows: list[list[int]] = [[] for _ in range(scores.shape[0])]
+        for r, t in torch.isfinite(scores).nonzero().tolist():
+            rows[r].append(t)
+        return rows
+
     def _kept(self, scaled: torch.Tensor, tokens: torch.Tensor) -> list[list[int]]:
         """Per row, the ids the truncation kept: the same sets the processed log-probs normalise over.
 
@@ -256,6 +308,9 @@ class TokenSampler:
             counts = (last.squeeze(-1) + 1).tolist()
             width = max(counts) if counts else 0
             rows = [row[:c] for row, c in zip(ids[:, :width].tolist(), counts)]
+        if self.constraints is not None and self.constraints.masks:  # a top-k candidate may be a removed token
+            finite = torch.isfinite(scaled)
+            rows = [[t for t in row if finite[r, t]] for r, row in enumerate(rows)]
         # Exact ties in probability are broken differently by the rejection draw and the sorted
         # candidates; the drawn token is in its support by definition.
         for row, t in zip(rows, tokens.tolist()):

@@ -57,6 +57,23 @@ def test_base_model_parity(vllm_sampler: Any, torch_sampler: Any) -> None:
     assert_same(run(vllm_sampler), run(torch_sampler))
 
 
+def test_constrained_parity(vllm_sampler: Any, torch_sampler: Any) -> None:
+    """Every token constraint, the bias and the penalties at once: the two engines draw the same tokens."""
+    params = GREEDY.replace(
+        allowed_token_ids=list(range(3, 400)),
+        bad_words=[torch_sampler.template.decode([t]).strip() or "x" for t in (20, 40, 60)],
+        min_tokens=32,
+        logit_bias=dict.fromkeys(range(50, 400, 11), 2.5),
+        presence_penalty=0.7,
+        frequency_penalty=0.3,
+        repetition_penalty=1.2,
+    )
+    outs = [[r.sequences[0] for r in s.sample(PROMPTS, params)] for s in (vllm_sampler, torch_sampler)]
+    assert_same(*outs)
+    for seq in outs[0]:
+        assert set(seq.tokens) <= set(range(3, 400))
+
+
 def test_lora_parity(vllm_sampler: Any, torch_sampler: Any, adapters: dict[str, Path]) -> None:
     for sampler in (vllm_sampler, torch_sampler):
         sampler.add_adapter_to_model("a", adapters["a"])

@@ -131,7 +131,15 @@ def make_plan(
         "flat_logprobs": True,
         # Text is decoded once by the template; vLLM needs it only to match stop strings.
         "detokenize": bool(params.stop),
-        "include_stop_str_in_output": False,
+        "include_stop_str_in_output": False,  # the text is cut here, the tokens are the same
+        "skip_special_tokens": params.skip_special_tokens,
+        "spaces_between_special_tokens": params.spaces_between_special_tokens,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "min_tokens": params.min_tokens,  # per prompt: less what a continuation generated before
+        "logit_bias": dict(params.logit_bias) or None,
+        "allowed_token_ids": list(params.allowed_token_ids) if params.allowed_token_ids is not None else None,
+        "bad_words": list(params.bad_words) or None,
     }
     temperature = params.temperature
     reorder = not greedy and params.min_p > 0.0 and params.top_p < 1.0
@@ -255,10 +263,7 @@ def to_sequence(
     if reason == "stop":
         # vLLM reports None for the model's own EOS; name the token instead.
         stop = output.stop_reason if output.stop_reason is not None else (tokens[-1] if tokens else None)
-    text = context.template.decode(tokens)
-    if isinstance(stop, str):
-        cut = text.find(stop)
-        text = text[:cut] if cut >= 0 else output.text
+    text = context.template.completion_text(tokens, params, stop)
     logprobs: list[float] | None = None
     top: list[list[tuple[int, float]]] | None = None
     if params.logprobs is not None:

@@ -38,7 +38,7 @@ from vllm.lora.request import LoRARequest
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from twinkle_core.data_format import SampleResponse, SamplingParams
+from twinkle_core.data_format import SampleResponse, SamplingParams, bad_word_token_ids, check_constraints
 from twinkle_core.engine import (
     AdapterInput,
     DeviceMesh,
@@ -87,6 +87,8 @@ SUPPORTED_PARAMS = frozenset(
     {
         "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
         "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logprobs_mode", "num_samples",
+        "presence_penalty", "frequency_penalty", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words",
+        "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
     }
 )  # fmt: skip
 
@@ -129,11 +131,19 @@ class _Facts:
     world_size: int
     #: why a seeded request would kill this engine (``""``: it would not)
     seeds_crash: str
+    #: the generation config's end-of-sequence ids (vLLM adds the tokenizer's)
+    eos_token_ids: tuple[int, ...] = ()
 
     @classmethod
     def read(cls, config: Any) -> _Facts:
         device_type = str(config.device_config.device_type)
+        try:
+            eos = config.model_config.try_get_generation_config().get("eos_token_id")
+        except Exception:  # no generation config: the tokenizer's id only
+            eos = None
+        eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(int(t) for t in eos))
         return cls(
+            eos_token_ids=eos_ids,
             max_model_len=int(config.model_config.max_model_len),
             vocab_size=int(config.model_config.get_vocab_size()),
             max_logprobs=int(config.model_config.max_logprobs),
@@ -361,6 +371,13 @@ class vLLMEngine(Engine):
         if isinstance(exc, Exception) and self._recovery.engine_dead():
             raise self._recovery.dead_while(during, exc, self._recovery.generation, locked=True) from exc
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The ids vLLM ends a sequence on unless ``ignore_eos`` (and ``min_tokens`` holds back):
+        the tokenizer's and the generation config's."""
+        single = getattr(self.context.tokenizer, "eos_token_id", None)
+        return tuple(sorted(set(self._facts.eos_token_ids) | ({single} if single is not None else set())))
+
     # -- the engine contract ---------------------------------------------------------------
     def max_prompt_len(self, params: SamplingParams) -> int:
         # vLLM runs at least one step after the prompt, even to score it, so a
@@ -380,6 +397,10 @@ class vLLMEngine(Engine):
             temperature_processor=self._temperature_processor,
             seeds_crash=self._facts.seeds_crash,
         )
+        if params.allowed_token_ids is not None:  # constraints that leave nothing: refused, never run
+            words = params.bad_words
+            bad = bad_word_token_ids(self.context.tokenizer, words, self._facts.vocab_size) if words else []
+            check_constraints(params, bad, sorted(set(self.eos_token_ids) | set(params.stop_token_ids)))
         # The base holds its lock shared: the adapter cannot be removed or replaced, nor the weights change.
         if self._asleep:
             raise TwinkleError("The vLLM engine is asleep: call wake_up() before sampling.")
@@ -486,6 +507,10 @@ class vLLMEngine(Engine):
             return None, None
         if not plan.scoring and run.max_tokens[p] < kwargs["max_tokens"]:
             kwargs = {**kwargs, "max_tokens": run.max_tokens[p]}
+        if plan.params.min_tokens:
+            # a continuation's prompt ends with what it generated before: min_tokens counts those too
+            left = max(0, plan.params.min_tokens - run.generated[p])
+            kwargs = {**kwargs, "min_tokens": min(left, kwargs["max_tokens"])}
         k = plan.params.logprobs or 0
         rescored: dict[int, Any] = {}
         reported: set[int] = set()

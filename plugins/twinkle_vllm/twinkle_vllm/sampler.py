@@ -57,6 +57,11 @@ class vLLMSampler(NamedSampler):
         return self.engine.last_sync_stats
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Ids that end a sequence unless ``ignore_eos``: the tokenizer's and the generation config's."""
+        return self.engine.eos_token_ids
+
+    @property
     def restarts(self) -> int:
         """How many times the engine was restarted (after dying, or by :meth:`restart`)."""
         return self.engine.restarts
