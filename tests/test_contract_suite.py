@@ -44,6 +44,7 @@ TORCH_FIELDS = [
     "bad_words",
     "include_stop_str_in_output",
     "skip_special_tokens",
+    "structured_outputs",
 ]
 
 

@@ -202,8 +202,6 @@ def test_the_table_names_every_accepted_field(route: str) -> None:
 
 
 _NEUTRAL_PROBES: dict[str, Any] = {
-    "structured_outputs": {"regex": "[a-z]+"},
-    "response_format": {"type": "json_object"},
     "use_beam_search": True,
     "priority": 1,
 }
@@ -229,6 +227,7 @@ _ENGINE_FIELDS: dict[str, Any] = {
     "logit_bias": {"5": 10.0, "9": -4.0},
     "allowed_token_ids": [5, 6, 7, 9],
     "bad_words": ["fox"],
+    "structured_outputs": {"regex": "[a-z]+"},
 }
 
 
@@ -241,9 +240,26 @@ def test_engine_sampling_fields_reach_the_engine(server: RunningServer, sampler:
     # a value the field refuses is a 400 that names it
     bad = {"presence_penalty": 9, "frequency_penalty": 9, "min_tokens": 99, "logit_bias": {"5": 1e3}}.get(name)
     if bad is None:
-        bad = {"allowed_token_ids": [10**9], "bad_words": [""]}[name]
+        bad = {"allowed_token_ids": [10**9], "bad_words": [""], "structured_outputs": {"regex": "(["}}[name]
     err = _post(server, "/v1/completions", {**body, name: bad}, status=400)["error"]
     assert name in err["message"]
+
+
+def test_response_format_constrains_the_reply(server: RunningServer) -> None:
+    import json
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 40, "seed": 1}
+    for rf in ({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}, {"type": "json_object"}):
+        out = _post(server, "/v1/chat/completions", {**chat, "response_format": rf})
+        choice = out["choices"][0]
+        if choice["finish_reason"] == "stop":
+            value = json.loads(choice["message"]["content"])
+            assert isinstance(value, dict) and (rf["type"] == "json_object" or isinstance(value["ok"], bool))
+    body = {**chat, "response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}
+    assert _post(server, "/v1/chat/completions", body, status=400)["error"]["param"] == "response_format"
+    bad = {**chat, "response_format": {"type": "xml"}}
+    assert "xml" in _post(server, "/v1/chat/completions", bad, status=400)["error"]["message"]
 
 
 def body_params(body: dict[str, Any]) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from twinkle_core.data_format.chat import ROLES, Message, Tool, Trajectory
 from twinkle_core.data_format.feature import IGNORE_INDEX, InputFeature, training_feature
 from twinkle_core.data_format.output import SampledSequence, SampleResponse, SamplingMask, StopReason, TopLogprobs
 from twinkle_core.data_format.params import LogprobsMode, SamplingParams, bad_word_token_ids, check_constraints
+from twinkle_core.data_format.structured import StructuredOutputs
 
 __all__ = [
     "IGNORE_INDEX",
@@ -16,6 +17,7 @@ __all__ = [
     "SamplingMask",
     "SamplingParams",
     "StopReason",
+    "StructuredOutputs",
     "Tool",
     "TopLogprobs",
     "Trajectory",

@@ -9,6 +9,7 @@ from typing import Any, ClassVar, Literal
 import attrs
 
 from twinkle_core.data_format._base import Record
+from twinkle_core.data_format.structured import StructuredOutputs
 from twinkle_core.errors import InvalidSamplingParams
 
 __all__ = ["LogprobsMode", "SamplingParams", "bad_word_token_ids", "check_constraints", "resolve_params"]
@@ -151,6 +152,10 @@ def _check_truncate(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> N
         raise _bad(attribute.name, value, "None, -1 (the longest prompt the engine takes) or an integer >= 1")
 
 
+def _structured(value: Any) -> StructuredOutputs | None:
+    return StructuredOutputs.coerce(value)
+
+
 def _check_bool(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, bool):
         raise _bad(attribute.name, value, "True or False")
@@ -230,6 +235,11 @@ class SamplingParams(Record):
         truncate_prompt_tokens: keep only the last k tokens of each prompt
             (``-1``: the longest prompt the engine takes), before the length
             checks; ``None`` keeps the whole prompt.
+        structured_outputs: constrain the completion to a JSON schema, a
+            regex, a choice or a grammar (a ``StructuredOutputs`` or its dict,
+            vLLM's shape: ``{"json": schema}``, ``{"regex": "..."}``,
+            ``{"choice": [...]}``, ``{"grammar": "..."}``,
+            ``{"json_object": True}``); every engine compiles it with xgrammar.
     """
 
     _error = InvalidSamplingParams
@@ -262,6 +272,7 @@ class SamplingParams(Record):
     skip_special_tokens: bool = attrs.field(default=True, validator=_check_bool)
     spaces_between_special_tokens: bool = attrs.field(default=True, validator=_check_bool)
     truncate_prompt_tokens: int | None = attrs.field(default=None, validator=_check_truncate)
+    structured_outputs: StructuredOutputs | None = attrs.field(default=None, converter=_structured)
 
     @property
     def greedy(self) -> bool:

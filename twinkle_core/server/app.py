@@ -179,6 +179,9 @@ class _Server:
             fields["stop"] = req.stop
         if req.stop_token_ids:
             fields["stop_token_ids"] = req.stop_token_ids
+        structured = _structured_outputs(req.structured_outputs, req.response_format)
+        if structured is not None:
+            fields["structured_outputs"] = structured
         try:
             return SamplingParams(**fields)
         except TwinkleError as exc:
@@ -664,3 +667,29 @@ async def _stream_chat(
     finally:
         if not complete and call.pending.abort():
             log.info("client left mid-stream; aborted the engine call of %s", rid)
+
+
+def _structured_outputs(structured: dict[str, Any] | None, response_format: dict[str, Any] | None) -> Any:
+    """vLLM's ``structured_outputs``, or OpenAI's ``response_format``, as ``SamplingParams.structured_outputs``."""
+    if response_format is None or response_format.get("type") == "text":
+        return structured or None
+    if structured:
+        raise ApiError(400, "Give structured_outputs or response_format, not both.", param="response_format")
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise ApiError(
+                400,
+                f"response_format={brief(response_format)}: a json_schema needs json_schema.schema, a JSON schema.",
+                param="response_format",
+            )
+        return {"json": schema}
+    raise ApiError(
+        400,
+        f"response_format={brief(response_format)}: expected type 'text', 'json_object' or 'json_schema'.",
+        param="response_format",
+    )

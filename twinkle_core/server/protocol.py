@@ -153,8 +153,6 @@ def openai_tools(raw: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     return out
 
 
-_NEEDS_ENGINE = "needs the engine-side field (sampling breadth issue)"
-
 #: Every accepted request field, in the order of the docs' table.
 FIELDS: tuple[FieldRule, ...] = (
     # -- shared sampling fields ----------------------------------------------------------
@@ -192,8 +190,8 @@ FIELDS: tuple[FieldRule, ...] = (
     FieldRule("logit_bias", BOTH, "implemented", note="`{token id: bias}`, each in [-100, 100] (larger: a 400)"),
     FieldRule("allowed_token_ids", BOTH, "implemented"),
     FieldRule("bad_words", BOTH, "implemented", note="vLLM's rule: as written and after a space"),
-    FieldRule("structured_outputs", BOTH, "neutral", ({},), note=_NEEDS_ENGINE),
-    FieldRule("response_format", BOTH, "neutral", ({"type": "text"},), note=_NEEDS_ENGINE),
+    FieldRule("structured_outputs", BOTH, "implemented", note="`json`, `regex`, `choice`, `grammar` or `json_object`"),
+    FieldRule("response_format", BOTH, "implemented", note="`text`, `json_object`, `json_schema` (its `schema`)"),
     FieldRule("logprob_token_ids", BOTH, "neutral", (), note="chosen logprob ids: not yet"),
     FieldRule("spaces_between_special_tokens", BOTH, "neutral", (True,), note="fast tokenizers have one spacing"),
     FieldRule("truncation_side", BOTH, "implemented", note="`left` (default: keep the last N) or `right`"),
@@ -302,8 +300,8 @@ class _Request(BaseModel):
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    structured_outputs: Any = None
-    response_format: Any = None
+    structured_outputs: dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
     logprob_token_ids: Any = None
     spaces_between_special_tokens: Any = None
     use_beam_search: Any = None

@@ -36,6 +36,7 @@ import attrs
 import pytest
 
 from twinkle_core.data_format import IGNORE_INDEX, InputFeature, SamplingParams, Trajectory, bad_word_token_ids
+from twinkle_core.data_format.structured import compile_structured
 from twinkle_core.errors import (
     InvalidInputError,
     InvalidSamplingParams,
@@ -134,6 +135,14 @@ _REFERENCE_CASES: dict[str, dict[str, Any]] = {
         "logit_bias": lambda s: dict.fromkeys(_spread_ids(s.vocab_size or 256, 20, 4), -3.0),
         "min_tokens": 2,
     },
+    "structured_outputs": {"structured_outputs": {"regex": "[a-z ]{2,40}"}, "temperature": 1.3},
+    "structured_outputs-combined": {
+        "structured_outputs": {"json": {"type": "object", "properties": {"city": {"type": "string"}}}},
+        "temperature": 0.9,
+        "top_k": 30,
+        "repetition_penalty": 1.2,
+        "min_tokens": 2,
+    },
     "combined": {"temperature": 0.8, "top_k": 12, "top_p": 0.85, "min_p": 0.05, "repetition_penalty": 1.3},
     "combined-hot": {"temperature": 2.5, "top_k": 40, "top_p": 0.9, "min_p": 0.02, "repetition_penalty": 0.8},
     "combined-constraints": {
@@ -186,6 +195,7 @@ _NON_DEFAULT: dict[str, Any] = {
     "skip_special_tokens": False,
     "spaces_between_special_tokens": False,
     "truncate_prompt_tokens": 4,
+    "structured_outputs": {"regex": "[0-9]+"},
 }
 
 
@@ -265,6 +275,29 @@ class SamplerContractTests:
             eos = () if single is None else (single,)
         return set(eos) | set(params.stop_token_ids)
 
+    def grammar_allows(self, sampler: Sampler, params: SamplingParams, tokens: list[int]) -> list[Any]:
+        """Per position of ``tokens``, the ids ``params.structured_outputs`` allows there (``None``: no grammar).
+
+        Computed with the same grammar library the engines use, fed the tokens one by one.
+        """
+        if params.structured_outputs is None:
+            return [None] * len(tokens)
+        import torch
+        import xgrammar as xgr
+
+        vocab = sampler.vocab_size or 0
+        held = sorted(self.held_back_ids(sampler, params))
+        matcher = compile_structured(params.structured_outputs, sampler.tokenizer, vocab, held)
+        out: list[Any] = []
+        for token in tokens:
+            bitmask = xgr.allocate_token_bitmask(1, vocab)
+            matcher.fill_next_token_bitmask(bitmask, 0)
+            scores = torch.zeros(1, vocab)
+            xgr.apply_token_bitmask_inplace(scores, bitmask, vocab_size=vocab)
+            out.append(frozenset(torch.isfinite(scores[0]).nonzero().flatten().tolist()))
+            assert matcher.accept_token(token), f"the engine drew token {token}, which the grammar refuses"
+        return out
+
     def raw_logprob_rows(self, sampler: Sampler, pairs: list[tuple[list[int], list[int]]]) -> list[list[list[float]]]:
         """The engine's raw log-probs over the whole vocabulary before each completion token.
 
@@ -312,10 +345,11 @@ class SamplerContractTests:
         for n, ((prompt, tokens), seq, rows) in enumerate(zip(pairs, seqs, self.raw_logprob_rows(sampler, pairs))):
             assert seq.logprobs is not None and seq.top_logprobs is not None
             assert len(seq.logprobs) == len(tokens) == len(seq.top_logprobs) == len(rows)
+            allows = self.grammar_allows(sampler, params, tokens)
             for j, (token, raw) in enumerate(zip(tokens, rows)):
                 where = f"sequence {n}, position {j} (token {token})"
                 context = prompt + tokens[:j]
-                done = Completion(tokens[:j], held_back, bad_ids)
+                done = Completion(tokens[:j], held_back, bad_ids, allows[j])
                 top = seq.top_logprobs[j]
                 observed: dict[int, float] = dict(top)
                 observed[token] = seq.logprobs[j]
@@ -658,6 +692,8 @@ class SamplerContractTests:
             {"bad_words": [""]},
             {"truncate_prompt_tokens": 0},
             {"skip_special_tokens": "yes"},
+            {"structured_outputs": {"regex": "a", "choice": ["b"]}},
+            {"structured_outputs": {"json": "{not json"}},
         ],
         ids=lambda d: next(iter(d)),
     )
@@ -859,6 +895,63 @@ class SamplerContractTests:
         joined = sampler.sample(_traj(0), tight)[0].sequences[0]
         want = sampler.template.decode(joined.tokens, skip_special_tokens=False, spaces_between_special_tokens=False)
         assert joined.text == want
+
+    # -- structured outputs ----------------------------------------------------------------
+    def _grammar_accepts(self, sampler: Sampler, params: SamplingParams, seq: Any) -> Any:
+        """Feed ``seq``'s tokens to a fresh matcher of its constraint: it must take every one; the matcher."""
+        assert params.structured_outputs is not None
+        held = sorted(self.held_back_ids(sampler, params))
+        matcher = compile_structured(params.structured_outputs, sampler.tokenizer, sampler.vocab_size or 0, held)
+        for i, token in enumerate(seq.tokens):
+            assert matcher.accept_token(token), f"token {i} ({token}) of {seq.tokens} breaks the constraint"
+        return matcher
+
+    @pytest.mark.parametrize(
+        "constraint",
+        [
+            {"regex": "[a-c]{3,6}"},
+            {"choice": ["yes", "no", "maybe so"]},
+            {"grammar": 'root ::= "(" [0-9]+ " + " [0-9]+ ")"'},
+            {"json": {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}},
+        ],
+        ids=["regex", "choice", "grammar", "json"],
+    )
+    def test_structured_outputs_constrain_every_completion(self, sampler: Sampler, constraint: dict[str, Any]) -> None:
+        self._declares(sampler, "structured_outputs")
+        import json
+        import re
+
+        params = SamplingParams(max_tokens=48, temperature=1.0, seed=3, num_samples=3, structured_outputs=constraint)
+        finished = 0
+        for response in sampler.sample([_traj(0), _traj(2)], params):
+            for seq in response.sequences:
+                matcher = self._grammar_accepts(sampler, params, seq)
+                if seq.stop_reason != "stop":
+                    assert seq.stop_reason == "length" and len(seq.tokens) == 48
+                    continue
+                finished += 1
+                assert matcher.is_terminated(), f"{seq.text!r} stopped before its constraint was complete"
+                if "regex" in constraint:
+                    assert re.fullmatch(constraint["regex"], seq.text), seq.text
+                elif "choice" in constraint:
+                    assert seq.text in constraint["choice"]
+                elif "json" in constraint:
+                    assert isinstance(json.loads(seq.text)["ok"], bool)
+        assert finished, "no completion finished its constraint within 48 tokens"
+
+    def test_structured_outputs_that_do_not_compile_are_refused_before_any_work(self, sampler: Sampler) -> None:
+        self._declares(sampler, "structured_outputs")
+        for bad in ({"regex": "([a-z"}, {"json": {"type": 5}}, {"grammar": "root ::= undefined_rule"}):
+            with pytest.raises(InvalidSamplingParams, match="structured_outputs"):
+                sampler.sample([_traj(0), _traj(1)], SamplingParams(max_tokens=4, structured_outputs=bad))
+        self.assert_still_works(sampler)
+
+    def test_structured_outputs_too_long_for_max_tokens_end_by_length(self, sampler: Sampler) -> None:
+        self._declares(sampler, "structured_outputs")
+        params = _greedy(max_tokens=5, ignore_eos=False, structured_outputs={"regex": "(ab){40}"})
+        seq = sampler.sample(_traj(0), params)[0].sequences[0]
+        assert seq.stop_reason == "length" and len(seq.tokens) == 5
+        assert ("ab" * 40).startswith(seq.text), seq.text
 
 
 def _occurs(seq: list[int], tokens: list[int]) -> bool:

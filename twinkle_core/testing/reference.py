@@ -4,7 +4,8 @@
 log-probs of the distribution a token was actually drawn from, after, in this
 order,
 
-1. the token constraints: tokens outside ``allowed_token_ids``, the last token
+1. the token constraints: what the ``structured_outputs`` grammar cannot take
+   next, tokens outside ``allowed_token_ids``, the last token
    of a bad word whose other tokens end the completion, and (while the
    completion is shorter than ``min_tokens``) the end-of-sequence and stop ids
    are removed;
@@ -96,16 +97,21 @@ class Completion:
             shorter (the engine's end-of-sequence ids and ``stop_token_ids``).
         bad_words: the token sequences of ``bad_words``
             (``twinkle_core.data_format.bad_word_token_ids``).
+        grammar_allows: with ``structured_outputs``, the ids its grammar
+            takes at this position (``None``: no grammar).
     """
 
     tokens: tuple[int, ...] = attrs.field(default=(), converter=_ids)
     held_back: frozenset[int] = attrs.field(default=frozenset(), converter=_id_set)
     bad_words: tuple[tuple[int, ...], ...] = attrs.field(default=(), converter=_sequences)
+    grammar_allows: frozenset[int] | None = None
 
 
 def _removed(params: SamplingParams, vocab: int, completion: Completion) -> set[int]:
     """Step 1: the ids the constraints remove."""
     removed: set[int] = set()
+    if completion.grammar_allows is not None:
+        removed.update(t for t in range(vocab) if t not in completion.grammar_allows)
     if params.allowed_token_ids is not None:
         allowed = set(params.allowed_token_ids)
         removed.update(t for t in range(vocab) if t not in allowed)
@@ -115,7 +121,10 @@ def _removed(params: SamplingParams, vocab: int, completion: Completion) -> set[
         if len(done) >= len(prefix) and list(done[len(done) - len(prefix) :]) == prefix:
             removed.add(last)
     if len(done) < params.min_tokens:
-        removed.update(completion.held_back)
+        held = set(completion.held_back)
+        # vLLM's rule: with a grammar, min_tokens does not remove the stop ids where nothing else is left
+        if completion.grammar_allows is None or len(removed | held) < vocab:
+            removed |= held
     return {t for t in removed if 0 <= t < vocab}
 
 

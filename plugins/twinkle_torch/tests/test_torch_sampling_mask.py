@@ -58,6 +58,13 @@ TRUNCATIONS: dict[str, dict[str, Any]] = {
         "top_p": 0.9,
         "temperature": 1.2,
     },
+    "grammar": {"structured_outputs": {"regex": "[a-z ]{4,30}"}, "temperature": 1.1},
+    "grammar+top_p+min_tokens": {
+        "structured_outputs": {"json": {"type": "object", "properties": {"name": {"type": "string"}}}},
+        "top_p": 0.9,
+        "min_tokens": 3,
+        "temperature": 1.2,
+    },
     "bias+penalties+top_k": {
         "logit_bias": dict.fromkeys(range(10, 400, 7), 3.0),
         "presence_penalty": 0.8,

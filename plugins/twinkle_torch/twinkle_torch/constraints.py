@@ -3,10 +3,12 @@
 The order is vLLM's (and ``docs/concepts.md``'s), so both engines draw from the
 same distribution:
 
-1. masks: ``allowed_token_ids`` (every other token is ``-inf``), ``bad_words``
-   (the last token of a bad word whose other tokens end the completion; a
-   one-token word always), ``min_tokens`` (the end-of-sequence and stop ids
-   while the completion is shorter);
+1. masks: ``structured_outputs`` (what the grammar cannot take next),
+   ``allowed_token_ids`` (every other token is ``-inf``), ``bad_words`` (the
+   last token of a bad word whose other tokens end the completion; a one-token
+   word always), ``min_tokens`` (the end-of-sequence and stop ids while the
+   completion is shorter; with a grammar, not where that would leave nothing,
+   as vLLM does);
 2. ``logit_bias`` (added);
 3. the repetition penalty (in :mod:`twinkle_torch.sampling`);
 4. ``frequency_penalty`` times the token's count in the completion, and
@@ -24,6 +26,7 @@ from typing import Any
 import torch
 
 from twinkle_core.data_format import SamplingParams, bad_word_token_ids, check_constraints
+from twinkle_core.data_format.structured import compile_structured
 
 __all__ = ["LogitConstraints"]
 
@@ -57,12 +60,27 @@ class LogitConstraints:
         self.bias = params.logit_bias
         self._static: dict[torch.device, tuple[torch.Tensor | None, torch.Tensor | None]] = {}
         self.vocab = vocab
+        self.structured = params.structured_outputs
+        self._grammar_stops = sorted({t for t in stop_ids if 0 <= t < vocab})
+        self._tokenizer = tokenizer
+        if self.structured is not None:  # a schema that does not compile fails here, before any work
+            self.new_matcher()
+
+    def new_matcher(self, done: Sequence[int] = ()) -> Any:
+        """A grammar matcher for one sequence, fed its completion so far (a continued sequence's tokens)."""
+        assert self.structured is not None
+        matcher = compile_structured(self.structured, self._tokenizer, self.vocab, self._grammar_stops)
+        for token in done:
+            if not matcher.accept_token(int(token)):
+                break  # an earlier run's tokens the grammar refuses: only possible if the grammar changed
+        return matcher
 
     @classmethod
     def of(cls, params: SamplingParams, stop_ids: Sequence[int], tokenizer: Any, vocab: int) -> LogitConstraints | None:
         """The constraints of ``params``, or ``None`` when it sets none of them."""
         if not (
             params.min_tokens
+            or params.structured_outputs is not None
             or params.frequency_penalty
             or params.presence_penalty
             or params.bad_words
@@ -75,7 +93,13 @@ class LogitConstraints:
     @property
     def masks(self) -> bool:
         """Whether some tokens may be removed (so the sampling mask must list the kept ones)."""
-        return bool(self.allowed is not None or self.ban_always or self.ban_after or self.min_tokens)
+        return bool(
+            self.allowed is not None
+            or self.ban_always
+            or self.ban_after
+            or self.min_tokens
+            or self.structured is not None
+        )
 
     def _static_parts(self, device: torch.device) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """``[vocab]`` additions that do not depend on the row: the fixed bans and the bias."""
@@ -97,26 +121,50 @@ class LogitConstraints:
             parts = self._static[device] = (mask, bias)
         return parts
 
-    def before_penalty(self, logits: torch.Tensor, outputs: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Steps 1 and 2 on ``[rows, vocab]`` float logits (a new tensor); ``outputs``: each row's completion."""
+    def before_penalty(
+        self, logits: torch.Tensor, outputs: Sequence[Sequence[int]], matchers: Sequence[Any] | None = None
+    ) -> torch.Tensor:
+        """Steps 1 and 2 on ``[rows, vocab]`` float logits (a new tensor).
+
+        ``outputs``: each row's completion; ``matchers``: each row's grammar
+        matcher (with ``structured_outputs``), which this does not advance.
+        """
         mask, bias = self._static_parts(logits.device)
-        out = logits if mask is None else logits + mask
-        if bias is not None:
-            out = out + bias
+        out = logits.clone()
+        if matchers is not None:
+            import xgrammar as xgr
+
+            bitmask = xgr.allocate_token_bitmask(len(matchers), self.vocab)
+            for r, matcher in enumerate(matchers):
+                if not matcher.is_terminated():
+                    matcher.fill_next_token_bitmask(bitmask, r)
+            xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), vocab_size=self.vocab)
+        if mask is not None:
+            out += mask
         rows: list[int] = []
         cols: list[int] = []
+        held: list[int] = []
         for r, done in enumerate(outputs):
-            if len(done) < self.min_tokens:
-                rows.extend([r] * len(self.stop_ids))
-                cols.extend(self.stop_ids)
+            if len(done) < self.min_tokens and self.stop_ids:
+                held.append(r)
             for prefix, last in self.ban_after:
                 if len(done) >= len(prefix) and list(done[len(done) - len(prefix) :]) == prefix:
                     rows.append(r)
                     cols.append(last)
         if rows:
-            if out is logits:
-                out = logits.clone()
             out[torch.tensor(rows, device=out.device), torch.tensor(cols, device=out.device)] = NEG_INF
+        if held:
+            idx = torch.tensor(held, device=out.device)
+            stops = torch.tensor(self.stop_ids, device=out.device)
+            before = out[idx][:, stops]
+            out[idx.unsqueeze(1), stops.unsqueeze(0)] = NEG_INF
+            if matchers is not None:  # vLLM's rule: a grammar that can only stop may stop, min_tokens or not
+                empty = ~torch.isfinite(out[idx]).any(dim=-1)
+                if bool(empty.any()):
+                    back = idx[empty]
+                    out[back.unsqueeze(1), stops.unsqueeze(0)] = before[empty]
+        if bias is not None:
+            out += bias
         return out
 
     def after_penalty(self, logits: torch.Tensor, outputs: Sequence[Sequence[int]]) -> torch.Tensor:

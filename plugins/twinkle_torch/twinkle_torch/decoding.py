@@ -193,6 +193,7 @@ class _Row:
     top: TopList | None = None
     kept: list[list[int]] | None = None
     matcher: StopStringMatcher | None = None
+    grammar: Any = None  # with structured_outputs: its xgrammar matcher
     stop_text_end: int | None = None
     done: bool = False
 
@@ -747,12 +748,20 @@ class Decoder:
             logits = batch.logits[idx]
             seen = batch.seen[idx] if sampler.needs_seen and batch.seen is not None else None
             outputs = [r.output for r in rows] if sampler.needs_outputs else None
+            matchers = None
             try:
+                constraints = sampler.constraints
+                if constraints is not None and constraints.structured is not None:
+                    for r, done in zip(rows, outputs or []):
+                        if r.grammar is None:
+                            r.grammar = constraints.new_matcher(done[: len(done) - len(r.tokens)])
+                    matchers = [r.grammar for r in rows]
                 if sampler.needs_uniforms:
                     randomness = RowRandomness([r.seed for r in rows], [r.position0 + len(r.tokens) for r in rows])
-                    result = sampler(logits, seen, randomness.uniforms(device), randomness.redraw, outputs)
+                    uniforms = randomness.uniforms(device)
+                    result = sampler(logits, seen, uniforms, randomness.redraw, outputs, matchers)
                 else:
-                    result = sampler(logits, seen, outputs=outputs)
+                    result = sampler(logits, seen, outputs=outputs, matchers=matchers)
             except InvalidSamplingParams as exc:  # this run's parameters leave nothing to draw: it fails alone
                 self._fail(job, exc)
                 continue
@@ -775,6 +784,10 @@ class Decoder:
                     end = ("length", None)
                 if token in job.stop_ids:
                     end = ("stop", token)
+                if row.grammar is not None:
+                    row.grammar.accept_token(token)
+                    if row.grammar.is_terminated():  # complete, and it took a stop token: nothing may follow
+                        end = ("stop", token)
                 if row.matcher is not None:
                     hit = row.matcher.push(0, token)
                     if hit is not None and row.position0 + len(row.tokens) <= job.params.min_tokens:

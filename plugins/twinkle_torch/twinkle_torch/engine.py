@@ -62,7 +62,7 @@ SUPPORTED_PARAMS = frozenset(
         "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logprobs_mode", "num_samples",
         "return_sampling_mask", "presence_penalty", "frequency_penalty", "min_tokens", "logit_bias",
         "allowed_token_ids", "bad_words", "include_stop_str_in_output", "skip_special_tokens",
-        "spaces_between_special_tokens",
+        "spaces_between_special_tokens", "structured_outputs",
     }
 )  # fmt: skip
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 import torch
@@ -214,6 +215,7 @@ class TokenSampler:
         uniforms: torch.Tensor | None = None,
         redraw: Redraw = _global_redraw,
         outputs: list[list[int]] | None = None,
+        matchers: list[Any] | None = None,
     ) -> StepResult:
         """Choose one token per row.
 
@@ -225,6 +227,7 @@ class TokenSampler:
             redraw: more uniform numbers for the given rows (rejection sampling
                 asks for them; seeded rows must draw from their own generators).
             outputs: per row, its completion so far; needed with constraints.
+            matchers: per row, its grammar matcher; needed with ``structured_outputs``.
 
         Raises:
             InvalidSamplingParams: the constraints leave a row no token to draw.
@@ -234,7 +237,7 @@ class TokenSampler:
         constraints = self.constraints
         if constraints is not None:
             assert outputs is not None
-            processed = constraints.before_penalty(processed, outputs)
+            processed = constraints.before_penalty(processed, outputs, matchers)
         if self.penalty is not None:
             assert seen is not None
             processed = apply_repetition_penalty(processed, seen, self.penalty)

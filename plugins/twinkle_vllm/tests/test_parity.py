@@ -74,6 +74,18 @@ def test_constrained_parity(vllm_sampler: Any, torch_sampler: Any) -> None:
         assert set(seq.tokens) <= set(range(3, 400))
 
 
+def test_structured_outputs_parity(vllm_sampler: Any, torch_sampler: Any) -> None:
+    """The same grammar library on both engines: the same allowed tokens, so the same greedy completions."""
+    for constraint in (
+        {"regex": "[a-z ]{8,40}"},
+        {"json": {"type": "object", "properties": {"n": {"type": "integer"}}}},
+    ):
+        params = GREEDY.replace(max_tokens=24, ignore_eos=False, structured_outputs=constraint)
+        outs = [[r.sequences[0] for r in s.sample(PROMPTS, params)] for s in (vllm_sampler, torch_sampler)]
+        assert_greedy_parity(outs[0], outs[1], atol=ATOL)
+        assert [s.stop_reason for s in outs[0]] == [s.stop_reason for s in outs[1]]
+
+
 def test_lora_parity(vllm_sampler: Any, torch_sampler: Any, adapters: dict[str, Path]) -> None:
     for sampler in (vllm_sampler, torch_sampler):
         sampler.add_adapter_to_model("a", adapters["a"])

@@ -35,10 +35,11 @@ import torch
 from vllm import SamplingParams as VllmSamplingParams
 from vllm.inputs import tokens_input
 from vllm.lora.request import LoRARequest
-from vllm.sampling_params import RequestOutputKind
+from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 
 from twinkle_core.data_format import SampleResponse, SamplingParams, bad_word_token_ids, check_constraints
+from twinkle_core.data_format.structured import compiled_grammar
 from twinkle_core.engine import (
     AdapterInput,
     DeviceMesh,
@@ -89,6 +90,7 @@ SUPPORTED_PARAMS = frozenset(
         "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logprobs_mode", "num_samples",
         "presence_penalty", "frequency_penalty", "min_tokens", "logit_bias", "allowed_token_ids", "bad_words",
         "include_stop_str_in_output", "skip_special_tokens", "spaces_between_special_tokens",
+        "structured_outputs",
     }
 )  # fmt: skip
 
@@ -397,6 +399,8 @@ class vLLMEngine(Engine):
             temperature_processor=self._temperature_processor,
             seeds_crash=self._facts.seeds_crash,
         )
+        if params.structured_outputs is not None:  # a schema that does not compile: refused before any work
+            compiled_grammar(params.structured_outputs, self.context.tokenizer, self._facts.vocab_size)
         if params.allowed_token_ids is not None:  # constraints that leave nothing: refused, never run
             words = params.bad_words
             bad = bad_word_token_ids(self.context.tokenizer, words, self._facts.vocab_size) if words else []
@@ -478,6 +482,8 @@ class vLLMEngine(Engine):
         """
         assert self._engine is not None
         kind = RequestOutputKind.CUMULATIVE if on_output is not None else RequestOutputKind.FINAL_ONLY
+        if isinstance(kwargs.get("structured_outputs"), dict):
+            kwargs = {**kwargs, "structured_outputs": StructuredOutputsParams(**kwargs["structured_outputs"])}
         params = VllmSamplingParams(**kwargs, output_kind=kind)
         final = None
         latest: dict[int, Any] = {}  # with n > 1 a cumulative output may carry only the completions that moved
