@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from harness import BENCH_PROMPTS, Runner, Workload, compare
@@ -25,29 +24,6 @@ SCHEMA = {
     "properties": {"answer": {"type": "string"}, "confident": {"type": "boolean"}},
     "required": ["answer", "confident"],
 }
-
-
-def structured_runner(
-    workload: Workload, engine: str = "torch", constrained: bool = False, **kwargs: Any
-) -> Callable[[Workload], int]:
-    """An engine sampling the workload, with the JSON schema (``constrained``) or without."""
-    from twinkle_core import SamplingParams, Trajectory, create_sampler
-
-    sampler = create_sampler(engine, model_id=workload.model_id, dtype=workload.dtype, **kwargs)
-
-    def run(w: Workload) -> int:
-        params = SamplingParams(
-            temperature=w.temperature,
-            top_p=w.top_p,
-            max_tokens=w.max_tokens,
-            ignore_eos=w.ignore_eos,
-            num_samples=w.num_samples,
-            structured_outputs={"json": SCHEMA} if constrained else None,
-        )
-        out = sampler.sample([Trajectory(messages=m) for m in w.prompts], params)
-        return sum(len(s.tokens) for r in out for s in r.sequences)
-
-    return run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,13 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for engine in args.engines.split(","):
         runners = [
-            Runner(
-                f"{engine}-plain", "bench_structured:structured_runner", {"engine": engine, **engine_kwargs[engine]}
-            ),
+            Runner(f"{engine}-plain", "harness:sampler_runner", {"engine": engine, **engine_kwargs[engine]}),
             Runner(
                 f"{engine}-json-schema",
-                "bench_structured:structured_runner",
-                {"engine": engine, "constrained": True, **engine_kwargs[engine]},
+                "harness:sampler_runner",
+                {"engine": engine, "sampling": {"structured_outputs": {"json": SCHEMA}}, **engine_kwargs[engine]},
             ),
         ]
         workloads = [

@@ -264,8 +264,13 @@ def hf_generate_runner(workload: Workload, device: str = "cpu") -> Callable[[Wor
     return run
 
 
-def sampler_runner(workload: Workload, engine: str = "torch", **kwargs: Any) -> Callable[[Workload], int]:
-    """Any twinkle engine, built with ``create_sampler(engine, model_id=..., dtype=..., **kwargs)``."""
+def sampler_runner(
+    workload: Workload, engine: str = "torch", sampling: dict[str, Any] | None = None, **kwargs: Any
+) -> Callable[[Workload], int]:
+    """Any twinkle engine, built with ``create_sampler(engine, model_id=..., dtype=..., **kwargs)``.
+
+    ``sampling``: more ``SamplingParams`` fields than the workload's (``structured_outputs``...).
+    """
     from twinkle_core import SamplingParams, Trajectory, create_sampler
 
     sampler = create_sampler(engine, model_id=workload.model_id, dtype=workload.dtype, **kwargs)
@@ -277,6 +282,7 @@ def sampler_runner(workload: Workload, engine: str = "torch", **kwargs: Any) -> 
             max_tokens=w.max_tokens,
             ignore_eos=w.ignore_eos,
             num_samples=w.num_samples,
+            **(sampling or {}),
         )
         out = sampler.sample([Trajectory(messages=m) for m in w.prompts], params)
         return sum(len(s.tokens) for r in out for s in r.sequences)
