@@ -501,3 +501,27 @@ def test_cuda_out_of_memory_shrinks_the_batch(tiny_llama: Path, chat_prompts: li
         assert stats.out_of_memory > 0 and stats.peak_rows < 128
         assert all(len(r.sequences) == 64 for r in out)
         assert [[seq.tokens for seq in r.sequences] for r in out] == [[e] * 64 for e in expected]
+
+
+def test_constraints_that_empty_later_fail_every_run_batched_with_them(sampler: TorchSampler) -> None:
+    """allowed_token_ids=[t] and a bad word tokenized [t, t]: the second token has nothing left to draw."""
+    from twinkle_core.data_format import bad_word_token_ids
+    from twinkle_core.errors import InvalidSamplingParams
+
+    vocab = sampler.vocab_size
+    assert vocab is not None
+    token = next(
+        t
+        for t in range(3, vocab)
+        if sampler.template.decode([t]).strip()
+        and [t, t] in bad_word_token_ids(sampler.tokenizer, [sampler.template.decode([t]) * 2], vocab)
+        and [t] not in bad_word_token_ids(sampler.tokenizer, [sampler.template.decode([t]) * 2], vocab)
+    )
+    word = sampler.template.decode([token]) * 2
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, allowed_token_ids=[token], bad_words=[word])
+    handles = [sampler.submit([{"messages": [{"role": "user", "content": f"hi {i}"}]}], params) for i in range(3)]
+    for handle in handles:  # each run with rows in the batch fails with the typed error, none hangs
+        with pytest.raises(InvalidSamplingParams, match="no token to draw"):
+            handle.result(timeout=60)
+    out = sampler.sample([{"messages": [{"role": "user", "content": "hi"}]}], {"max_tokens": 3, "temperature": 0})
+    assert len(out[0].sequences[0].tokens) == 3

@@ -194,7 +194,6 @@ class _Row:
     kept: list[list[int]] | None = None
     matcher: StopStringMatcher | None = None
     grammar: Any = None  # with structured_outputs: its xgrammar matcher
-    stop_text_end: int | None = None
     done: bool = False
 
     @property
@@ -762,8 +761,10 @@ class Decoder:
                     result = sampler(logits, seen, uniforms, randomness.redraw, outputs, matchers)
                 else:
                     result = sampler(logits, seen, outputs=outputs, matchers=matchers)
-            except InvalidSamplingParams as exc:  # this run's parameters leave nothing to draw: it fails alone
-                self._fail(job, exc)
+            except InvalidSamplingParams as exc:  # these parameters leave nothing to draw: their runs fail alone
+                # every run with rows here: a row left without its token this step cannot go on
+                for failed in {id(r.job): r.job for r in rows}.values():
+                    self._fail(failed, exc)
                 continue
             tokens_in[idx] = result.tokens
             token_list = result.tokens.tolist()
@@ -795,7 +796,6 @@ class Decoder:
                     # a stop string completed by the last allowed token still counts as a stop
                     if hit is not None and (end is None or end[0] == "length"):
                         end = ("stop", hit[0])
-                        row.stop_text_end = hit[1]
                 if end is not None:
                     ended.append((row, *end))
         if batch.seen is not None:
