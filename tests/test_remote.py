@@ -59,6 +59,7 @@ from twinkle_core.remote import (  # noqa: E402
 from twinkle_core.remote._balance import split_by_cost  # noqa: E402
 from twinkle_core.template import Template  # noqa: E402
 from twinkle_core.testing import TINY_CHAT_PROMPTS, build_tiny_model  # noqa: E402
+from twinkle_core.testing.faults import kill_and_wait  # noqa: E402
 from twinkle_core.testing.tokenizers import CharTokenizer  # noqa: E402
 from twinkle_torch.engine import TorchEngine  # noqa: E402
 from twinkle_torch.sampler import TorchSampler  # noqa: E402
@@ -279,19 +280,6 @@ def remote(cluster, model_dir, torch_hold):
         hold=str(torch_hold.folder),
     ) as s:
         yield s
-
-
-def kill_and_wait(actor: Any) -> None:
-    """``ray.kill`` returns before the actor is gone; wait until calls on it fail."""
-    ray.kill(actor)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            ray.get(actor.__ray_ready__.remote(), timeout=10)
-        except ray.exceptions.RayActorError:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"actor {actor} still answers 30 s after ray.kill")
 
 
 def chats() -> list[Trajectory]:

@@ -1,4 +1,4 @@
-"""One vLLMSampler replica (the CPU build of vLLM) through Ray: sampling and weight sync.
+"""Two vLLMSampler replicas (the CPU build of vLLM) through Ray: sampling and weight sync, both transports.
 
 vLLM runs inside the Ray actor unchanged: it starts its engine-core process
 with ``spawn`` on its own. The engine options and environment are the vLLM
@@ -21,7 +21,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 pytest.importorskip("twinkle_torch")
 
 import twinkle_core as tw  # noqa: E402
-from twinkle_core import DeviceGroup, SampleResponse, Trajectory  # noqa: E402
+from twinkle_core import DeviceGroup, DeviceMesh, SampleResponse, Trajectory  # noqa: E402
 from twinkle_core.errors import WeightUpdateError  # noqa: E402
 from twinkle_core.testing import TINY_CHAT_PROMPTS, build_tiny_model  # noqa: E402
 
@@ -43,12 +43,13 @@ def model_dir() -> str:
 @pytest.fixture(scope="module")
 def remote(model_dir):
     tw.initialize(
-        "ray", groups=[DeviceGroup(name="vllm", ranks=1, device_type="cpu")], num_cpus=2, runtime_env={"env_vars": ENV}
+        "ray", groups=[DeviceGroup(name="vllm", ranks=2, device_type="cpu")], num_cpus=2, runtime_env={"env_vars": ENV}
     )
     try:
         from twinkle_vllm.sampler import vLLMSampler
 
-        with vLLMSampler(model_dir, engine_args=ENGINE_ARGS, remote_group="vllm") as s:
+        mesh = DeviceMesh.from_sizes(dp_size=2)
+        with vLLMSampler(model_dir, engine_args=ENGINE_ARGS, remote_group="vllm", device_mesh=mesh) as s:
             yield s
     finally:
         tw.shutdown()
@@ -63,7 +64,7 @@ def local(model_dir):
 
 
 def chats() -> list[Trajectory]:
-    return [Trajectory(messages=m) for m in TINY_CHAT_PROMPTS]
+    return [Trajectory(messages=m) for m in TINY_CHAT_PROMPTS] * 2  # each prompt on both replicas
 
 
 def tokens(responses: list[SampleResponse]) -> list[list[int]]:
@@ -71,7 +72,7 @@ def tokens(responses: list[SampleResponse]) -> list[list[int]]:
 
 
 def test_vllm_replica_samples_like_the_torch_engine(remote, local):
-    assert remote.engine_name == "vllm" and remote.num_replicas == 1
+    assert remote.engine_name == "vllm" and remote.num_replicas == 2
     out = remote.sample(chats(), GREEDY)
     assert all(r.sequences[0].text for r in out)
     assert tokens(out) == tokens(local.sample(chats(), GREEDY))
@@ -97,3 +98,38 @@ def test_update_weights_through_ray(remote, local, model_dir):
     assert tokens(after) != before
     assert tokens(after) == tokens(local.sample(chats(), GREEDY))
     assert {r.sequences[0].weights_version for r in after} == {1}
+
+
+def test_the_collective_transport_updates_both_replicas_like_the_object_store(remote, local, model_dir):
+    from safetensors.torch import load_file
+
+    from twinkle_core.transport import CollectiveOptions
+
+    state = load_file(os.path.join(model_dir, "model.safetensors"))
+    gen = torch.Generator().manual_seed(7)
+    qkv = [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"]  # vLLM loads them as one layer
+    names = [*qkv, "lm_head.weight"]
+    new = [(n, state[n] + 2.0 * state[n].std() * torch.randn(state[n].shape, generator=gen)) for n in names]
+    remote.update_weights(list(state.items()))  # from the model as saved (earlier tests changed it)
+    local.update_weights(list(state.items()))
+    v = remote.weights_version
+    remote.update_weights(new)  # the object store
+    by_store = tokens(remote.sample(chats(), GREEDY))
+    remote.update_weights(list(state.items()))
+    base = tokens(remote.sample(chats(), GREEDY))
+    remote.weight_transport = CollectiveOptions(bucket_bytes=64 << 10, chunk_bytes=16 << 10, timeout_s=60)
+    try:
+        assert remote.update_weights(iter(new)) == v + 3  # a one-shot stream, read as it goes
+        got = remote.sample(chats(), GREEDY)
+        assert tokens(got) == by_store != base
+        assert {s.weights_version for r in got for s in r.sequences} == {v + 3}
+        local.update_weights(new)
+        assert tokens(got) == tokens(local.sample(chats(), GREEDY))
+        with pytest.raises(WeightUpdateError, match=r"no_such\.weight"):  # both replicas refuse it: nothing changes
+            remote.update_weights([("no_such.weight", torch.zeros(3))])
+        assert remote.weights_version == v + 3
+        remote.update_weights(list(state.items()))
+        local.update_weights(list(state.items()))
+        assert tokens(remote.sample(chats(), GREEDY)) == base
+    finally:
+        remote.weight_transport = "object_store"

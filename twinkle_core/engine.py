@@ -109,6 +109,10 @@ class EngineInfo:
             ``SamplingParams`` later is never silently dropped.
         concurrent: whether :meth:`Engine.run` may run in several threads at
             once; otherwise the sampler runs one at a time.
+        streams_weights: :meth:`Engine.update_weights` takes an iterator of
+            ``(name, tensor)`` pairs and reads it once, as it goes (a sharded
+            trainer's stream is then never gathered whole); otherwise the
+            sampler hands it a list.
     """
 
     name: str
@@ -116,6 +120,7 @@ class EngineInfo:
     vocab_size: int | None = attrs.field(default=None, validator=_vocab)
     supported_params: frozenset[str] = attrs.field(default=BASE_PARAMS, converter=_frozen_names)
     concurrent: bool = False
+    streams_weights: bool = False
 
 
 class EngineContext(ABC):

@@ -66,6 +66,22 @@ S = TypeVar("S", bound="Sampler")
 _SUBCLASS_MAY_SET = frozenset({"engine", "engine_name", "supported_params", "concurrent_samples"})
 
 
+def _checked_stream(pairs: Iterable[Any], check_finite: bool) -> Iterator[tuple[str, Any]]:
+    """``pairs`` read lazily, each checked as :meth:`Sampler.update_weights` checks a list; at least one."""
+    count = 0
+    for i, item in enumerate(pairs):
+        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+            raise WeightUpdateError(f"named_tensors[{i}] is invalid: expected a (name, tensor) pair.")
+        if check_finite:
+            bad = find_non_finite([item])
+            if bad is not None:
+                raise WeightUpdateError(f"update_weights: {bad}; nothing was updated.")
+        count += 1
+        yield item
+    if not count:
+        raise WeightUpdateError("update_weights got no tensors.")
+
+
 def require_engine_class(engine: Any) -> None:
     """Refuse what ``Sampler(engine, ...)`` cannot build (here, and in the driver before any Ray replica starts)."""
     if not (isinstance(engine, type) and issubclass(engine, Engine)):
@@ -440,7 +456,12 @@ class Sampler:
         samples in flight and holds new ones back until the update is done.
 
         Args:
-            named_tensors: a mapping or ``(name, tensor)`` pairs.
+            named_tensors: a mapping or ``(name, tensor)`` pairs; or an
+                iterator of pairs (a sharded trainer's gathered tensors, see
+                :mod:`twinkle_core.transport.sharded`), which an engine that
+                streams updates (a remote sampler with the collective
+                transport) reads once, bucket by bucket, and any other reads
+                into a list first.
             version: the new ``weights_version`` (default: current + 1).
             check_finite: refuse tensors holding NaN or infinity (default). The
                 check reads every tensor once; see ``docs/concepts.md`` for its cost.
@@ -461,16 +482,23 @@ class Sampler:
             WeightUpdateError: a bad name, shape, dtype or value; nothing changed.
         """
         self._check_open()
-        items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
-        for i, item in enumerate(items):
-            if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-                raise WeightUpdateError(f"named_tensors[{i}] is invalid: expected a (name, tensor) pair.")
-        if not items:
-            raise WeightUpdateError("update_weights got no tensors.")
-        if check_finite:
-            bad = find_non_finite(items)
-            if bad is not None:
-                raise WeightUpdateError(f"update_weights: {bad}; nothing was updated.")
+        items: Any
+        if isinstance(named_tensors, Mapping):
+            items = list(named_tensors.items())
+        elif isinstance(named_tensors, (list, tuple)) or not self.engine.info.streams_weights:
+            items = list(named_tensors)
+        else:  # a stream the engine reads once, as it goes: each pair is checked as it comes
+            items = _checked_stream(named_tensors, check_finite)
+        if isinstance(items, list):
+            for i, item in enumerate(items):
+                if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+                    raise WeightUpdateError(f"named_tensors[{i}] is invalid: expected a (name, tensor) pair.")
+            if not items:
+                raise WeightUpdateError("update_weights got no tensors.")
+            if check_finite:
+                bad = find_non_finite(items)
+                if bad is not None:
+                    raise WeightUpdateError(f"update_weights: {bad}; nothing was updated.")
         return self._state.change(
             in_flight,
             version,

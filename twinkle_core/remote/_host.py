@@ -13,6 +13,7 @@ import os
 import pickle
 import threading
 import traceback
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -20,7 +21,31 @@ from twinkle_core import placement
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams, Trajectory
 from twinkle_core.placement import ReplicaContext, current_replica
 
-__all__ = ["ReplicaContext", "ReplicaHost", "current_replica"]
+__all__ = ["ReplayCopies", "ReplicaContext", "ReplicaHost", "current_replica"]
+
+
+class ReplayCopies:
+    """Copies of one value held by different replicas (object refs): a rebuilt replica reads the first still held.
+
+    A collective weight update leaves no copy with the driver; each replica
+    that applied it keeps one in its own node's object store, owned by that
+    replica, so it is lost with that replica but not with the others.
+    """
+
+    def __init__(self, refs: list[Any]) -> None:
+        self.refs = list(refs)
+        self.key = uuid.uuid4().hex  # names it across pickling: a rebuilt replica's own copy joins the list
+
+    def resolve(self) -> Any:
+        import ray
+
+        last: BaseException | None = None
+        for ref in list(self.refs):
+            try:
+                return ray.get(ref)
+            except (ray.exceptions.ObjectLostError, ray.exceptions.OwnerDiedError, ray.exceptions.RayActorError) as exc:
+                last = exc
+        raise RuntimeError(f"every replica holding this update's copy is gone: {last}") from last
 
 
 #: How many aborts of shares not started yet a replica remembers (an abort can overtake its share).
@@ -137,16 +162,27 @@ class ReplicaHost:
     @_portable_errors
     def replay(
         self, ops: list[tuple[str, tuple[Any, ...], dict[str, Any]]], weights_version: int | None = None
-    ) -> None:
+    ) -> dict[str, Any]:
         """Re-apply recorded state changes in order (refs inside them are fetched here).
 
         ``weights_version``: the version the other replicas carry; a rebuilt
         engine takes it even when the change that set it (say, an adapter
         added then removed) left nothing to replay.
+
+        Returns:
+            For each :class:`ReplayCopies` replayed, by its key, a copy this
+            replica now holds too (so the update outlives the replicas that
+            first applied it).
         """
         import ray
 
+        kept: dict[str, Any] = {}
+
         def resolve(value: Any) -> Any:
+            if isinstance(value, ReplayCopies):
+                data = value.resolve()
+                kept[value.key] = ray.put(data)
+                return data
             return ray.get(value) if isinstance(value, ray.ObjectRef) else value
 
         for method, args, kwargs in ops:
@@ -155,6 +191,54 @@ class ReplicaHost:
 
         if weights_version is not None and isinstance(self._target, Sampler):
             self._target._restore_version(weights_version)
+        return kept
+
+    @_portable_errors
+    def receive_weights(self, spec: Any, rank: int, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Receive a collective update as ``rank`` of its chain, check it, apply it, keep a copy.
+
+        ``method`` is ``"update_weights"`` (the tensors go first) or
+        ``"add_adapter_to_model"`` (they go as ``weights=``).
+
+        Returns:
+            ``{"aborted": why}`` when the sender gave up (nothing changed),
+            else ``{"checksums": ..., "copy": [ref], "forwarded": bool}``: the
+            copy, in this node's object store, is what a rebuilt replica
+            replays; ``forwarded`` is False when the next replica in the chain
+            stopped reading (this one still has the whole update).
+
+        Raises:
+            WeightUpdateError: a bucket arrived corrupted, or the engine
+                refused the update; nothing was applied.
+            WeightSyncTimeoutError: the stream stalled.
+        """
+        import ray
+
+        from twinkle_core.transport.collective import TransferAborted, receive
+
+        try:
+            named, checksums, forwarded = receive(spec, rank)
+        except TransferAborted as exc:
+            return {"aborted": str(exc)}
+        self._apply_tensors(named, method, args, kwargs)
+        return {"checksums": checksums, "copy": [ray.put(named)], "forwarded": forwarded}
+
+    def _apply_tensors(self, named: Any, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if method == "update_weights":
+            self._target.update_weights(named, *args, **kwargs)
+        elif method == "add_adapter_to_model":
+            self._target.add_adapter_to_model(*args, weights=named, **kwargs)
+        else:
+            raise ValueError(f"receive_weights: {method!r} takes no tensors")
+
+    @_portable_errors
+    def apply_copy(self, copies: ReplayCopies, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Apply a collective update from a copy other replicas hold; keep a copy here too (its ref, in a list)."""
+        import ray
+
+        named = copies.resolve()
+        self._apply_tensors(named, method, args, kwargs)
+        return [ray.put(named)]
 
     @_portable_errors
     def sample_shard(

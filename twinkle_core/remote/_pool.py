@@ -115,6 +115,7 @@ class ReplicaPool:
         max_concurrency: calls one actor serves at once (threads).
         replay: returns the state changes to re-apply on a restarted replica,
             and the weights version it must end up with.
+        on_replayed: gets what the replica's replay returned (the copies it now holds).
     """
 
     def __init__(
@@ -128,6 +129,7 @@ class ReplicaPool:
         label: str,
         max_concurrency: int = 1,
         replay: Callable[[], tuple[list[Op], int | None]] | None = None,
+        on_replayed: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.target_cls = target_cls
         self.args = args
@@ -137,6 +139,7 @@ class ReplicaPool:
         self.label = label
         self.max_concurrency = max_concurrency
         self._replay = replay
+        self._on_replayed = on_replayed
         self._replicas: list[_Replica] = []
         self._closed = False
         self._rr = 0
@@ -423,7 +426,9 @@ class ReplicaPool:
                 info = self._get(r, new.ready.remote(), what="restart", timeout=_start_timeout())
                 ops, version = self._replay() if self._replay is not None else ([], None)
                 if ops or version:
-                    self._get(r, new.replay.remote(ops, version), what="state replay", timeout=_start_timeout())
+                    kept = self._get(r, new.replay.remote(ops, version), what="state replay", timeout=_start_timeout())
+                    if self._on_replayed is not None and kept:
+                        self._on_replayed(kept)
             except BaseException as exc:
                 if new is not None:
                     try:

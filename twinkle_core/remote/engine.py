@@ -18,17 +18,21 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+import attrs
+
 from twinkle_core.adapter_input import AdapterInput
 from twinkle_core.data_format import SampledSequence, SampleResponse, SamplingParams
 from twinkle_core.engine import Engine, EngineContext, EngineInfo, EngineRun
-from twinkle_core.errors import ConfigError
+from twinkle_core.errors import ConfigError, WeightUpdateError
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
 from twinkle_core.remote._balance import item_cost, split_by_cost
+from twinkle_core.remote._host import ReplayCopies
 from twinkle_core.remote._pool import Op, ReplicaPool, _Died, add_note
 from twinkle_core.remote._runtime import PlacedGroup, import_ray
 from twinkle_core.remote.errors import ReplicaLostError
 from twinkle_core.remote.remote_class import held_engine
 from twinkle_core.state import AppliedWithError
+from twinkle_core.transport import CollectiveOptions, TransportSetting, resolve_transport
 
 __all__ = ["RemoteEngine"]
 
@@ -68,14 +72,17 @@ class RemoteEngine(Engine):
         *,
         placed: PlacedGroup,
         mesh: DeviceMesh,
+        weight_transport: TransportSetting = None,
     ) -> None:
         super().__init__(context)
+        #: ``"object_store"``, or the collective's options (see :mod:`twinkle_core.transport`).
+        self.weight_transport: str | CollectiveOptions = resolve_transport(weight_transport)
         self.engine_class = engine_class
         self.device_mesh = mesh
         self.group: DeviceGroup = placed.group
         # ``Sampler(SomeEngine, ...)``: the engine object's class names it.
         self.label = (held_engine(engine_class, args) or engine_class).__name__
-        # version -> (ref of the update's tensors, names still current from it)
+        # version -> (ref of the update's tensors, or replicas' copies of it; names still current from it)
         self._weight_ops: dict[int, tuple[Any, set[str]]] = {}
         self._adapter_ops: dict[str, tuple[int, Any, Any, dict[str, Any]]] = {}
         self._template_op: Any = None
@@ -90,6 +97,7 @@ class RemoteEngine(Engine):
             # them), and an abort reaches a share while it runs
             max_concurrency=max(int(getattr(engine_class, "remote_max_concurrency", 1)), _REPLICA_THREADS),
             replay=self._replay_ops,
+            on_replayed=self._add_copies,
         )
         self.pool.start()
         try:
@@ -102,6 +110,7 @@ class RemoteEngine(Engine):
                 vocab_size=info.get("vocab_size"),
                 supported_params=frozenset(info.get("supported_params", ())),
                 concurrent=True,
+                streams_weights=isinstance(self.weight_transport, CollectiveOptions),
             )
             self._prompt_limits: dict[str, int] = dict(info.get("max_prompt_len") or {})
             context.init_template(self._replicas_template)
@@ -146,6 +155,17 @@ class RemoteEngine(Engine):
             ordered.insert(0, ("set_template", (self._template_op,), {}))
         return ordered, self.context.weights_version
 
+    def set_weight_transport(self, setting: TransportSetting) -> None:
+        """Choose how later updates reach the replicas (see :mod:`twinkle_core.transport`)."""
+        self.weight_transport = resolve_transport(setting)
+        self.info = attrs.evolve(self.info, streams_weights=isinstance(self.weight_transport, CollectiveOptions))
+
+    def _add_copies(self, kept: dict[str, Any]) -> None:
+        """A rebuilt replica holds copies of collective updates now too: list them for later rebuilds."""
+        for source, _names in list(self._weight_ops.values()):
+            if isinstance(source, ReplayCopies) and source.key in kept:
+                source.refs.append(kept[source.key])
+
     def template_changed(self) -> None:
         """Set the sampler's new template on every replica (the instance, tokenizer included)."""
         template = self.context.template
@@ -167,6 +187,21 @@ class RemoteEngine(Engine):
         """
         name = adapter.name
         source: Any = str(adapter.folder) if adapter.folder is not None else adapter.config
+        if adapter.folder is None and isinstance(self.weight_transport, CollectiveOptions):
+
+            def record_adapter(copies: ReplayCopies, _names: set[str]) -> None:
+                self._adapter_ops[name] = (version, source, copies, kwargs)
+
+            call_kwargs = {"version": version, "check_finite": False, **kwargs}
+            self._collective(
+                adapter.tensors,
+                "add_adapter_to_model",
+                (name, source),
+                call_kwargs,
+                self.weight_transport,
+                record_adapter,
+            )
+            return adapter.source
         ref = import_ray().put(adapter.tensors) if adapter.folder is None else None
         self._apply(
             "add_adapter_to_model",
@@ -180,26 +215,236 @@ class RemoteEngine(Engine):
     def remove_adapter(self, name: str) -> None:
         self._apply("remove_adapter", (name,), {}, record=lambda: self._adapter_ops.pop(name, None))
 
-    def update_weights(self, named_tensors: list[tuple[str, Any]], *, version: int) -> None:
+    def update_weights(self, named_tensors: Any, *, version: int) -> None:
         """Replace base weights on every replica, with the one new version they all carry.
 
-        The tensors are put into Ray's object store once; every replica reads
-        that copy. The driver keeps the object ref (for each tensor name, the
-        latest update holding it) so a rebuilt replica gets the same weights:
-        superseded updates are released.
+        With the object store (the default), the tensors are put there once
+        and every replica reads that copy; the driver keeps the ref so a
+        rebuilt replica gets the same weights. With the collective transport
+        they stream down a chain of the replicas (:meth:`_update_by_collective`)
+        and each replica keeps its own copy for rebuilds. Either way, for each
+        tensor name only the latest update holding it is kept: superseded
+        updates are released.
         """
+        if isinstance(self.weight_transport, CollectiveOptions):
+            self._collective(
+                named_tensors,
+                "update_weights",
+                (),
+                {"version": version, "check_finite": False},
+                self.weight_transport,
+                lambda copies, names: self._record_weights(version, copies, names),
+            )
+            return
         ref = import_ray().put(named_tensors)
-        names = {name for name, _ in named_tensors}
+        self._apply(
+            "update_weights",
+            (ref,),
+            {"version": version, "check_finite": False},
+            record=lambda: self._record_weights(version, ref, {name for name, _ in named_tensors}),
+        )
 
-        def record() -> None:
-            for old_version in list(self._weight_ops):
-                _old_ref, old_names = self._weight_ops[old_version]
-                old_names -= names
-                if not old_names:
-                    del self._weight_ops[old_version]
-            self._weight_ops[version] = (ref, set(names))
+    def _record_weights(self, version: int, source: Any, names: set[str]) -> None:
+        for old_version in list(self._weight_ops):
+            _old, old_names = self._weight_ops[old_version]
+            old_names -= names
+            if not old_names:
+                del self._weight_ops[old_version]
+        self._weight_ops[version] = (source, set(names))
 
-        self._apply("update_weights", (ref,), {"version": version, "check_finite": False}, record=record)
+    def _collective(
+        self,
+        named_tensors: Any,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        options: CollectiveOptions,
+        record: Callable[[ReplayCopies, set[str]], None],
+    ) -> None:
+        """Stream tensors from here down a chain of every replica in service, each applying ``method`` with them.
+
+        ``method``: ``"update_weights"`` or ``"add_adapter_to_model"``
+        (``args``/``kwargs`` are the rest of its arguments); ``record`` keeps
+        the change (its replicas' copies, the names it held) for rebuilds.
+
+        * Before any tensor is read, every replica must join. One that died is
+          rebuilt (with the state before this update) and the group is formed
+          again, once; one that does not join in time is a
+          :class:`~twinkle_core.errors.WeightSyncTimeoutError`. Nothing changed.
+        * A replica applies the update only once it has all of it, checksums
+          right, and keeps a copy in its node's object store for rebuilds.
+        * If some replicas applied it and others did not (one died; the chain
+          broke after it), the others take it from a finished replica's copy,
+          or are rebuilt. If none applied it, nothing changed: a list is sent
+          again once after rebuilding the dead; a one-shot stream cannot be
+          read twice, so the error is raised, the version unchanged.
+        """
+        from twinkle_core.transport.collective import Sender
+
+        reusable = isinstance(named_tensors, (list, tuple))
+        names: set[str] = set()
+
+        def noted(pairs: Any) -> Any:
+            for name, tensor in pairs:
+                names.add(name)
+                yield name, tensor
+
+        stream = noted(named_tensors)
+        for attempt in range(2):
+            self.pool.check_open()
+            alive = self.pool.alive()
+            sender = Sender(
+                len(alive) + 1,
+                host=options.address(),
+                backend=options.backend,
+                timeout_s=options.timeout(),
+                bucket_bytes=options.bucket_bytes,
+                chunk_bytes=options.chunk_bytes,
+            )
+            try:
+                calls = {
+                    i: self.pool.submit(i, "receive_weights", sender.spec, rank, method, args, kwargs)
+                    for rank, i in enumerate(alive, 1)
+                }
+                if not self._join(sender, calls):
+                    continue  # a replica died before anything was read; it is rebuilt: form the group again
+                send_error: BaseException | None = None
+                try:
+                    sender.send(stream if attempt == 0 or not reusable else noted(named_tensors))
+                except Exception as exc:
+                    send_error = exc
+                values, errors = self._collect(calls)
+            finally:
+                sender.close()
+            if values:
+                copies = ReplayCopies([values[i]["copy"][0] for i in sorted(values)])
+                record(copies, names)
+                self._repair(errors, copies, method, args, kwargs)
+                return
+            dead = [i for i, e in errors.items() if isinstance(e, _Died)]
+            error = send_error or self._first_error(errors)
+            for i in dead:
+                self._recover_quietly(errors, i)
+            if reusable and dead and attempt == 0:
+                continue
+            if dead:
+                lost = [i for i in dead if isinstance(errors[i], ReplicaLostError)]
+                add_note(
+                    error,
+                    f"Replicas {dead} died during the update; nothing changed (the version too)."
+                    + (f" Replicas {lost} could not be rebuilt." if lost else " They were rebuilt."),
+                )
+            raise error
+        raise ReplicaLostError(
+            f"Replicas of {self.label} died twice while joining a weight update; nothing changed.",
+            replica=-1,
+            survivors=len(self.pool.alive()),
+        )
+
+    def _join(self, sender: Any, calls: dict[int, tuple[int, Any]]) -> bool:
+        """Wait until every replica joined; False if one died first (it is rebuilt), else raise why one ended."""
+        ray = import_ray()
+        refs = [ref for _inc, ref in calls.values()]
+
+        class _EndedEarly(Exception):
+            pass
+
+        def watch() -> None:
+            if ray.wait(refs, num_returns=1, timeout=0)[0]:
+                raise _EndedEarly
+
+        try:
+            sender.wait_joined(watch)
+        except _EndedEarly:  # a receive ended before it joined: it died or failed; the rest were told to give up
+            _values, errors = self._collect(calls)
+            dead = [i for i, e in errors.items() if isinstance(e, _Died)]
+            for i in dead:
+                self._recover_quietly(errors, i)
+            if dead:
+                return False
+            raise self._first_error(errors) from None
+        except BaseException:
+            self._collect(calls, timeout=5.0)  # those that joined were told to give up; a stuck one is left
+            raise
+        return True
+
+    def _collect(
+        self, calls: dict[int, tuple[int, Any]], timeout: float | None = None
+    ) -> tuple[dict[int, Any], dict[int, BaseException]]:
+        """The replicas' answers to ``receive_weights``: who applied it, and the errors (``_Died``: a death)."""
+        ray = import_ray()
+        if timeout is not None:
+            ray.wait([ref for _inc, ref in calls.values()], num_returns=len(calls), timeout=timeout)
+        values: dict[int, Any] = {}
+        errors: dict[int, BaseException] = {}
+        for i, (incarnation, ref) in calls.items():
+            if timeout is not None and not ray.wait([ref], timeout=0)[0]:
+                continue
+            try:
+                value = self.pool.result(i, incarnation, ref)
+            except _Died as died:
+                errors[i] = died
+                continue
+            except Exception as exc:
+                errors[i] = exc
+                continue
+            if "aborted" in value:
+                errors[i] = WeightUpdateError(f"Replica {i} dropped the weight update: {value['aborted']}.")
+            else:
+                values[i] = value
+        return values, errors
+
+    @staticmethod
+    def _first_error(errors: dict[int, BaseException]) -> BaseException:
+        first = errors[min(errors)]
+        return first.cause if isinstance(first, _Died) else first
+
+    def _recover_quietly(self, errors: dict[int, BaseException], index: int) -> None:
+        """Rebuild a replica that died (its replay holds what is recorded); a lost one's error replaces its entry."""
+        died = errors[index]
+        assert isinstance(died, _Died)
+        try:
+            self.pool.recover(died)
+        except ReplicaLostError as lost:
+            errors[index] = lost
+
+    def _repair(
+        self,
+        errors: dict[int, BaseException],
+        copies: ReplayCopies,
+        method: str,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        """Bring the replicas that missed an update the others applied up to date.
+
+        A dead one is rebuilt (its replay now holds the update); one that
+        missed the stream takes it from ``copies`` (finished replicas') and keeps one too.
+        Like :meth:`_apply`, an engine that refuses what the others took is
+        rebuilt with it and the error is raised as :class:`AppliedWithError`.
+        """
+        refused: list[int] = []
+        first: BaseException | None = None
+        for i, error in sorted(errors.items()):
+            if isinstance(error, _Died):
+                self._recover_quietly(errors, i)
+                continue
+            try:
+                copies.refs += self.pool.run(i, "apply_copy", copies, method, args, kwargs)
+            except Exception as exc:
+                first = first or exc
+                refused.append(i)
+                try:
+                    self.pool.restart(i, exc)
+                except Exception as lost:
+                    add_note(exc, str(lost))
+        if first is not None:
+            add_note(
+                first,
+                f"Replicas applied {method} (version {kwargs.get('version')}); replicas {refused} failed and were"
+                " rebuilt with it.",
+            )
+            raise AppliedWithError(first)
 
     def _apply(
         self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, record: Callable[[], object]

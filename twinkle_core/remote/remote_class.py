@@ -124,7 +124,12 @@ def _split_by(
 
 
 def build_object(
-    cls: type, remote_group: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, remote_type: type | None = None
+    cls: type,
+    remote_group: str,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    remote_type: Callable[..., Any] | None = None,
 ) -> Any:
     """What ``cls(*args, remote_group=..., **kwargs)`` returns.
 

@@ -9,6 +9,7 @@ layout (``engine_class``, ``device_mesh``, ``group``).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
@@ -17,6 +18,7 @@ from twinkle_core.remote._runtime import PlacedGroup, register_owner
 from twinkle_core.remote.engine import RemoteEngine
 from twinkle_core.remote.remote_class import ReplicaViews, build_object
 from twinkle_core.sampler import Sampler, require_engine_class
+from twinkle_core.transport import CollectiveOptions, TransportSetting, resolve_transport
 
 __all__ = ["RemoteSampler", "build_remote"]
 
@@ -25,7 +27,9 @@ def build_remote(cls: type, remote_group: str, args: tuple[Any, ...], kwargs: di
     """What ``cls(*args, remote_group=..., **kwargs)`` returns: replicas in ``"ray"`` mode, else a local object.
 
     A ``Sampler`` class becomes a :class:`RemoteSampler`; any other class is
-    built by :func:`~twinkle_core.remote.remote_class.build_object`.
+    built by :func:`~twinkle_core.remote.remote_class.build_object`. A
+    sampler also takes ``weight_transport=`` (see :mod:`twinkle_core.transport`):
+    how its updates reach the replicas (nothing to choose in ``"local"`` mode).
 
     Raises:
         UnknownGroupError: the group was never initialised.
@@ -36,8 +40,13 @@ def build_remote(cls: type, remote_group: str, args: tuple[Any, ...], kwargs: di
         if not args:
             raise TypeError("Sampler(engine, *args, **kwargs) needs an engine class first.")
         require_engine_class(args[0])
-    remote_type = RemoteSampler if isinstance(cls, type) and issubclass(cls, Sampler) else None
-    return build_object(cls, remote_group, args, kwargs, remote_type=remote_type)
+    if not (isinstance(cls, type) and issubclass(cls, Sampler)):
+        return build_object(cls, remote_group, args, kwargs)
+    kwargs = dict(kwargs)
+    transport = resolve_transport(kwargs.pop("weight_transport", None))
+    return build_object(
+        cls, remote_group, args, kwargs, remote_type=functools.partial(RemoteSampler, weight_transport=transport)
+    )
 
 
 class RemoteSampler(ReplicaViews, Sampler):
@@ -66,8 +75,11 @@ class RemoteSampler(ReplicaViews, Sampler):
         *,
         placed: PlacedGroup,
         mesh: DeviceMesh,
+        weight_transport: TransportSetting = None,
     ) -> None:
-        super().__init__(RemoteEngine, engine_class, args, kwargs, placed=placed, mesh=mesh)
+        super().__init__(
+            RemoteEngine, engine_class, args, kwargs, placed=placed, mesh=mesh, weight_transport=weight_transport
+        )
         self._pool: ReplicaPool = self.engine.pool  # what ReplicaViews reads
         register_owner(self)
 
@@ -77,6 +89,15 @@ class RemoteSampler(ReplicaViews, Sampler):
         engine = super().engine
         assert isinstance(engine, RemoteEngine)
         return engine
+
+    @property
+    def weight_transport(self) -> str | CollectiveOptions:
+        """How updates reach the replicas: ``"object_store"`` or the collective's options (settable)."""
+        return self.engine.weight_transport
+
+    @weight_transport.setter
+    def weight_transport(self, setting: TransportSetting) -> None:
+        self.engine.set_weight_transport(setting)
 
     @property
     def engine_class(self) -> type:

@@ -25,7 +25,7 @@ from twinkle_core.data_format import InputFeature, SamplingParams, Trajectory
 from twinkle_core.errors import AdapterError, UnknownAdapterError, WeightUpdateError
 from twinkle_core.sampler import Sampler
 
-__all__ = ["SoakReport", "check_refused_changes", "read_adapter_folder", "run_soak", "soak_seconds"]
+__all__ = ["SoakReport", "check_refused_changes", "kill_and_wait", "read_adapter_folder", "run_soak", "soak_seconds"]
 
 Prompts = Sequence[InputFeature | Trajectory]
 
@@ -38,6 +38,21 @@ def soak_seconds(default: float = 15.0) -> float:
     except ValueError:
         value = default
     return value if math.isfinite(value) and value > 0 else default
+
+
+def kill_and_wait(actor: Any, timeout_s: float = 30.0) -> None:
+    """Kill a Ray actor and wait until calls on it fail (``ray.kill`` returns before the actor is gone)."""
+    import ray
+
+    ray.kill(actor)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.__ray_ready__.remote(), timeout=10)
+        except ray.exceptions.RayActorError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"actor {actor} still answers {timeout_s:g} s after ray.kill")
 
 
 def read_adapter_folder(folder: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -30,11 +30,12 @@ from __future__ import annotations
 import mmap
 import os
 import pickle
-import zlib
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from twinkle_core.weights import block_checksum
 
 __all__ = [
     "ALIGN",
@@ -100,26 +101,6 @@ class Item:
     def whole(self) -> bool:
         """True when this piece is the whole tensor."""
         return self.start == 0 and self.nbytes == self.total
-
-
-def block_checksum(data: torch.Tensor, block: int = 4096) -> int:
-    """A 64-bit checksum of a uint8 tensor, computed where the tensor lives.
-
-    The bytes are read as 64-bit words, summed per block of ``block`` words,
-    and the block sums are added with weights 1, 2, 3...: any changed word
-    changes the sum, and so does moving data between blocks (a wrong offset).
-    Integer sums wrap deterministically, so both sides agree bit for bit. It
-    runs at memory speed with torch's reductions (about three times CRC-32 on
-    a CPU, and on the GPU without a host round trip).
-    """
-    whole = data.numel() // 8 * 8
-    words = data[:whole].view(torch.int64)
-    nblocks = words.numel() // block
-    sums = words[: nblocks * block].view(nblocks, block).sum(dim=1)
-    weights = torch.arange(1, nblocks + 1, dtype=torch.int64, device=data.device)
-    total = int((sums * weights).sum().item()) + int(words[nblocks * block :].sum().item())
-    tail = bytes(data[whole:].cpu().tolist())
-    return (total ^ zlib.crc32(tail)) & 0xFFFFFFFFFFFFFFFF
 
 
 class StagingBuffer:

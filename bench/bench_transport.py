@@ -1,0 +1,156 @@
+"""Weights to many replicas: the object store against the collective, for 1, 2 and 4 replicas.
+
+    python bench/bench_transport.py                          # tiny model and SmolLM2-135M, float32
+    python bench/bench_transport.py --models tiny --repeats 5
+
+One Ray cluster of separate nodes on this machine (``ray.cluster_utils``):
+a head node with no CPUs, where this process (the trainer) runs, and one
+node per replica, each with its own raylet and object store, so an object
+store pull really crosses nodes (over loopback TCP, through the object
+managers). Each replica is a TorchSampler of the model. For each model and
+replica count it pushes the whole state dict ``--repeats`` times with each
+transport, interleaved, and reports per update:
+
+* seconds (median, best) of ``update_weights``, validation to version bump;
+* the trainer node's egress: bytes written by this process plus the head
+  node's raylet (where the object store serves pulls), from
+  ``/proc/<pid>/io`` (``wchar``: every write, sockets included), over the
+  model's bytes.
+
+Targets (issue 27): the collective's egress at most 1.2x the model at 4
+replicas, and its time at 4 replicas at most 1.5x its time at 1. Ratios
+matter, not absolute times: two cores serve every node here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MODELS = {"tiny": None, "smollm2": "builtin://smollm2-135m-instruct"}
+
+
+def _wchar(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no wchar for pid {pid}")
+
+
+def _state(model_dir: str) -> list[tuple[str, Any]]:
+    from safetensors.torch import load_file
+
+    out: list[tuple[str, Any]] = []
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        out += list(load_file(str(path)).items())
+    return out
+
+
+def _model_dir(model: str) -> str:
+    if MODELS[model] is None:
+        from twinkle_core.testing import build_tiny_model
+
+        return str(build_tiny_model())
+    from twinkle_core.hub import resolve_model_id
+
+    return str(resolve_model_id(MODELS[model]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"], choices=sorted(MODELS))
+    parser.add_argument("--replicas", nargs="+", type=int, default=[1, 2, 4])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args()
+
+    import ray
+    from harness import machine_summary
+    from ray.cluster_utils import Cluster
+
+    import twinkle_core as tw
+    from twinkle_core import DeviceGroup, DeviceMesh
+    from twinkle_core.transport import CollectiveOptions
+    from twinkle_torch.sampler import TorchSampler
+
+    most = max(args.replicas)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "object_store_memory": 2 << 30})
+    for _ in range(most):
+        cluster.add_node(num_cpus=1, object_store_memory=2 << 30)
+    cluster.wait_for_nodes()
+    raylet = cluster.head_node.all_processes["raylet"][0].process.pid
+    print(machine_summary())
+    print(f"cluster: a head node (this process, no CPUs) and {most} one-CPU nodes, one object store each")
+    rows: list[dict[str, Any]] = []
+    collective = CollectiveOptions()
+    try:
+        tw.initialize("ray", address=cluster.address, placement_strategy="STRICT_SPREAD", groups=[])
+        for model in args.models:
+            model_dir = _model_dir(model)
+            state = _state(model_dir)
+            model_bytes = sum(t.numel() * t.element_size() for _, t in state)
+            for n in args.replicas:
+                group = f"{model}-{n}"
+                tw.initialize(
+                    "ray",
+                    address=cluster.address,
+                    placement_strategy="STRICT_SPREAD",
+                    groups=[DeviceGroup(name=group, ranks=n, device_type="cpu")],
+                )
+                sampler = TorchSampler(model_dir, remote_group=group, device_mesh=DeviceMesh.from_sizes(dp_size=n))
+                times: dict[str, list[float]] = {"object_store": [], "collective": []}
+                egress: dict[str, list[int]] = {"object_store": [], "collective": []}
+                for _ in range(args.repeats + 1):  # the first round warms up (connections, allocations)
+                    for transport in ("object_store", "collective"):
+                        sampler.weight_transport = collective if transport == "collective" else transport
+                        before = _wchar(os.getpid()) + _wchar(raylet)
+                        start = time.perf_counter()
+                        sampler.update_weights(state, check_finite=False)
+                        times[transport].append(time.perf_counter() - start)
+                        egress[transport].append(_wchar(os.getpid()) + _wchar(raylet) - before)
+                sampler.close()
+                for transport in times:
+                    t, e = times[transport][1:], egress[transport][1:]
+                    rows.append(
+                        {
+                            "model": model,
+                            "model_mib": model_bytes / 2**20,
+                            "replicas": n,
+                            "transport": transport,
+                            "median_s": statistics.median(t),
+                            "best_s": min(t),
+                            "egress_x_model": statistics.median(e) / model_bytes,
+                        }
+                    )
+                    print(json.dumps(rows[-1]), flush=True)
+    finally:
+        tw.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+
+    print()
+    print(
+        f"{'model':8} {'MiB':>6} {'replicas':>8} {'transport':13} {'median s':>9} {'best s':>8}"
+        f" {'egress x model':>15} {'time x 1 replica':>17}"
+    )
+    for row in rows:
+        first = next(r for r in rows if r["model"] == row["model"] and r["transport"] == row["transport"])
+        print(
+            f"{row['model']:8} {row['model_mib']:6.1f} {row['replicas']:8d} {row['transport']:13}"
+            f" {row['median_s']:9.3f} {row['best_s']:8.3f} {row['egress_x_model']:15.2f}"
+            f" {row['median_s'] / first['median_s']:17.2f}"
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
