@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 
 from twinkle_core.errors import WeightSyncTimeoutError, WeightUpdateError  # noqa: E402
 from twinkle_core.transport import CollectiveOptions, resolve_transport  # noqa: E402
-from twinkle_core.transport.collective import Sender, TransferAborted, receive  # noqa: E402
+from twinkle_core.transport.collective import Sender, TransferAborted, receive, unpack  # noqa: E402
 
 GREEDY = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
 
@@ -33,7 +33,8 @@ GREEDY = {"temperature": 0.0, "max_tokens": 24, "ignore_eos": True}
 # -- the chain, between processes ------------------------------------------------------------------------
 def _receiver(spec: Any, rank: int, out: Any) -> None:
     try:
-        named, checksums, forwarded = receive(spec, rank)
+        buckets, checksums, forwarded = receive(spec, rank)
+        named = unpack(buckets)
         # float64 numpy copies: a queue cannot carry views of torch's shared buffers
         out.put((rank, [(n, str(t.dtype), t.double().numpy().copy()) for n, t in named], checksums, forwarded))
     except TransferAborted as exc:

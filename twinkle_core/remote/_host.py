@@ -36,7 +36,15 @@ class ReplayCopies:
         self.refs = list(refs)
         self.key = uuid.uuid4().hex  # names it across pickling: a rebuilt replica's own copy joins the list
 
+    @staticmethod
+    def unpack(buckets: Any) -> list[tuple[str, Any]]:
+        """The tensors of a resolved copy (it holds the received buckets, each pickled once)."""
+        from twinkle_core.transport.collective import unpack
+
+        return unpack(buckets)
+
     def resolve(self) -> Any:
+        """The first copy still held (the received buckets)."""
         import ray
 
         last: BaseException | None = None
@@ -180,9 +188,9 @@ class ReplicaHost:
 
         def resolve(value: Any) -> Any:
             if isinstance(value, ReplayCopies):
-                data = value.resolve()
-                kept[value.key] = ray.put(data)
-                return data
+                buckets = value.resolve()
+                kept[value.key] = ray.put(buckets)
+                return value.unpack(buckets)
             return ray.get(value) if isinstance(value, ray.ObjectRef) else value
 
         for method, args, kwargs in ops:
@@ -214,14 +222,14 @@ class ReplicaHost:
         """
         import ray
 
-        from twinkle_core.transport.collective import TransferAborted, receive
+        from twinkle_core.transport.collective import TransferAborted, receive, unpack
 
         try:
-            named, checksums, forwarded = receive(spec, rank)
+            buckets, checksums, forwarded = receive(spec, rank)
         except TransferAborted as exc:
             return {"aborted": str(exc)}
-        self._apply_tensors(named, method, args, kwargs)
-        return {"checksums": checksums, "copy": [ray.put(named)], "forwarded": forwarded}
+        self._apply_tensors(unpack(buckets), method, args, kwargs)
+        return {"checksums": checksums, "copy": [ray.put(buckets)], "forwarded": forwarded}
 
     def _apply_tensors(self, named: Any, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if method == "update_weights":
@@ -236,9 +244,9 @@ class ReplicaHost:
         """Apply a collective update from a copy other replicas hold; keep a copy here too (its ref, in a list)."""
         import ray
 
-        named = copies.resolve()
-        self._apply_tensors(named, method, args, kwargs)
-        return [ray.put(named)]
+        buckets = copies.resolve()
+        self._apply_tensors(copies.unpack(buckets), method, args, kwargs)
+        return [ray.put(buckets)]
 
     @_portable_errors
     def sample_shard(

@@ -45,6 +45,7 @@ __all__ = [
     "SendReport",
     "Sender",
     "receive",
+    "unpack",
 ]
 
 #: The process-group backends a group can use.
@@ -383,7 +384,7 @@ def _buckets(
         yield flush(group)
 
 
-def receive(spec: GroupSpec, rank: int, *, device: Any = None) -> tuple[list[tuple[str, Any]], tuple[int, ...], bool]:
+def receive(spec: GroupSpec, rank: int, *, device: Any = None) -> tuple[list[Bucket], tuple[int, ...], bool]:
     """Join ``spec``'s group as ``rank`` and receive the whole update, forwarding it down the chain.
 
     A bucket whose checksum differs from the sender's is reported once the
@@ -392,9 +393,9 @@ def receive(spec: GroupSpec, rank: int, *, device: Any = None) -> tuple[list[tup
     receives everything.
 
     Returns:
-        The ``(name, tensor)`` pairs in the order sent (views into the
-        received buckets, on ``device``), each bucket's checksum, and whether
-        the whole stream was forwarded (always True for the last rank).
+        The buckets (on ``device``; :func:`unpack` gives their tensors), each
+        bucket's checksum, and whether the whole stream was forwarded (always
+        True for the last rank).
 
     Raises:
         TransferAborted: the sender gave up before sending, or its stream
@@ -426,7 +427,7 @@ def receive(spec: GroupSpec, rank: int, *, device: Any = None) -> tuple[list[tup
     link = _Link(group, spec.backend, spec.timeout_s)
     target = device if device is not None else link.device
     chain = _Forward(link, rank, spec.world_size)
-    out: list[tuple[str, Any]] = []
+    buckets: list[Bucket] = []
     checksums: list[int] = []
     corrupted: list[int] = []
     what = f"receiver {rank} reading from rank {rank - 1}"
@@ -450,12 +451,7 @@ def receive(spec: GroupSpec, rank: int, *, device: Any = None) -> tuple[list[tup
         if checksum != header["checksum"]:
             corrupted.append(len(checksums))
         checksums.append(checksum)
-        if target != link.device:
-            flat = flat.to(target)
-        for name, dtype, shape, offset, nbytes in header["items"]:
-            dt = getattr(torch, dtype)
-            piece = flat[offset : offset + nbytes].view(dt) if nbytes else torch.empty(0, dtype=dt, device=target)
-            out.append((name, piece.view(shape)))
+        buckets.append((header["items"], flat if target == link.device else flat.to(target)))
         chain.prune()
     forwarded = chain.finish()
     if corrupted:
@@ -463,7 +459,28 @@ def receive(spec: GroupSpec, rank: int, *, device: Any = None) -> tuple[list[tup
             f"Weight transfer: buckets {corrupted} of {len(checksums)} arrived at receiver {rank} with a wrong"
             " checksum; nothing was applied."
         )
-    return out, tuple(checksums), forwarded
+    return buckets, tuple(checksums), forwarded
+
+
+#: One received bucket: its items ``(name, dtype, shape, offset, nbytes)`` and its bytes (a flat uint8 tensor).
+Bucket = tuple[list[tuple[str, str, tuple[int, ...], int, int]], Any]
+
+
+def unpack(buckets: list[Bucket]) -> list[tuple[str, Any]]:
+    """The ``(name, tensor)`` pairs of received buckets, in the order sent (views into the buckets' bytes).
+
+    Keep (or pickle) the buckets, not the views: each view of a bucket would
+    carry the whole bucket with it.
+    """
+    import torch
+
+    out: list[tuple[str, Any]] = []
+    for items, flat in buckets:
+        for name, dtype, shape, offset, nbytes in items:
+            dt = getattr(torch, dtype)
+            piece = flat[offset : offset + nbytes].view(dt) if nbytes else torch.empty(0, dtype=dt, device=flat.device)
+            out.append((name, piece.view(shape)))
+    return out
 
 
 class _Forward:
