@@ -327,9 +327,10 @@ def test_description_routes(server: RunningServer, sampler: Any) -> None:
     metrics = httpx.get(server.url + "/metrics").text
     assert f'twinkle:weights_version{{model_name="tiny"}} {sampler.weights_version}' in metrics
     assert "# TYPE vllm:generation_tokens_total counter" in metrics
-    for path in ("/init_weight_transfer_engine", "/update_weights"):
-        r = httpx.post(server.url + path, json={})
-        assert r.status_code == 501 and "update_weights" in r.json()["error"]["message"]
+    assert info["vllm_config"]["weight_transfer_config"] is None  # started without --weight-transfer-config
+    for path, body in (("/init_weight_transfer_engine", {"init_info": {}}), ("/update_weights", {"update_info": {}})):
+        r = httpx.post(server.url + path, json=body)
+        assert r.status_code == 400 and "--weight-transfer-config" in r.json()["error"]["message"]
 
 
 def test_pause_holds_new_calls_until_resume(server: RunningServer) -> None:

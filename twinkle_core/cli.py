@@ -490,6 +490,14 @@ def sample(
     type=int,
     help="max_tokens when a request gives none.",
 )
+@click.option(
+    "--weight-transfer-config",
+    "weight_transfer",
+    default=None,
+    metavar="JSON",
+    help="Take weights from a trainer in another process over vLLM's weight-transfer routes,"
+    """ e.g. '{"backend": "gloo"}'.""",
+)
 def serve(
     model_arg: str | None,
     engine: str | None,
@@ -509,6 +517,7 @@ def serve(
     tool_parser: str,
     on_template_mismatch: str,
     default_max_tokens: int,
+    weight_transfer: str | None,
 ) -> None:
     """Serve a model over the OpenAI API (needs: pip install "twinkle-core[server]")."""
     from twinkle_core.server import _resolve_key
@@ -536,6 +545,7 @@ def serve(
     engine_cls = get_sampler_class(engine_name)
     get_tool_parser(tool_parser)
     _resolve_key(host, api_key)
+    transfer = _weight_transfer(weight_transfer)
     sampler = _build_sampler(engine_cls, config, model_id, template)
     with sampler:
         for name, folder in pairs:
@@ -549,7 +559,25 @@ def serve(
             tool_parser=tool_parser,
             on_template_mismatch=on_template_mismatch,
             default_max_tokens=default_max_tokens,
+            weight_transfer=transfer,
         )
+
+
+def _weight_transfer(raw: str | None) -> dict[str, Any] | None:
+    """``--weight-transfer-config``: a JSON object, checked before any model loads."""
+    if raw is None:
+        return None
+    from twinkle_core.errors import ConfigError
+    from twinkle_core.server.weights import check_config
+
+    try:
+        value = json.loads(raw)
+    except ValueError as exc:
+        raise click.BadParameter(f"{raw!r} is not JSON: {exc}", param_hint="--weight-transfer-config") from exc
+    try:
+        return check_config(value)
+    except ConfigError as exc:
+        raise click.BadParameter(str(exc), param_hint="--weight-transfer-config") from exc
 
 
 def _adapter_pair(item: str, option: str) -> tuple[str, str]:

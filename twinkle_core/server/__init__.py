@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from twinkle_core.errors import ConfigError
@@ -84,6 +85,7 @@ def serve(
     default_max_tokens: int = 256,
     sessions: SessionStore | None = None,
     log_level: str = "info",
+    weight_transfer: Mapping[str, Any] | None = None,
 ) -> None:
     """Serve ``sampler`` over the OpenAI API until interrupted (blocking).
 
@@ -104,6 +106,9 @@ def serve(
         default_max_tokens: ``max_tokens`` when a call gives none.
         sessions: a store to record sessions in (the caller keeps a handle to it).
         log_level: uvicorn's log level.
+        weight_transfer: ``{"backend": "gloo"}`` turns on vLLM's weight-transfer
+            routes (a trainer in another process pushes weights with
+            :class:`twinkle_core.client.WeightClient`); see :mod:`twinkle_core.server.weights`.
 
     Raises:
         ConfigError: a non-loopback host without an API key, or FastAPI/uvicorn missing.
@@ -116,6 +121,7 @@ def serve(
         "on_template_mismatch": on_template_mismatch,
         "default_max_tokens": default_max_tokens,
         "sessions": sessions,
+        "weight_transfer": weight_transfer,
     }
     uvicorn.Server(_config(sampler, host, port, api_key, log_level, options)).run()
 

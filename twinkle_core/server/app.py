@@ -26,7 +26,7 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
@@ -62,6 +62,8 @@ from twinkle_core.server.protocol import (
 )
 from twinkle_core.server.sessions import Session, SessionStore
 from twinkle_core.server.shapes import TokenNames
+from twinkle_core.server.weights import add_weight_routes
+from twinkle_core.server.weights import check_config as check_weight_config
 from twinkle_core.tools import get_tool_parser
 
 __all__ = ["create_app"]
@@ -319,8 +321,10 @@ def create_app(
     default_max_tokens: int = 256,
     sessions: SessionStore | None = None,
     max_workers: int = 64,
+    weight_transfer: Mapping[str, Any] | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible application over ``sampler`` (see :func:`twinkle_core.server.serve`)."""
+    transfer_config = check_weight_config(weight_transfer)
     state = _Server(
         sampler,
         model_name=model_name or "twinkle",
@@ -391,7 +395,8 @@ def create_app(
             data.append({"id": name, **base, "root": info.source, "parent": state.model_name})
         return {"object": "list", "data": data}
 
-    add_control_routes(app, state)
+    add_control_routes(app, state, transfer_config)
+    add_weight_routes(app, state, transfer_config)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:

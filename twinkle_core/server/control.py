@@ -5,8 +5,8 @@ server's description (``/version``, ``/server_info``, ``/get_world_size``,
 ``/metrics``), the RL controls (``/pause``, ``/resume``, ``/is_paused``,
 ``/abort_requests``, ``/reset_prefix_cache``) and runtime LoRA
 (``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``). Shapes follow
-vLLM's server. vLLM's weight-transfer routes answer 501 with what to use
-instead until the collective weight transport lands.
+vLLM's server. vLLM's weight-transfer routes are in
+:mod:`twinkle_core.server.weights`.
 
 ``/pause`` holds new calls until ``/resume``; what it does to the server's
 calls in flight is its ``mode``, mapped to twinkle's in-flight policies:
@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI, Query, Request
+from fastapi import FastAPI, Query
 from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -36,12 +36,6 @@ if TYPE_CHECKING:
 __all__ = ["add_control_routes"]
 
 PAUSE_MODES = ("abort", "wait", "keep")
-WEIGHT_TRANSFER_ROUTES = (
-    "/init_weight_transfer_engine",
-    "/start_weight_update",
-    "/update_weights",
-    "/finish_weight_update",
-)
 
 
 class _Body(BaseModel):
@@ -91,7 +85,7 @@ def _tp_size(sampler: Any) -> int:
     return int(getattr(mesh, "tp_size", 1) or 1)
 
 
-def add_control_routes(app: FastAPI, state: _Server) -> None:
+def add_control_routes(app: FastAPI, state: _Server, transfer_config: dict[str, Any] | None = None) -> None:
     """Add the non-OpenAI routes of vLLM's server to ``app``."""
     sampler = state.sampler
 
@@ -149,6 +143,8 @@ def add_control_routes(app: FastAPI, state: _Server) -> None:
     # -- what the server is -----------------------------------------------------------------------
     @app.get("/get_world_size")
     async def get_world_size(include_dp: bool = Query(True)) -> dict[str, Any]:
+        if transfer_config is not None:  # what a trainer's group counts: this process is one rank
+            return {"world_size": 1}
         return {"world_size": _world_size(sampler) if include_dp else _tp_size(sampler)}
 
     @app.get("/server_info")
@@ -162,7 +158,7 @@ def add_control_routes(app: FastAPI, state: _Server) -> None:
                     "data_parallel_size": world // _tp_size(sampler),
                     "world_size": world,
                 },
-                "weight_transfer_config": None,
+                "weight_transfer_config": transfer_config,
             },
             "twinkle": {
                 "version": __version__,
@@ -261,17 +257,3 @@ def add_control_routes(app: FastAPI, state: _Server) -> None:
         in_flight = "keep" if state.pause_mode == "keep" else "wait"
         await asyncio.to_thread(sampler.remove_adapter, req.lora_name, in_flight=in_flight)
         return {"status": "unloaded", "lora_name": req.lora_name, "weights_version": sampler.weights_version}
-
-    # -- weight transfer (not yet) ----------------------------------------------------------------
-    async def weight_transfer(request: Request) -> None:
-        raise ApiError(
-            501,
-            f"{request.url.path} is vLLM's weight-transfer protocol, which twinkle serve does not speak yet."
-            " Push weights with Sampler.update_weights in the server's process (twinkle_core.server.start_server"
-            " runs the server beside your trainer), or load adapters with /v1/load_lora_adapter.",
-            kind="not_implemented_error",
-            code="not_implemented",
-        )
-
-    for path in WEIGHT_TRANSFER_ROUTES:
-        app.add_api_route(path, weight_transfer, methods=["POST"])

@@ -44,6 +44,7 @@ __all__ = [
     "GroupSpec",
     "SendReport",
     "Sender",
+    "open_group",
     "receive",
     "unpack",
 ]
@@ -531,3 +532,35 @@ def local_address() -> str:
         return str(ray.util.get_node_ip_address())
     except Exception:
         return socket.gethostbyname(socket.gethostname())
+
+
+def open_group(
+    host: str, port: int, *, rank: int, world_size: int, backend: str = "gloo", timeout_s: float = 300.0
+) -> tuple[Any, Any]:
+    """Join (``rank`` > 0) or host (``rank`` 0, at ``port`` on every interface) a standing group of its own.
+
+    For a group that outlives one update (a server a trainer pushes into
+    again and again). Returns ``(store, group)``; keep both alive.
+
+    Raises:
+        WeightSyncTimeoutError: the others did not arrive within ``timeout_s``.
+        WeightUpdateError: the store could not be reached.
+    """
+    import torch.distributed as dist
+
+    check_backend(backend)
+    timeout = timedelta(seconds=timeout_s)
+    try:
+        if rank == 0:
+            store = dist.TCPStore("0.0.0.0", port, world_size, True, timeout, wait_for_workers=False)  # type: ignore[attr-defined]
+        else:
+            store = dist.TCPStore(host, port, world_size, False, timeout)  # type: ignore[attr-defined]
+        group = _make_group(store, rank, world_size, backend, timeout_s)
+    except RuntimeError as exc:
+        if _timed_out(exc):
+            raise WeightSyncTimeoutError(
+                f"Weight transfer: the group at {host}:{port} did not form within {timeout_s:g}s ({exc}).",
+                stage="join",
+            ) from exc
+        raise WeightUpdateError(f"Weight transfer: could not form the group at {host}:{port}: {exc}") from exc
+    return store, group

@@ -1,0 +1,182 @@
+"""Weights into a ``twinkle serve`` in another process, over vLLM's weight-transfer routes (gloo), by the client.
+
+One server process (the torch engine on the tiny model, started by the
+``twinkle serve`` command with ``--weight-transfer-config``) for the module;
+this process is the trainer. What it samples after each push is compared
+with a sampler here that took the same update directly.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("fastapi")
+pytest.importorskip("twinkle_torch")
+
+from twinkle_core.client import WeightClient  # noqa: E402
+from twinkle_core.errors import ConfigError, WeightUpdateError  # noqa: E402
+from twinkle_core.testing import TINY_CHAT_PROMPTS, build_tiny_model  # noqa: E402
+
+PROMPTS = [{"messages": m} for m in TINY_CHAT_PROMPTS[:3]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _serve(model_dir: str, *extra: str) -> tuple[subprocess.Popen[str], str]:
+    port = _free_port()
+    twinkle = os.path.join(os.path.dirname(sys.executable), "twinkle")
+    proc = subprocess.Popen(
+        [twinkle, "serve", model_dir, "--engine", "torch", "--port", str(port), "--served-model-name", "tiny", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"twinkle serve exited: {proc.stdout.read() if proc.stdout else ''}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    proc.kill()
+    raise AssertionError("twinkle serve did not come up within 120 s")
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    return str(build_tiny_model())
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    proc, url = _serve(model_dir, "--weight-transfer-config", '{"backend": "gloo", "timeout_s": 60}')
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def local(model_dir):
+    from twinkle_torch.sampler import TorchSampler
+
+    with TorchSampler(model_dir) as s:
+        yield s
+
+
+def served_tokens(url: str, local: Any) -> tuple[list[list[int]], set[int]]:
+    """Greedy completions of the prompts (as token ids) from the server, and the weights versions they carry."""
+    out, versions = [], set()
+    for p in PROMPTS:
+        ids = list(local.encode(p).input_ids)
+        r = httpx.post(
+            url + "/v1/completions",
+            json={"model": "tiny", "prompt": ids, "max_tokens": 16, "temperature": 0},
+            timeout=60,
+        )
+        choice = r.json()["choices"][0]
+        out.append(choice["token_ids"])
+        versions.add(choice["weights_version"])
+    return out, versions
+
+
+def local_tokens(local: Any) -> list[list[int]]:
+    params = {"temperature": 0.0, "max_tokens": 16}
+    return [r.sequences[0].tokens for r in local.sample(PROMPTS, params)]
+
+
+def perturbed(model_dir: str, seed: int, names: list[str] | None = None) -> dict[str, Any]:
+    from safetensors.torch import load_file
+
+    gen = torch.Generator().manual_seed(seed)
+    state = load_file(os.path.join(model_dir, "model.safetensors"))
+    return {
+        n: t + 0.5 * t.std() * torch.randn(t.shape, generator=gen)
+        for n, t in state.items()
+        if names is None or n in names
+    }
+
+
+def test_a_trainer_in_another_process_pushes_weights_into_the_server(server, local, model_dir):
+    info = httpx.get(server + "/server_info").json()
+    assert info["vllm_config"]["weight_transfer_config"]["backend"] == "gloo"
+    before = info["twinkle"]["weights_version"]
+    with WeightClient(server, host="127.0.0.1", timeout_s=60) as client:
+        client.init_communicator()
+        update = perturbed(model_dir, 1)
+        assert client.update_weights(update) == before + 1
+        local.update_weights(update)
+        got, versions = served_tokens(server, local)
+        assert got == local_tokens(local) and versions == {before + 1}
+        # a partial update, and a version the trainer picks
+        part = perturbed(model_dir, 2, ["lm_head.weight", "model.layers.0.mlp.down_proj.weight"])
+        assert client.update_weights(part.items(), version=before + 10) == before + 10
+        local.update_weights(part)
+        assert served_tokens(server, local)[0] == local_tokens(local)
+        assert httpx.get(server + "/server_info").json()["twinkle"]["weights_version"] == before + 10
+
+        # a bad update is refused by the server whole: version and weights unchanged, the group still works
+        with pytest.raises(WeightUpdateError, match="no_such"):
+            client.update_weights({"no_such.weight": torch.zeros(3)})
+        with pytest.raises(WeightUpdateError, match="shape"):
+            client.update_weights({"lm_head.weight": torch.zeros(2, 2)})
+        assert httpx.get(server + "/server_info").json()["twinkle"]["weights_version"] == before + 10
+        assert served_tokens(server, local)[0] == local_tokens(local)
+        from safetensors.torch import load_file
+
+        original = load_file(os.path.join(model_dir, "model.safetensors"))
+        client.update_weights(original)
+        local.update_weights(original)
+        assert served_tokens(server, local)[0] == local_tokens(local)
+
+
+def test_route_misuse_is_a_clear_error(server):
+    def post(path: str, body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(server + path, json=body, timeout=30)
+
+    r = post("/update_weights", {"update_info": {"names": ["a"], "dtype_names": ["float32"], "shapes": [[1]]}})
+    assert r.status_code == 400 and "/init_weight_transfer_engine first" in r.json()["error"]["message"]
+    r = post("/init_weight_transfer_engine", {"init_info": {"master_port": 1}})
+    assert r.status_code == 400 and "master_address" in r.json()["error"]["message"]
+    r = post("/finish_weight_update", {"weight_version": "v7"})
+    assert r.status_code == 400 and "integers" in r.json()["error"]["message"]
+
+
+def test_a_server_without_the_option_says_how_to_turn_it_on(model_dir):
+    proc, url = _serve(model_dir)
+    try:
+        with pytest.raises(ConfigError, match="--weight-transfer-config"):
+            WeightClient(url, host="127.0.0.1").init_communicator()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    bad = subprocess.run(
+        [
+            os.path.join(os.path.dirname(sys.executable), "twinkle"),
+            "serve",
+            model_dir,
+            "--weight-transfer-config",
+            '{"backend": "nccl"}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode != 0 and "not supported by twinkle serve yet" in bad.stderr
