@@ -88,6 +88,32 @@ def _model_dir(model: str) -> str:
     return str(resolve_model_id(MODELS[model]))
 
 
+class _PeakRss:
+    """This process's resident memory above its level at start, at its highest until :meth:`stop` (5 ms samples)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.page = os.sysconf("SC_PAGE_SIZE")
+        self.base = self._rss()
+        self.peak = self.base
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _rss(self) -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * self.page
+
+    def _run(self) -> None:
+        while not self._done.wait(0.005):
+            self.peak = max(self.peak, self._rss())
+
+    def stop(self) -> int:
+        self._done.set()
+        self._thread.join()
+        return max(self.peak, self._rss()) - self.base
+
+
 def _receiver(spec: Any, rank: int, out: Any) -> None:
     import resource
 
@@ -114,7 +140,7 @@ def chain_only(models: list[str], counts: list[int], repeats: int) -> list[dict[
         state = _state(_model_dir(model))
         model_bytes = sum(t.numel() * t.element_size() for _, t in state)
         for n in counts:
-            times, egress, cpus = [], [], []
+            times, egress, cpus, extra, peaks = [], [], [], [], []
             for _ in range(repeats + 1):
                 sender = Sender(n + 1, host="127.0.0.1", timeout_s=300)
                 queue = ctx.Queue()
@@ -123,8 +149,11 @@ def chain_only(models: list[str], counts: list[int], repeats: int) -> list[dict[
                     proc.start()
                 sender.wait_joined()
                 before = _wchar(os.getpid())
+                watch = _PeakRss()
                 start = time.perf_counter()
-                sender.send(state)
+                report = sender.send(iter(state))  # an iterator, as a sharded trainer's gathers come
+                extra.append(watch.stop())
+                peaks.append(report.peak_bucket_bytes)
                 cpus.append(max(queue.get(timeout=600)[2] for _ in procs))
                 times.append(time.perf_counter() - start)
                 egress.append(_wchar(os.getpid()) - before)
@@ -142,6 +171,9 @@ def chain_only(models: list[str], counts: list[int], repeats: int) -> list[dict[
                     "egress_x_model": statistics.median(egress[1:]) / model_bytes,
                     # CPU seconds (user + system) of the busiest receiver: what each replica's node spends
                     "receiver_cpu_s": statistics.median(cpus[1:]),
+                    # the sender's resident memory above where it started, at its highest during the send
+                    "sender_extra_mib": max(extra[1:]) / 2**20,
+                    "largest_bucket_mib": max(peaks) / 2**20,
                 }
             )
             print(json.dumps(rows[-1]), flush=True)
@@ -194,9 +226,6 @@ def main() -> None:
                     address=cluster.address,
                     placement_strategy="STRICT_SPREAD",
                     groups=[DeviceGroup(name=group, ranks=n, device_type="cpu")],
-                    # replicas free what an object-store update deserialised in pool threads' malloc arenas
-                    # (without this a replica's RSS grows by ~1.5 models per update here)
-                    runtime_env={"env_vars": {"MALLOC_ARENA_MAX": "2"}},
                 )
                 sampler = TorchSampler(model_dir, remote_group=group, device_mesh=DeviceMesh.from_sizes(dp_size=n))
                 times: dict[str, list[float]] = {"object_store": [], "collective": []}

@@ -172,7 +172,8 @@ def model_dir() -> str:
 @pytest.fixture(scope="module")
 def samplers(model_dir):
     """(collective, object store, local): two replicas each, and the same model in this process."""
-    tw.initialize("ray", groups=[DeviceGroup(name="replicas", ranks=4, device_type="cpu")], num_cpus=4)
+    # five bundles: two samplers of two replicas, and one replica for the memory test
+    tw.initialize("ray", groups=[DeviceGroup(name="replicas", ranks=5, device_type="cpu")], num_cpus=5)
     mesh = DeviceMesh.from_sizes(dp_size=2)
     try:
         with (
@@ -396,3 +397,33 @@ def test_an_fsdp2_sharded_trainer_on_two_ranks_pushes_to_the_replicas(samplers, 
     assert coll.weights_version == v
     alike(*samplers)
     update_all(samplers, list(state(model_dir).items()))
+
+
+def test_a_replica_gives_back_what_each_update_brought_in(samplers, model_dir, tmp_path):
+    """Updates arrive in pool threads; what they freed must not stay resident (it grew a model per update)."""
+    import shutil
+
+    import psutil
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folder = tmp_path / "wide"
+    config = LlamaConfig.from_pretrained(model_dir)
+    config.hidden_size, config.intermediate_size, config.num_attention_heads = 1024, 2816, 16
+    config.num_key_value_heads, config.head_dim = 16, 64
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    for name in os.listdir(model_dir):
+        if "token" in name or name.endswith((".jinja", "generation_config.json")):
+            shutil.copy(os.path.join(model_dir, name), folder / name)
+    full = state(str(folder))
+    model_bytes = sum(t.numel() * t.element_size() for t in full.values())
+    assert model_bytes > 80 << 20
+    for transport in ("object_store", SMALL):
+        with TorchSampler(str(folder), remote_group="replicas", weight_transport=transport) as wide:
+            replica = psutil.Process(wide.replicas[0].pid)
+            resident = []
+            for i in range(6):
+                wide.update_weights({n: t + i for n, t in full.items()}, check_finite=False)
+                resident.append(replica.memory_full_info().uss)
+            # after the first two (buffers, the kept copy), the resident memory stays where it is
+            assert resident[-1] - resident[1] < model_bytes // 2, (transport, [r >> 20 for r in resident])

@@ -56,6 +56,28 @@ class ReplayCopies:
         raise RuntimeError(f"every replica holding this update's copy is gone: {last}") from last
 
 
+#: Calls that bring a model's worth of tensors in and drop them: the freed memory goes back to the OS after.
+_BULKY_CALLS = frozenset({"update_weights", "add_adapter_to_model"})
+
+
+def _release_freed_memory() -> None:
+    """Give freed heap memory back to the OS (glibc's ``malloc_trim``; nothing elsewhere).
+
+    A replica's calls run on a pool of threads, each with its own malloc
+    arena; the tensors an update deserialises are freed into that arena and
+    stay resident, so without this a replica's memory grew by about one model
+    per update (0.8 GB per SmolLM2 update, bench/bench_transport.py's set-up).
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 #: How many aborts of shares not started yet a replica remembers (an abort can overtake its share).
 _EARLY_ABORTS_KEPT = 4096
 F = TypeVar("F", bound=Callable[..., Any])
@@ -160,7 +182,11 @@ class ReplicaHost:
     @_portable_errors
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """Call ``target.method(*args, **kwargs)`` (object refs among the top-level args arrive resolved)."""
-        return getattr(self._target, method)(*args, **kwargs)
+        try:
+            return getattr(self._target, method)(*args, **kwargs)
+        finally:
+            if method in _BULKY_CALLS:
+                _release_freed_memory()
 
     @_portable_errors
     def get(self, name: str) -> Any:
@@ -199,6 +225,7 @@ class ReplicaHost:
 
         if weights_version is not None and isinstance(self._target, Sampler):
             self._target._restore_version(weights_version)
+        _release_freed_memory()
         return kept
 
     @_portable_errors
@@ -228,8 +255,12 @@ class ReplicaHost:
             buckets, checksums, forwarded = receive(spec, rank)
         except TransferAborted as exc:
             return {"aborted": str(exc)}
-        self._apply_tensors(unpack(buckets), method, args, kwargs)
-        return {"checksums": checksums, "copy": [ray.put(buckets)], "forwarded": forwarded}
+        try:
+            self._apply_tensors(unpack(buckets), method, args, kwargs)
+            return {"checksums": checksums, "copy": [ray.put(buckets)], "forwarded": forwarded}
+        finally:
+            del buckets
+            _release_freed_memory()
 
     def _apply_tensors(self, named: Any, method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if method == "update_weights":
@@ -245,8 +276,12 @@ class ReplicaHost:
         import ray
 
         buckets = copies.resolve()
-        self._apply_tensors(copies.unpack(buckets), method, args, kwargs)
-        return [ray.put(buckets)]
+        try:
+            self._apply_tensors(copies.unpack(buckets), method, args, kwargs)
+            return [ray.put(buckets)]
+        finally:
+            del buckets
+            _release_freed_memory()
 
     @_portable_errors
     def sample_shard(
