@@ -269,17 +269,24 @@ def machine_summary_line() -> str:
 
 
 def _print_table(rows: list[dict[str, Any]], json_path: str | None) -> None:
+    chain = any("receiver_cpu_s" in row for row in rows)
     print()
     print(
         f"{'model':8} {'MiB':>6} {'replicas':>8} {'transport':13} {'median s':>9} {'best s':>8}"
         f" {'egress x model':>15} {'time x 1 replica':>17}"
+        + (f" {'receiver CPU s':>15} {'sender +MiB':>12} {'bucket MiB':>11}" if chain else "")
     )
     for row in rows:
         first = next(r for r in rows if r["model"] == row["model"] and r["transport"] == row["transport"])
+        extra = (
+            f" {row['receiver_cpu_s']:15.2f} {row['sender_extra_mib']:12.1f} {row['largest_bucket_mib']:11.1f}"
+            if chain
+            else ""
+        )
         print(
             f"{row['model']:8} {row['model_mib']:6.1f} {row['replicas']:8d} {row['transport']:13}"
             f" {row['median_s']:9.3f} {row['best_s']:8.3f} {row['egress_x_model']:15.2f}"
-            f" {row['median_s'] / first['median_s']:17.2f}"
+            f" {row['median_s'] / first['median_s']:17.2f}" + extra
         )
     if json_path:
         Path(json_path).write_text(json.dumps(rows, indent=2))
