@@ -190,13 +190,14 @@ def main() -> None:
         "--chain-only", action="store_true", help="time the chain between processes alone (no Ray, no engine)"
     )
     args = parser.parse_args()
+    from harness import machine_summary
+
     if args.chain_only:
-        print(machine_summary_line())
+        print(machine_summary())
         _print_table(chain_only(args.models, args.replicas, args.repeats), args.json)
         return
 
     import ray
-    from harness import machine_summary
     from ray.cluster_utils import Cluster
 
     import twinkle_core as tw
@@ -260,12 +261,6 @@ def main() -> None:
         cluster.shutdown()
 
     _print_table(rows, args.json)
-
-
-def machine_summary_line() -> str:
-    from harness import machine_summary
-
-    return str(machine_summary())
 
 
 def _print_table(rows: list[dict[str, Any]], json_path: str | None) -> None:

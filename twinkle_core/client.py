@@ -26,7 +26,7 @@ from typing import Any
 
 from twinkle_core.errors import ConfigError, WeightUpdateError
 from twinkle_core.transport.collective import local_address, open_group
-from twinkle_core.weights import block_checksum, check_tensor
+from twinkle_core.weights import check_tensor, tensor_checksum
 
 __all__ = ["WeightClient"]
 
@@ -143,12 +143,9 @@ class WeightClient:
 
         thread = threading.Thread(target=ask, daemon=True)
         thread.start()  # the server receives while we broadcast
-        sums = []
         for _name, tensor in tensors:
             self._group.broadcast(tensor, 0).wait()
-            flat = tensor.reshape(-1).view(torch.uint8)
-            raw = block_checksum(flat) if tensor.numel() else 0
-            sums.append(raw - (1 << 64) if raw >= 1 << 63 else raw)
+        sums = [tensor_checksum(tensor) for _name, tensor in tensors]
         self._group.broadcast(torch.tensor(sums, dtype=torch.int64), 0).wait()
         thread.join(self.timeout_s)
         if answer and isinstance(answer[0], BaseException):

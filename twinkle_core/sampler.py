@@ -47,7 +47,7 @@ from twinkle_core.placement import current_replica
 from twinkle_core.requests import SampleHandle
 from twinkle_core.state import AdapterInfo, AppliedWithError, PolicyState
 from twinkle_core.template import Template, get_template, load_tokenizer
-from twinkle_core.weights import find_non_finite
+from twinkle_core.weights import check_pair, find_non_finite
 
 __all__ = [
     "AdapterInfo",
@@ -70,8 +70,7 @@ def _checked_stream(pairs: Iterable[Any], check_finite: bool) -> Iterator[tuple[
     """``pairs`` read lazily, each checked as :meth:`Sampler.update_weights` checks a list; at least one."""
     count = 0
     for i, item in enumerate(pairs):
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-            raise WeightUpdateError(f"named_tensors[{i}] is invalid: expected a (name, tensor) pair.")
+        check_pair(i, item)
         if check_finite:
             bad = find_non_finite([item])
             if bad is not None:
@@ -491,8 +490,7 @@ class Sampler:
             items = _checked_stream(named_tensors, check_finite)
         if isinstance(items, list):
             for i, item in enumerate(items):
-                if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-                    raise WeightUpdateError(f"named_tensors[{i}] is invalid: expected a (name, tensor) pair.")
+                check_pair(i, item)
             if not items:
                 raise WeightUpdateError("update_weights got no tensors.")
             if check_finite:

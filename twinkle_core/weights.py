@@ -21,7 +21,16 @@ import attrs
 
 from twinkle_core.errors import WeightUpdateError, did_you_mean
 
-__all__ = ["TensorSpec", "block_checksum", "check_tensor", "check_update", "find_non_finite", "find_not_floating"]
+__all__ = [
+    "TensorSpec",
+    "block_checksum",
+    "check_pair",
+    "check_tensor",
+    "check_update",
+    "find_non_finite",
+    "find_not_floating",
+    "tensor_checksum",
+]
 
 
 @attrs.frozen
@@ -98,6 +107,13 @@ def check_update(
             )
         out[name] = value
     return out
+
+
+def check_pair(index: int, item: Any) -> tuple[str, Any]:
+    """``item`` as a ``(name, value)`` pair, else a :class:`WeightUpdateError` naming ``named_tensors[index]``."""
+    if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+        raise WeightUpdateError(f"named_tensors[{index}] is invalid: expected a (name, tensor) pair.")
+    return item
 
 
 def check_tensor(name: str, value: Any) -> None:
@@ -182,3 +198,17 @@ def block_checksum(data: Any, block: int = 4096) -> int:
     total = int((sums * weights).sum().item()) + int(words[nblocks * block :].sum().item())
     tail = bytes(data[whole:].cpu().tolist())
     return (total ^ zlib.crc32(tail)) & 0xFFFFFFFFFFFFFFFF
+
+
+def tensor_checksum(tensor: Any) -> int:
+    """:func:`block_checksum` of a contiguous tensor's bytes, as a signed 64-bit integer (0 when empty).
+
+    Signed, so a list of them fits an ``int64`` tensor (how the server's
+    weight routes receive them).
+    """
+    import torch
+
+    if not tensor.numel():
+        return 0
+    raw = block_checksum(tensor.reshape(-1).view(torch.uint8))
+    return raw - (1 << 64) if raw >= 1 << 63 else raw

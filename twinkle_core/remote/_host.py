@@ -237,10 +237,8 @@ class ReplicaHost:
 
         Returns:
             ``{"aborted": why}`` when the sender gave up (nothing changed),
-            else ``{"checksums": ..., "copy": [ref], "forwarded": bool}``: the
-            copy, in this node's object store, is what a rebuilt replica
-            replays; ``forwarded`` is False when the next replica in the chain
-            stopped reading (this one still has the whole update).
+            else ``{"copy": [ref]}``: the copy, in this node's object store,
+            is what a rebuilt replica replays.
 
         Raises:
             WeightUpdateError: a bucket arrived corrupted, or the engine
@@ -252,12 +250,12 @@ class ReplicaHost:
         from twinkle_core.transport.collective import TransferAborted, receive, unpack
 
         try:
-            buckets, checksums, forwarded = receive(spec, rank)
+            buckets, _checksums, _forwarded = receive(spec, rank)
         except TransferAborted as exc:
             return {"aborted": str(exc)}
         try:
             self._apply_tensors(unpack(buckets), method, args, kwargs)
-            return {"checksums": checksums, "copy": [ray.put(buckets)], "forwarded": forwarded}
+            return {"copy": [ray.put(buckets)]}
         finally:
             del buckets
             _release_freed_memory()

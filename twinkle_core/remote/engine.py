@@ -221,7 +221,7 @@ class RemoteEngine(Engine):
         With the object store (the default), the tensors are put there once
         and every replica reads that copy; the driver keeps the ref so a
         rebuilt replica gets the same weights. With the collective transport
-        they stream down a chain of the replicas (:meth:`_update_by_collective`)
+        they stream down a chain of the replicas (:meth:`_collective`)
         and each replica keeps its own copy for rebuilds. Either way, for each
         tensor name only the latest update holding it is kept: superseded
         updates are released.

@@ -109,7 +109,7 @@ class _Transfer:
     def receive(self, info: Mapping[str, Any]) -> int:
         import torch
 
-        from twinkle_core.weights import block_checksum
+        from twinkle_core.weights import tensor_checksum
 
         names, dtypes, shapes = info.get("names"), info.get("dtype_names"), info.get("shapes")
         if not (isinstance(names, list) and isinstance(dtypes, list) and isinstance(shapes, list)):
@@ -136,8 +136,7 @@ class _Transfer:
         sums = torch.empty(len(got), dtype=torch.int64)
         self.group.broadcast(sums, 0).wait()
         for (name, tensor), expected in zip(got, sums.tolist()):
-            mine = block_checksum(tensor.reshape(-1).view(torch.uint8)) if tensor.numel() else 0
-            if _signed(mine) != expected:
+            if tensor_checksum(tensor) != expected:
                 self.staged = None
                 raise ApiError(400, f"{name!r} arrived with a wrong checksum; the update was dropped.")
         self.staged += got
@@ -146,10 +145,6 @@ class _Transfer:
     def shutdown(self) -> None:
         self.group = self.store = None
         self.staged = None
-
-
-def _signed(value: int) -> int:
-    return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def add_weight_routes(app: FastAPI, state: _Server, config: dict[str, Any] | None) -> None:

@@ -27,7 +27,6 @@ TRANSPORTS = ("object_store", "collective")
 TRANSPORT_ENV = "TWINKLE_WEIGHT_TRANSPORT"
 #: The collective's longest wait for any step, in seconds (default 300).
 TIMEOUT_ENV = "TWINKLE_TRANSPORT_TIMEOUT_S"
-_BACKENDS = ("gloo", "nccl")
 
 
 def _positive_int(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -43,8 +42,10 @@ def _timeout(_inst: object, _attribute: object, value: float | None) -> None:
 
 
 def _backend(_inst: object, _attribute: object, value: str) -> None:
-    if value not in _BACKENDS:
-        raise ConfigError(f"CollectiveOptions.backend={value!r} is invalid: expected one of {', '.join(_BACKENDS)}.")
+    from twinkle_core.transport.collective import BACKENDS
+
+    if value not in BACKENDS:
+        raise ConfigError(f"CollectiveOptions.backend={value!r} is invalid: expected one of {', '.join(BACKENDS)}.")
 
 
 @attrs.frozen

@@ -37,7 +37,7 @@ from typing import Any
 import attrs
 
 from twinkle_core.errors import ConfigError, WeightSyncTimeoutError, WeightUpdateError
-from twinkle_core.weights import block_checksum, check_tensor, find_non_finite
+from twinkle_core.weights import block_checksum, check_pair, check_tensor, find_non_finite
 
 __all__ = [
     "BACKENDS",
@@ -365,11 +365,7 @@ def _buckets(
     group: list[tuple[str, Any]] = []
     size = 0
     for i, item in enumerate(named_tensors):
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
-            raise WeightUpdateError(
-                f"named_tensors[{i}] is invalid: expected a (name, tensor) pair; nothing was updated."
-            )
-        name, tensor = item
+        name, tensor = check_pair(i, item)
         check_tensor(name, tensor)
         if check_finite:
             bad = find_non_finite([(name, tensor)])
