@@ -2,6 +2,8 @@
 
     python bench/bench_vllm.py --preset quick   # about 3 minutes on 2 CPU cores
     python bench/bench_vllm.py --preset full    # 32 prompts x 4 samples x 128 tokens on SmolLM2
+    python bench/bench_vllm.py --preset full --models smollm2 --no-torch --no-sync --repeats 1 --rounds 3
+                                                # the vLLM engine against raw vLLM: median of 3 interleaved rounds
 
 Sampling: the same workload (chat prompts of mixed length, ``num_samples=4``,
 ``ignore_eos``, temperature 1.0, top_p 0.95, float32) through
@@ -206,6 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
     parser.add_argument("--models", default=None, help="comma-separated: tiny, smollm2 (default: the preset's)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per engine (best is reported)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="times the engines take turns; > 1 prints each round's ratios, their median",
+    )
     parser.add_argument("--no-sync", action="store_true", help="skip the weight-sync measurement")
     parser.add_argument("--no-torch", action="store_true", help="skip the twinkle-torch and hf-generate runners")
     parser.add_argument("--bucket-mib", type=int, default=0, help="weight-sync bucket size (default: the sampler's)")
@@ -237,7 +245,7 @@ def main(argv: list[str] | None = None) -> int:
             Runner("hf-generate", "harness:hf_generate_runner", {}),
         ]
     repeats = args.repeats or preset["repeats"]
-    results = compare(runners, workloads, baseline="vllm-raw", repeats=repeats)
+    results = compare(runners, workloads, baseline="vllm-raw", repeats=repeats, rounds=args.rounds)
     failed = any(r.error for r in results)
     if not args.no_sync:
         print()

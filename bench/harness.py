@@ -432,6 +432,23 @@ def _best(results: list[Result]) -> Result:
     return best
 
 
+def paired_ratios(runs: dict[str, list[Result]], baseline: str) -> str:
+    """Each runner's tokens/s over the baseline's in the same round, per round and their median."""
+    lines = []
+    for name, results in runs.items():
+        if name == baseline:
+            continue
+        ratios = [
+            r.tokens_per_s / b.tokens_per_s
+            for r, b in zip(results, runs[baseline])
+            if not r.error and not b.error and b.tokens_per_s
+        ]
+        if ratios:
+            each = ", ".join(f"{x:.3f}" for x in ratios)
+            lines.append(f"  {name} / {baseline}, round by round: {each}; median {statistics.median(ratios):.3f}x")
+    return "\n".join(lines)
+
+
 def compare(
     runners: Sequence[Runner],
     workloads: Sequence[Workload],
@@ -477,6 +494,8 @@ def compare(
                 print(f"  {runner.name}: {status}", file=out, flush=True)
                 runs[runner.name].append(result)
         results.extend(_best(runs[r.name]) for r in runners)
+        if rounds > 1:
+            print(paired_ratios(runs, baseline), file=out, flush=True)
     print(file=out)
     print(format_table(results, baseline), file=out, flush=True)
     return results

@@ -142,3 +142,31 @@ def test_rows_of_different_lengths_and_budgets_join_and_leave(
         assert got.tokens == want.tokens and len(got.tokens) == b
         assert got.logprobs == pytest.approx(want.logprobs, abs=1e-4)
     assert stats.peak_rows > 1
+
+
+def test_a_large_batch_prefilled_in_chunks_equals_its_solo_results(
+    sampler: TorchSampler, chat_prompts: list[Trajectory], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Prompts of very different lengths: prefilled in several chunks, decoded with attention in row blocks."""
+    from twinkle_torch import attention, decoding
+
+    base = [sampler.template.encode(t) for t in chat_prompts[:4]]
+    long_prompt = InputFeature(input_ids=[i for f in base for i in f.input_ids])
+    feats = [base[0], long_prompt, base[1], base[2], long_prompt, base[3], base[0], base[1]]
+    params = greedy(12, logprobs=1)
+    solo = [sampler.sample(f, params, num_samples=5)[0] for f in feats]
+    split: list[Any] = []
+    real_split = attention._split
+    monkeypatch.setattr(attention, "_split", lambda mask: split.append(real_split(mask)) or split[-1])
+    monkeypatch.setattr(decoding, "_PREFILL_CHUNK_TOKENS", 2 * len(long_prompt.input_ids))
+    stats = fresh_stats(sampler)
+    together = sampler.sample(feats, params, num_samples=5)  # 40 rows in one call
+    assert stats.prefills > 2 and stats.peak_rows == 40
+    assert any(blocks is not None for blocks in split)  # the decode steps attended in row blocks
+    for got, want in zip(together, solo):
+        assert [s.tokens for s in got.sequences] == [s.tokens for s in want.sequences]
+        for g, w in zip(got.sequences, want.sequences):
+            assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+            assert [[t for t, _ in top] for top in g.top_logprobs or []] == [
+                [t for t, _ in top] for top in w.top_logprobs or []
+            ]

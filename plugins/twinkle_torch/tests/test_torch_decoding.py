@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -132,3 +133,91 @@ def test_top_p_samples_the_renormalised_nucleus(params: SamplingParams) -> None:
     assert counts.tolist() == pytest.approx([0.0, 0.625, 0.0, 0.375], abs=0.015)
     if out.logprobs is not None:
         assert set(torch.exp(out.logprobs).round(decimals=3).tolist()) == {0.625, 0.375}
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, top_p=0.95, logprobs=5),
+        SamplingParams(temperature=0.7, top_p=0.9, min_p=0.001, logprobs=3),
+        SamplingParams(temperature=1.3, top_p=0.5, logprobs=0),
+    ],
+    ids=["top-p", "top-p-min-p", "top-p-no-top"],
+)
+def test_processed_logprobs_under_top_p_equal_a_full_sort(params: SamplingParams) -> None:
+    # rows from peaked to nearly flat: some nuclei hold a handful of tokens, one most of the vocabulary
+    torch.manual_seed(3)
+    vocab = 6000
+    logits = torch.randn(6, vocab) * torch.tensor([[8.0], [4.0], [2.0], [1.0], [0.3], [0.01]])
+    out = TokenSampler(params)(logits, uniforms=torch.rand(6))
+    scaled = logits / params.temperature
+    probs = torch.softmax(scaled, dim=-1)
+    sorted_p, sorted_ids = probs.sort(dim=-1, descending=True)
+    keep = (sorted_p.cumsum(dim=-1) - sorted_p) < params.top_p
+    if params.min_p:
+        keep &= sorted_p >= params.min_p * sorted_p[:, :1]
+    assert int(keep.sum(dim=-1).max()) > 1000  # the flat row's nucleus is wide: the search had to widen
+    log_mass = torch.log(torch.where(keep, sorted_p, 0.0).sum(dim=-1))
+    for r in range(6):
+        token = int(out.tokens[r])
+        assert token in sorted_ids[r][keep[r]].tolist()  # drawn from the nucleus
+        assert out.logprobs is not None
+        assert float(out.logprobs[r]) == pytest.approx(float(torch.log(probs[r, token]) - log_mass[r]), abs=1e-5)
+        if params.logprobs:
+            assert out.top_ids is not None and out.top_logprobs is not None
+            n = params.logprobs
+            assert out.top_ids[r].tolist() == sorted_ids[r, :n].tolist()
+            want = torch.where(keep[r, :n], torch.log(sorted_p[r, :n]) - log_mass[r], -math.inf)
+            assert out.top_logprobs[r].tolist() == pytest.approx(want.tolist(), abs=1e-5)
+
+
+def test_gather_prefills_right_aligns_rows_from_several_caches() -> None:
+    from transformers import LlamaConfig
+
+    from twinkle_torch.cache import gather_prefills, make_cache
+
+    config = LlamaConfig(num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, hidden_size=8)
+    parts = []
+    for width, rows, value in ((5, 2, 1.0), (3, 1, 2.0)):  # two prefills, 5 and 3 columns wide
+        cache = make_cache(config, width)
+        for layer in range(2):
+            k = torch.full((rows, 1, width, 4), value) + torch.arange(rows).view(rows, 1, 1, 1) * 10 + layer
+            cache.update(k, -k, layer)
+        parts.append(cache)
+    # the first prefill's row 1 twice, then the second's row 0, then the first's row 0
+    gathered = gather_prefills(
+        config,
+        [
+            (parts[0], torch.tensor([1, 1, 0]), torch.tensor([0, 1, 3])),
+            (parts[1], torch.tensor([0]), torch.tensor([2])),
+        ],
+        rows=4,
+        capacity=9,
+    )
+    for layer in range(2):
+        keys = gathered.layers[layer].keys
+        values = gathered.layers[layer].values
+        assert keys.shape == (4, 1, 5, 4) and gathered.layers[layer].capacity == 9
+        assert torch.equal(keys[0], parts[0].layers[layer].keys[1]) and torch.equal(keys[1], keys[0])
+        assert torch.equal(keys[3], parts[0].layers[layer].keys[0])
+        assert torch.equal(keys[2, :, 2:], parts[1].layers[layer].keys[0]) and not keys[2, :, :2].any()
+        assert torch.equal(values, -keys)
+    gathered.update(torch.ones(4, 1, 1, 4), torch.ones(4, 1, 1, 4), 0)  # it decodes in place
+    assert gathered.get_seq_length() == 6
+
+
+def test_attention_row_blocks_skip_only_columns_their_rows_mask() -> None:
+    from twinkle_torch.attention import row_blocks
+
+    rows, columns = 64, 100
+    first = torch.cat([torch.full((32,), 5), torch.full((32,), 70)])  # long prompts, then short ones
+    mask = (torch.arange(columns).unsqueeze(0) >= first.unsqueeze(1)).view(rows, 1, 1, columns)
+    blocks = row_blocks(mask)
+    assert blocks is not None and row_blocks(mask) is blocks  # one split per mask (every layer of a step)
+    assert blocks[0][0] == 0 and blocks[-1][1] == rows and all(a[1] == b[0] for a, b in itertools.pairwise(blocks))
+    for a, b, start in blocks:
+        assert start <= int(first[a:b].min())  # no row loses a column it attends to
+    assert sum((b - a) * (columns - start) for a, b, start in blocks) < 0.7 * rows * columns
+    # nothing to skip, or too few rows: one call
+    assert row_blocks(torch.ones(rows, 1, 1, columns, dtype=torch.bool)) is None
+    assert row_blocks(mask[:16]) is None

@@ -16,17 +16,63 @@ CPU models with it unless ``attn_implementation`` is given.
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from typing import Any
 
 import torch
 
-__all__ = ["ATTN_IMPLEMENTATION", "grouped_sdpa_attention_forward", "register"]
+__all__ = ["ATTN_IMPLEMENTATION", "grouped_sdpa_attention_forward", "register", "row_blocks"]
 
 #: The name ``from_pretrained(attn_implementation=...)`` knows it by.
 ATTN_IMPLEMENTATION = "twinkle_sdpa"
 
 # keyword arguments that only the stock implementation knows how to honour
 _STOCK_ONLY = ("position_bias", "s_aux", "sinks", "cache")
+
+#: Decode steps split the batch into blocks of rows only from this many rows on.
+_MIN_BLOCK_ROWS = 16
+#: At most this many blocks per step (each is one more attention call per layer).
+_MAX_BLOCKS = 8
+
+# The last decode mask seen and its blocks: every layer of a step gets the same mask object.
+_last_blocks: tuple[weakref.ref[torch.Tensor], list[tuple[int, int, int]] | None] | None = None
+
+
+def row_blocks(mask: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    """Contiguous blocks of rows of a decode mask ``[rows, 1, 1, columns]``, each with the columns its rows need.
+
+    The batch's cache is right-aligned: a row whose prompt is short masks many
+    leading columns, and one attention call over the whole batch reads them
+    anyway (attention on CPU is bound by reading the cache). Rows come in
+    blocks of at least ``_MIN_BLOCK_ROWS``; block ``(a, b, start)`` attends over
+    columns ``start:`` only, ``start`` being the first column any of its rows
+    attends to. ``None``: one call over everything (a small batch, a mask
+    without leading columns to skip, or a split that would not save a fifth).
+    The decoder keeps rows of similar prompt length together, which is what
+    makes the blocks narrow.
+    """
+    global _last_blocks
+    last = _last_blocks
+    if last is not None and last[0]() is mask:
+        return last[1]
+    blocks = _split(mask)
+    _last_blocks = (weakref.ref(mask), blocks)
+    return blocks
+
+
+def _split(mask: torch.Tensor) -> list[tuple[int, int, int]] | None:
+    rows, columns = mask.shape[0], mask.shape[-1]
+    if rows < 2 * _MIN_BLOCK_ROWS or mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1:3] != (1, 1):
+        return None
+    first = mask.reshape(rows, columns).to(torch.uint8).argmax(dim=-1).tolist()  # each row's first attended column
+    count = min(_MAX_BLOCKS, rows // _MIN_BLOCK_ROWS)
+    edges = [round(i * rows / count) for i in range(count + 1)]
+    blocks = [(a, b, min(first[a:b])) for a, b in itertools.pairwise(edges)]
+    read = sum((b - a) * (columns - start) for a, b, start in blocks)
+    if read > 0.8 * rows * columns:
+        return None
+    return blocks
 
 
 def grouped_sdpa_attention_forward(
@@ -58,9 +104,18 @@ def grouped_sdpa_attention_forward(
         # they can be the query rows of one head: [batch, kv_heads, group, dim]. Faster still
         # than enable_gqa, which loops over the groups.
         grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            grouped, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
-        )
+        blocks = row_blocks(attention_mask) if attention_mask is not None else None
+        if blocks is None or attention_mask is None:
+            out = torch.nn.functional.scaled_dot_product_attention(
+                grouped, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
+            )
+        else:
+            out = grouped.new_empty(grouped.shape)
+            for a, b, start in blocks:
+                out[a:b] = torch.nn.functional.scaled_dot_product_attention(
+                    grouped[a:b], key[a:b, :, start:], value[a:b, :, start:],
+                    attn_mask=attention_mask[a:b, ..., start:], dropout_p=dropout, scale=scaling,
+                )  # fmt: skip
         return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(q_len > 1 and attention_mask is None and causal)

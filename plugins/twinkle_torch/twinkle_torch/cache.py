@@ -11,7 +11,8 @@ prompt shared by its samples) with :meth:`PreallocatedLayer.select`, which
 also resizes the buffers and can drop leading columns no row attends to any
 more. :func:`join_caches` stacks the rows of two caches, right-aligned: the
 continuous batch (:mod:`twinkle_torch.decoding`) merges newly prefilled
-requests into the running cache with it.
+requests into the running cache with it, and :func:`gather_prefills` builds
+one batch's cache from prefills run in several chunks.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-__all__ = ["PreallocatedLayer", "join_caches", "joinable", "make_cache", "select_rows"]
+__all__ = ["PreallocatedLayer", "gather_prefills", "join_caches", "joinable", "make_cache", "select_rows"]
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -117,7 +118,9 @@ class PreallocatedLayer(DynamicLayer):
         return out[0], out[1], length
 
     def adopt(self, keys: torch.Tensor, values: torch.Tensor, length: int) -> None:
-        """Take ``keys`` and ``values`` (from :meth:`joined`) as this layer's buffers."""
+        """Take ``keys`` and ``values`` (from :meth:`joined` or :func:`gather_prefills`) as this layer's buffers."""
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
         self._k, self._v = keys, values
         self.length = length
         self.capacity = keys.shape[2]
@@ -194,3 +197,34 @@ def join_caches(first: DynamicCache, second: DynamicCache, capacity: int) -> Non
     for layer, (keys, values, length) in zip(first.layers, joined):
         assert isinstance(layer, PreallocatedLayer)
         layer.adopt(keys, values, length)
+
+
+def gather_prefills(
+    config: Any, parts: list[tuple[DynamicCache, torch.Tensor, torch.Tensor]], rows: int, capacity: int
+) -> DynamicCache:
+    """One cache of ``rows`` rows from several prefilled caches, right-aligned, with room for ``capacity``.
+
+    Each part is ``(cache, src, dest)``: row ``src[i]`` of that :func:`joinable`
+    cache (left-padded, every column filled) becomes row ``dest[i]`` (a row
+    may be taken several times: one prefill shared by its samples). The
+    filled width is the widest part's; the columns left of a narrower part
+    are zeros (masked, and zeros rather than uninitialised memory for the
+    reason :meth:`PreallocatedLayer.joined` gives). Every row must be some
+    part's ``dest``.
+    """
+    widths = [part[0].layers[0].length for part in parts]
+    width = max(widths)
+    out = make_cache(config, max(capacity, width))
+    for index, layer in enumerate(out.layers):
+        assert isinstance(layer, PreallocatedLayer)
+        buffers = []
+        for which in ("_k", "_v"):
+            first = getattr(parts[0][0].layers[index], which)
+            new = first.new_empty(rows, first.shape[1], max(capacity, width), first.shape[-1])
+            new[:, :, : width - min(widths)] = 0
+            for (cache, src, dest), w in zip(parts, widths):
+                part = getattr(cache.layers[index], which)
+                new[dest, :, width - w : width] = part[src, :, :w]
+            buffers.append(new)
+        layer.adopt(buffers[0], buffers[1], width)
+    return out

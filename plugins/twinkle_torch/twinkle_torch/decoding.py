@@ -50,13 +50,15 @@ import torch
 
 from twinkle_core.data_format import SamplingMask, SamplingParams
 from twinkle_core.errors import InvalidSamplingParams, SamplerClosedError
-from twinkle_torch.cache import PreallocatedLayer, join_caches, joinable, make_cache, select_rows
+from twinkle_torch.cache import PreallocatedLayer, gather_prefills, join_caches, joinable, make_cache, select_rows
 from twinkle_torch.constraints import LogitConstraints
 from twinkle_torch.sampling import RowRandomness, TokenSampler, derive_seed
 from twinkle_torch.stopping import StopStringMatcher
 
 __all__ = ["Decoder", "DecoderStats", "PromptScores", "RunControl", "SequenceResult"]
 
+#: Padded tokens one prefill forward takes (a longer prompt takes one forward of its own).
+_PREFILL_CHUNK_TOKENS = 1024
 #: A batch drops its finished rows once at least this share of it has finished.
 _PRUNE_FRACTION = 1 / 8
 #: How long closing waits for the decode loop to end (it checks between steps, so about one step).
@@ -584,22 +586,24 @@ class Decoder:
             self._queue[:0] = [r for r in rows if not r.done]
 
     def _prefill(self, rows: list[_Row]) -> _Batch | None:
-        """Prefill ``rows`` (one forward; rows of one prompt with nothing generated share it)."""
+        """Prefill ``rows`` (rows of one prompt with nothing generated share one prefill).
+
+        Prompts are prefilled longest first, in chunks of about
+        ``_PREFILL_CHUNK_TOKENS`` padded tokens: prompts of similar length pad
+        little (one left-padded batch of prompts of 25 to 122 tokens computes
+        2.5x the tokens it needs), and a chunk's activations bound the
+        prefill's peak memory. The chunks' caches are gathered into the
+        batch's cache, sized for the whole generation. A model whose cache has
+        layers of other kinds (sliding windows...) takes one prefill of every prompt.
+        """
         device = self.device
         groups: dict[Any, list[_Row]] = {}
         for row in rows:
             key = (id(row.job), row.prompt) if not row.tokens else id(row)
             groups.setdefault(key, []).append(row)
         members = list(groups.values())
-        ids = [g[0].ids for g in members]
-        lengths = [len(x) for x in ids]
+        lengths = [len(g[0].ids) for g in members]
         width = max(lengths)
-        padded = [[self.pad_token_id] * (width - len(x)) + x for x in ids]
-        input_ids = torch.tensor(padded, dtype=torch.long, device=device)
-        lengths_t = torch.tensor(lengths, dtype=torch.long, device=device)
-        columns = torch.arange(width, device=device)
-        prompt_mask = (columns.unsqueeze(0) >= (width - lengths_t).unsqueeze(1)).long()
-        positions = (prompt_mask.cumsum(-1) - 1).clamp_(min=0)
         scoring = [
             g[0].job.params.prompt_logprobs is not None and not g[0].tokens and g[0].prompt not in g[0].job.scores
             for g in members
@@ -608,42 +612,101 @@ class Decoder:
         counts = [len(d) for d in decoding]
         total = sum(counts)
         remaining = max((r.limit - len(r.tokens) for d in decoding for r in d), default=0)
+        # the batch's rows, longest prompt first: rows of similar length side by side keep the
+        # attention's row blocks narrow (see twinkle_torch.attention.row_blocks)
+        order = sorted(range(len(members)), key=lambda b: -lengths[b])
+        gatherable = joinable(make_cache(self.model.config, 1))
+        chunks = self._prefill_chunks([lengths[b] for b in order]) if gatherable else [list(range(len(members)))]
+        chunks = [[order[i] for i in chunk] for chunk in chunks] if gatherable else chunks
         expand = total != len(members)
-        cache = make_cache(self.model.config, width if expand or not total else width + remaining)
-        kwargs: dict[str, Any] = {}
-        if self.logits_to_keep and not any(scoring):
-            kwargs["logits_to_keep"] = 1
-        logits = self.model(
-            input_ids=input_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
-            use_cache=True, **kwargs,
-        ).logits  # fmt: skip
-        self.stats.prefills += 1
-        for b, g in enumerate(members):
-            if scoring[b]:
-                job = g[0].job
-                job.scores[g[0].prompt] = self._prompt_scores(
-                    logits[b, width - lengths[b] :], input_ids[b, width - lengths[b] :], job.params.prompt_logprobs or 0
-                )
-        last = logits[:, -1, :]
-        del logits
+        last: list[torch.Tensor] = [torch.empty(0)] * len(members)
+        parts = []
+        offsets = [0] * len(members)  # each prompt's first row in the batch
+        at = 0
+        for b in order:
+            offsets[b], at = at, at + counts[b]
+        for chunk in chunks:
+            # a lone chunk's cache becomes the batch's: sized for the generation unless samples expand it
+            capacity = width + remaining if chunk == order and total and not expand else 0
+            ids = [members[b][0].ids for b in chunk]
+            cache, logits = self._prefill_forward(ids, capacity, any(scoring[b] for b in chunk))
+            chunk_width = max(lengths[b] for b in chunk)
+            for i, b in enumerate(chunk):
+                last[b] = logits[i, -1]
+                if scoring[b]:
+                    job = members[b][0].job
+                    job.scores[members[b][0].prompt] = self._prompt_scores(
+                        logits[i, chunk_width - lengths[b] :],
+                        torch.tensor(ids[i], dtype=torch.long, device=device),
+                        job.params.prompt_logprobs or 0,
+                    )
+            del logits
+            taken = [i for i, b in enumerate(chunk) for _ in range(counts[b])]  # chunk rows, once per sample
+            placed = [offsets[b] + j for b in chunk for j in range(counts[b])]  # where they go in the batch
+            if taken:
+                parts.append((cache, torch.tensor(taken, device=device), torch.tensor(placed, device=device)))
         for g, d in zip(members, decoding):
             for row in g:
                 if row not in d:  # scoring rows, and rows with no budget left
                     self._finish(row, "length", None)
         if not total:
             return None
-        source = torch.repeat_interleave(
-            torch.arange(len(members), device=device), torch.tensor(counts, dtype=torch.long, device=device)
-        )
-        if expand:
-            select_rows(cache, source, width + remaining)
-        new_rows = [r for d in decoding for r in d]
+        source = torch.tensor([b for b in order for _ in range(counts[b])], dtype=torch.long, device=device)
+        if len(chunks) > 1:
+            cache = gather_prefills(self.model.config, parts, total, width + remaining)
+        else:
+            cache, src, dest = parts[0]
+            if expand or chunks[0] != order:  # samples share their prompt's row, or rows move
+                select_rows(cache, src[torch.argsort(dest)], width + remaining)
+        del parts
+        lengths_t = torch.tensor(lengths, dtype=torch.long, device=device)
+        new_rows = [r for b in order for r in decoding[b]]
         mask = torch.zeros(total, width + remaining, dtype=torch.bool, device=device)
-        mask[:, :width] = prompt_mask.bool()[source]
+        mask[:, :width] = torch.arange(width, device=device).unsqueeze(0) >= (width - lengths_t[source]).unsqueeze(1)
+        logits_out = torch.stack(last)[source]
         seen = None
         if any(self._sampler(r.job).needs_seen for r in new_rows):
-            seen = self._seen_of(new_rows, int(last.shape[-1]))
-        return _Batch(new_rows, cache, width, mask, lengths_t[source], last[source], seen)
+            seen = self._seen_of(new_rows, int(logits_out.shape[-1]))
+        return _Batch(new_rows, cache, width, mask, lengths_t[source], logits_out, seen)
+
+    @staticmethod
+    def _prefill_chunks(lengths: list[int]) -> list[list[int]]:
+        """Consecutive runs of ``lengths`` (sorted longest first) of at most ``_PREFILL_CHUNK_TOKENS`` padded tokens.
+
+        A run's width is its first prompt's length; a prompt longer than the budget runs alone.
+        """
+        chunks: list[list[int]] = []
+        for i in range(len(lengths)):
+            if chunks and (len(chunks[-1]) + 1) * lengths[chunks[-1][0]] <= _PREFILL_CHUNK_TOKENS:
+                chunks[-1].append(i)
+            else:
+                chunks.append([i])
+        return chunks
+
+    def _prefill_forward(self, ids: list[list[int]], capacity: int, scoring: bool) -> tuple[Any, torch.Tensor]:
+        """One left-padded prefill forward of ``ids`` into a fresh cache of at least ``capacity`` columns.
+
+        Returns the cache and the logits: of every position when ``scoring``
+        (prompt log-probs), else (where the model allows) of the last only.
+        """
+        device = self.device
+        lengths = [len(x) for x in ids]
+        width = max(lengths)
+        padded = [[self.pad_token_id] * (width - len(x)) + x for x in ids]
+        input_ids = torch.tensor(padded, dtype=torch.long, device=device)
+        lengths_t = torch.tensor(lengths, dtype=torch.long, device=device)
+        prompt_mask = (torch.arange(width, device=device).unsqueeze(0) >= (width - lengths_t).unsqueeze(1)).long()
+        positions = (prompt_mask.cumsum(-1) - 1).clamp_(min=0)
+        cache = make_cache(self.model.config, max(capacity, width))
+        kwargs: dict[str, Any] = {}
+        if self.logits_to_keep and not scoring:
+            kwargs["logits_to_keep"] = 1
+        logits = self.model(
+            input_ids=input_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
+            use_cache=True, **kwargs,
+        ).logits  # fmt: skip
+        self.stats.prefills += 1
+        return cache, logits
 
     def _prompt_scores(self, logits: torch.Tensor, ids: torch.Tensor, top: int) -> PromptScores:
         """Raw log-probs of each prompt token given the ones before it (prompt tokens are not sampled)."""

@@ -393,9 +393,9 @@ class TokenSampler:
         if self.raw_mode:
             return self._finish_full(tokens, raw)
         # Processed log-probs need the kept mass. Under min-p alone that is one pass; under
-        # top-p it takes the boundary, found over sorted candidates (only the normaliser
-        # comes from there: the token was drawn above, so asking for log-probs never
-        # changes what is sampled).
+        # top-p it takes the boundary, found over the largest probabilities (only the
+        # normaliser comes from there: the token was drawn above, so asking for log-probs
+        # never changes what is sampled).
         if self.top_p is None:
             assert self.min_p is not None and peak is not None
             threshold = self.min_p * peak
@@ -406,9 +406,51 @@ class TokenSampler:
             values, ids = probs.topk(min(self.top_n, probs.shape[-1]), dim=-1)
             top_lp = torch.where(values >= threshold, torch.log(values) - log_kept, -math.inf)
             return StepResult(tokens, chosen, ids, top_lp)
-        values, ids, cum, ref_lse, last = self._candidates(scaled)
-        token_values = scaled.gather(-1, tokens.unsqueeze(-1))
-        return self._candidate_logprobs(tokens, token_values, values, ids, cum, ref_lse, last)
+        return self._nucleus_logprobs(probs, tokens)
+
+    def _nucleus_logprobs(self, probs: torch.Tensor, tokens: torch.Tensor) -> StepResult:
+        """Processed log-probs under top-p (and min-p with it), from the probabilities the draw used.
+
+        The kept set is a prefix of each row's probabilities sorted down;
+        ``topk`` finds it, starting ``_FIRST_CANDIDATES`` wide and widening x4
+        only for the rows whose prefix is not closed yet (a nucleus of thousands
+        of tokens in one row no longer widens every row's search).
+        """
+        assert self.top_p is not None
+        rows, vocab = probs.shape
+        log_mass = probs.new_empty(rows, 1)
+        n = min(self.top_n, vocab)
+        top_ids = torch.zeros(rows, n, dtype=torch.long, device=probs.device)
+        top_lp = probs.new_empty(rows, n)
+        todo = torch.arange(rows, device=probs.device)
+        sub = probs
+        k = min(vocab, max(_FIRST_CANDIDATES, n))
+        while True:
+            values, ids = sub.topk(k, dim=-1)
+            cum = values.cumsum(dim=-1)
+            keep = (cum - values) < self.top_p
+            if self.min_p is not None:
+                keep &= values >= self.min_p * values[:, :1]
+            kept = keep.sum(dim=-1, keepdim=True).clamp_(min=1)
+            closed = (kept < k).squeeze(-1) if k < vocab else torch.ones_like(kept, dtype=torch.bool).squeeze(-1)
+            if closed.any():
+                at = todo[closed]
+                mass = torch.log(cum.gather(-1, kept - 1)[closed])
+                log_mass[at] = mass
+                if n:
+                    top = torch.log(values[closed, :n]) - mass
+                    beyond = torch.arange(n, device=probs.device).unsqueeze(0) >= kept[closed]
+                    top_ids[at] = ids[closed, :n]
+                    top_lp[at] = top.masked_fill(beyond, -math.inf)
+            if bool(closed.all()):
+                break
+            todo = todo[~closed]
+            sub = probs[todo]
+            k = vocab if 4 * k > vocab // 2 else 4 * k
+        chosen = (torch.log(probs.gather(-1, tokens.unsqueeze(-1))) - log_mass).squeeze(-1)
+        if not n:
+            return StepResult(tokens, chosen)
+        return StepResult(tokens, chosen, top_ids, top_lp)
 
     def _candidate_logprobs(
         self,
