@@ -192,6 +192,7 @@ def test_gather_prefills_right_aligns_rows_from_several_caches() -> None:
             (parts[1], torch.tensor([0]), torch.tensor([2])),
         ],
         rows=4,
+        width=5,
         capacity=9,
     )
     for layer in range(2):

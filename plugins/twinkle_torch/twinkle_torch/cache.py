@@ -17,6 +17,7 @@ one batch's cache from prefills run in several chunks.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -200,31 +201,35 @@ def join_caches(first: DynamicCache, second: DynamicCache, capacity: int) -> Non
 
 
 def gather_prefills(
-    config: Any, parts: list[tuple[DynamicCache, torch.Tensor, torch.Tensor]], rows: int, capacity: int
+    config: Any, parts: Iterable[tuple[DynamicCache, torch.Tensor, torch.Tensor]], rows: int, width: int, capacity: int
 ) -> DynamicCache:
-    """One cache of ``rows`` rows from several prefilled caches, right-aligned, with room for ``capacity``.
+    """One cache of ``rows`` rows from several prefilled caches, right-aligned to ``width``, room for ``capacity``.
 
     Each part is ``(cache, src, dest)``: row ``src[i]`` of that :func:`joinable`
-    cache (left-padded, every column filled) becomes row ``dest[i]`` (a row
-    may be taken several times: one prefill shared by its samples). The
-    filled width is the widest part's; the columns left of a narrower part
-    are zeros (masked, and zeros rather than uninitialised memory for the
-    reason :meth:`PreallocatedLayer.joined` gives). Every row must be some
-    part's ``dest``.
+    cache (left-padded, every column filled, at most ``width`` wide) becomes
+    row ``dest[i]`` (a row may be taken several times: one prefill shared by
+    its samples). The columns left of a narrower part are zeros (masked, and
+    zeros rather than uninitialised memory for the reason
+    :meth:`PreallocatedLayer.joined` gives). ``parts`` is read one at a time
+    and each part copied before the next is read, so a generator that
+    prefills as it goes holds one part's cache at a time. Every row must be
+    some part's ``dest``.
     """
-    widths = [part[0].layers[0].length for part in parts]
-    width = max(widths)
-    out = make_cache(config, max(capacity, width))
-    for index, layer in enumerate(out.layers):
-        assert isinstance(layer, PreallocatedLayer)
-        buffers = []
-        for which in ("_k", "_v"):
-            first = getattr(parts[0][0].layers[index], which)
-            new = first.new_empty(rows, first.shape[1], max(capacity, width), first.shape[-1])
-            new[:, :, : width - min(widths)] = 0
-            for (cache, src, dest), w in zip(parts, widths):
-                part = getattr(cache.layers[index], which)
+    capacity = max(capacity, width)
+    out = make_cache(config, capacity)
+    layers = [layer for layer in out.layers if isinstance(layer, PreallocatedLayer)]
+    assert len(layers) == len(out.layers)
+    buffers: list[list[torch.Tensor]] = []
+    for cache, src, dest in parts:
+        for index, layer in enumerate(cache.layers):
+            assert isinstance(layer, PreallocatedLayer) and layer._k is not None and layer._v is not None
+            w = layer.length
+            if len(buffers) <= index:
+                buffers.append([t.new_empty(rows, t.shape[1], capacity, t.shape[-1]) for t in (layer._k, layer._v)])
+            for new, part in zip(buffers[index], (layer._k, layer._v)):
+                new[dest, :, : width - w] = 0
                 new[dest, :, width - w : width] = part[src, :, :w]
-            buffers.append(new)
-        layer.adopt(buffers[0], buffers[1], width)
+        del cache
+    for layer, (keys, values) in zip(layers, buffers):
+        layer.adopt(keys, values, width)
     return out

@@ -79,6 +79,32 @@ def _close_at_exit() -> None:
         decoder.close()
 
 
+def _load_libc() -> Any:
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()
+
+
+def _give_back_freed_memory() -> None:
+    """Return the heap memory a batch freed to the OS (glibc's ``malloc_trim``; nothing elsewhere).
+
+    The loop's thread has a malloc arena of its own; what a prefill's chunks
+    and a finished batch's cache free stays resident there (a process that had
+    run 256 rows kept 1.2 GB of it), so the next, smaller batch would start
+    from the last one's high-water mark.
+    """
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
 OutOfMemoryError: type[BaseException] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 TopList = list[list[tuple[int, float]]]
@@ -420,6 +446,7 @@ class Decoder:
                     if self._closed or (not self._queue and self._batch is None):
                         self._looping = False
                         self._batch = None
+                        _give_back_freed_memory()
                         self._row_cap = None  # an out-of-memory limit lasts while its work does
                         if self._closed:
                             error = SamplerClosedError("The torch engine was closed while this run was in flight.")
@@ -557,6 +584,7 @@ class Decoder:
             taken[0].job.control.activate()
             self._adapter = taken[0].job.control.adapter
         admitted: _Batch | None = None
+        prefills = self.stats.prefills
         try:
             admitted = self._prefill(taken)
             if admitted is not None and self._batch is not None:
@@ -564,6 +592,8 @@ class Decoder:
                 self.stats.joined_rows += len(admitted.rows)
             elif admitted is not None:
                 self._batch = admitted
+            if self.stats.prefills - prefills > 1:  # a large admission: its chunks' memory goes back
+                _give_back_freed_memory()
         except BaseException as exc:
             if _is_cuda_oom(exc):
                 self._requeue(taken, exc, batch_rows=len(live))
@@ -620,19 +650,21 @@ class Decoder:
         chunks = [[order[i] for i in chunk] for chunk in chunks] if gatherable else chunks
         expand = total != len(members)
         last: list[torch.Tensor] = [torch.empty(0)] * len(members)
-        parts = []
         offsets = [0] * len(members)  # each prompt's first row in the batch
         at = 0
         for b in order:
             offsets[b], at = at, at + counts[b]
-        for chunk in chunks:
+
+        def prefilled(chunk: list[int]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+            """Prefill one chunk: its cache, its rows each decoding row takes, and where they go in the batch."""
             # a lone chunk's cache becomes the batch's: sized for the generation unless samples expand it
             capacity = width + remaining if chunk == order and total and not expand else 0
             ids = [members[b][0].ids for b in chunk]
             cache, logits = self._prefill_forward(ids, capacity, any(scoring[b] for b in chunk))
             chunk_width = max(lengths[b] for b in chunk)
+            ends = logits[:, -1].clone()  # not views: a chunk's logits of every position must not stay alive
             for i, b in enumerate(chunk):
-                last[b] = logits[i, -1]
+                last[b] = ends[i]
                 if scoring[b]:
                     job = members[b][0].job
                     job.scores[members[b][0].prompt] = self._prompt_scores(
@@ -640,11 +672,22 @@ class Decoder:
                         torch.tensor(ids[i], dtype=torch.long, device=device),
                         job.params.prompt_logprobs or 0,
                     )
-            del logits
             taken = [i for i, b in enumerate(chunk) for _ in range(counts[b])]  # chunk rows, once per sample
             placed = [offsets[b] + j for b in chunk for j in range(counts[b])]  # where they go in the batch
-            if taken:
-                parts.append((cache, torch.tensor(taken, device=device), torch.tensor(placed, device=device)))
+            return cache, torch.tensor(taken, dtype=torch.long, device=device), torch.tensor(placed, device=device)
+
+        if len(chunks) > 1 and total:
+            # each chunk's cache is copied into the batch's as soon as it is prefilled, then dropped
+            parts = (prefilled(chunk) for chunk in chunks)
+            cache = gather_prefills(
+                self.model.config, (p for p in parts if p[1].numel()), total, width, width + remaining
+            )
+        else:  # one chunk, or prompts scored and none decoded
+            cache, taken_t, placed_t = prefilled(chunks[0])
+            for chunk in chunks[1:]:
+                prefilled(chunk)
+            if total and (expand or chunks[0] != order):  # samples share their prompt's row, or rows move
+                select_rows(cache, taken_t[torch.argsort(placed_t)], width + remaining)
         for g, d in zip(members, decoding):
             for row in g:
                 if row not in d:  # scoring rows, and rows with no budget left
@@ -652,13 +695,6 @@ class Decoder:
         if not total:
             return None
         source = torch.tensor([b for b in order for _ in range(counts[b])], dtype=torch.long, device=device)
-        if len(chunks) > 1:
-            cache = gather_prefills(self.model.config, parts, total, width + remaining)
-        else:
-            cache, src, dest = parts[0]
-            if expand or chunks[0] != order:  # samples share their prompt's row, or rows move
-                select_rows(cache, src[torch.argsort(dest)], width + remaining)
-        del parts
         lengths_t = torch.tensor(lengths, dtype=torch.long, device=device)
         new_rows = [r for b in order for r in decoding[b]]
         mask = torch.zeros(total, width + remaining, dtype=torch.bool, device=device)
