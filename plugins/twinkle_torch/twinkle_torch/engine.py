@@ -48,6 +48,8 @@ from twinkle_torch.adapters import AdapterSet
 from twinkle_torch.attention import ATTN_IMPLEMENTATION
 from twinkle_torch.attention import register as register_attention
 from twinkle_torch.decoding import Decoder, RunControl, SequenceResult
+from twinkle_torch.linear import available as onednn_available
+from twinkle_torch.linear import use_onednn
 from twinkle_torch.weights import WeightTable
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "SUPPORTED_PARAMS", "TorchEngine"]
@@ -65,6 +67,8 @@ SUPPORTED_PARAMS = frozenset(
         "spaces_between_special_tokens", "structured_outputs",
     }
 )  # fmt: skip
+
+_LINEAR_KERNELS = ("auto", "onednn", "torch")
 
 _DTYPES = {
     "float32": torch.float32,
@@ -186,6 +190,10 @@ class TorchEngine(Engine):
         max_model_len: the context window (prompt + completion), at most the
             model's positions; default: the model's positions.
         trust_remote_code: passed to ``from_pretrained``.
+        linear_kernel: ``"auto"`` (oneDNN's matmul for the linear layers of a
+            CPU model, see :mod:`twinkle_torch.linear`; PyTorch's elsewhere),
+            ``"onednn"`` (the same, and an error where the build lacks it) or
+            ``"torch"`` (``F.linear`` everywhere).
         **model_kwargs: more ``AutoModelForCausalLM.from_pretrained`` arguments
             (e.g. ``attn_implementation="eager"``); ``revision=`` goes to the model-id resolver.
 
@@ -207,10 +215,18 @@ class TorchEngine(Engine):
         max_batch_tokens: int = DEFAULT_MAX_BATCH_TOKENS,
         max_model_len: int | None = None,
         trust_remote_code: bool = False,
+        linear_kernel: str = "auto",
         **model_kwargs: Any,
     ) -> None:
         super().__init__(context)
         _check_mesh(device_mesh)
+        if linear_kernel not in _LINEAR_KERNELS:
+            raise ConfigError(f"linear_kernel={linear_kernel!r} is invalid: expected one of {list(_LINEAR_KERNELS)}.")
+        if linear_kernel == "onednn" and not onednn_available():
+            raise ConfigError(
+                "linear_kernel='onednn' is not available: this PyTorch build has no oneDNN (mkldnn) linear kernel."
+                " Use 'auto' or 'torch'."
+            )
         if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise ConfigError(f"max_batch_tokens={max_batch_tokens!r} is invalid: expected an integer >= 1.")
         if max_model_len is not None and (
@@ -226,6 +242,8 @@ class TorchEngine(Engine):
         self.dtype = _resolve_dtype(dtype, config, self.device)
         model = _load_model(path, self.dtype, self.device, trust_remote_code, model_kwargs)
         self._model: torch.nn.Module = model.to(self.device).eval()
+        if self.device.type == "cpu" and linear_kernel != "torch":
+            use_onednn(self._model)
         context.init_template(template, path)
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         positions = int(
