@@ -464,7 +464,12 @@ def test_parallel_meshes_point_at_remote_execution(tiny_llama: Path) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
-    [({"dtype": "float8"}, "dtype"), ({"device": "tpu:0"}, "device"), ({"max_batch_tokens": 0}, "max_batch_tokens")],
+    [
+        ({"dtype": "float8"}, "dtype"),
+        ({"device": "tpu:0"}, "device"),
+        ({"max_batch_tokens": 0}, "max_batch_tokens"),
+        ({"linear_kernel": "fast"}, "linear_kernel='fast'.*'auto', 'onednn', 'torch'"),
+    ],
 )
 def test_bad_constructor_arguments(tiny_llama: Path, kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -525,3 +530,34 @@ def test_constraints_that_empty_later_fail_every_run_batched_with_them(sampler: 
             handle.result(timeout=60)
     out = sampler.sample([{"messages": [{"role": "user", "content": "hi"}]}], {"max_tokens": 3, "temperature": 0})
     assert len(out[0].sequences[0].tokens) == 3
+
+
+def test_the_onednn_linear_kernel_scores_as_f_linear_does(tiny_llama: Path, chat_prompts: list[Trajectory]) -> None:
+    """CPU models run their linear layers through oneDNN by default; ``linear_kernel='torch'`` keeps F.linear."""
+    params = SamplingParams(max_tokens=0, prompt_logprobs=2)
+    scores = {}
+    for kernel in ("torch", "auto"):
+        with TorchSampler(tiny_llama, device="cpu", dtype="float32", linear_kernel=kernel) as s:
+            own = [m for m in s.model.modules() if type(m) is torch.nn.Linear and "forward" in vars(m)]
+            assert bool(own) == (kernel == "auto")
+            scores[kernel] = [r.prompt_logprobs[1:] for r in s.sample(chat_prompts[:3], params)]
+    for plain, fast in zip(scores["torch"], scores["auto"]):
+        assert fast == pytest.approx(plain, abs=1e-4)
+
+
+def test_the_onednn_linear_falls_back_where_it_does_not_apply() -> None:
+    from twinkle_torch.linear import use_onednn
+
+    layer = torch.nn.Linear(16, 8)
+    assert use_onednn(torch.nn.Sequential(layer)) == 1
+    x = torch.randn(3, 16, requires_grad=True)
+    out = layer(x)  # autograd: the kernel has no backward, F.linear runs
+    assert torch.equal(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    out.sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
+    with torch.inference_mode():
+        half = torch.randn(3, 16, dtype=torch.float16)
+        with pytest.raises(RuntimeError):  # mixed dtypes fail as F.linear fails, not silently
+            layer(half)
+        fast = layer(x.detach())
+    assert torch.allclose(fast, torch.nn.functional.linear(x.detach(), layer.weight, layer.bias), atol=1e-6)
