@@ -465,9 +465,18 @@ class Decoder:
         batch = self._batch
         if batch is None:
             return
-        self._sample(batch)
+        ended = self._sample(batch)
+        ending = {id(row) for row, _, _ in ended}
+        if all(row.done or id(row) in ending for row in batch.rows):
+            # The batch ends here: its cache is freed before its last rows are reported, so a
+            # caller whose run returns sees the memory back (not a moment later, from this thread).
+            self._batch = None
+            batch.cache = batch.logits = batch.inputs = batch.seen = None
+            _give_back_freed_memory()
+        for row, reason, stop in ended:
+            self._finish(row, reason, stop)
         live = batch.live()
-        if not live:
+        if self._batch is None or not live:
             self._batch = None
             return
         dead = len(batch.rows) - len(live)
@@ -828,8 +837,8 @@ class Decoder:
             sampler = self._samplers[job.group] = TokenSampler(job.params, constraints)
         return sampler
 
-    def _sample(self, batch: _Batch) -> None:
-        """Draw the next token of every live row, record it, and finish the rows that end here."""
+    def _sample(self, batch: _Batch) -> list[tuple[_Row, str, str | int | None]]:
+        """Draw the next token of every live row and record it; returns the rows that end here (to finish)."""
         device = self.device
         assert batch.logits is not None
         groups: dict[Hashable, list[int]] = {}
@@ -900,8 +909,7 @@ class Decoder:
         if batch.seen is not None:
             batch.seen.scatter_(1, tokens_in.unsqueeze(1), True)
         batch.logits, batch.inputs = None, tokens_in
-        for row, reason, stop in ended:
-            self._finish(row, reason, stop)
+        return ended
 
     def _forward(self, batch: _Batch) -> None:
         """One decode forward of every row of the batch (finished rows not yet pruned ride along)."""
