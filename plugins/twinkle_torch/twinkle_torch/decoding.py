@@ -321,6 +321,8 @@ class Decoder:
         self.max_model_len = max_model_len
         self.logits_to_keep = logits_to_keep
         self.sdpa_masks = sdpa_masks
+        # whether this model's caches are all preallocated layers: chunked prefills can be gathered
+        self._gatherable = joinable(make_cache(model.config, 1))
         self.max_batch_tokens = max(1, int(max_batch_tokens))
         self.stats = DecoderStats()
         self._cond = threading.Condition()
@@ -654,7 +656,7 @@ class Decoder:
         # the batch's rows, longest prompt first: rows of similar length side by side keep the
         # attention's row blocks narrow (see twinkle_torch.attention.row_blocks)
         order = sorted(range(len(members)), key=lambda b: -lengths[b])
-        gatherable = joinable(make_cache(self.model.config, 1))
+        gatherable = self._gatherable
         chunks = self._prefill_chunks([lengths[b] for b in order]) if gatherable else [list(range(len(members)))]
         chunks = [[order[i] for i in chunk] for chunk in chunks] if gatherable else chunks
         expand = total != len(members)
