@@ -854,7 +854,11 @@ class Decoder:
             job = rows[0].job
             sampler = self._sampler(job)
             idx = torch.tensor(members, dtype=torch.long, device=device)
-            logits = batch.logits[idx]
+            # a run of consecutive rows (one run's batch: the usual case) is a view, not a copy:
+            # [256, 49152] float32 logits gathered into a fresh tensor cost 22 ms a step here
+            # (mostly page faults), a tenth of the sampler's own time
+            contiguous = members[-1] - members[0] == len(members) - 1
+            logits = batch.logits[members[0] : members[-1] + 1] if contiguous else batch.logits[idx]
             seen = batch.seen[idx] if sampler.needs_seen and batch.seen is not None else None
             outputs = [r.output for r in rows] if sampler.needs_outputs else None
             matchers = None
