@@ -8,7 +8,7 @@ scaling workload (chat prompts from ``harness.BENCH_PROMPTS``, one completion
 each, ``ignore_eos``, temperature 1.0, top_p 0.95), through the torch engine
 built once with ``dtype="float32"`` and once with ``dtype="bfloat16"``:
 
-* **speed**: tokens/s of each batch size (after a warm-up), and their ratio;
+* **speed**: tokens/s of each batch size (after a warm-up; every row seeded), and their ratio;
 * **log-probs**: the float32 engine samples completions (seeded); both
   engines then score each prompt + completion (``prompt_logprobs``), and the
   table gives how far the bfloat16 log-prob of each completion token is from
@@ -32,24 +32,20 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import BENCH_PROMPTS, machine_summary
+from harness import cycled_prompts, machine_summary
 
 DTYPES = ("float32", "bfloat16")
-
-
-def _prompts(n: int) -> list[list[dict[str, str]]]:
-    return [BENCH_PROMPTS[i % len(BENCH_PROMPTS)] for i in range(n)]
 
 
 def _speed(sampler: Any, batches: list[int], tokens: int) -> dict[int, float]:
     from twinkle_core import SamplingParams, Trajectory
 
     params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=tokens, ignore_eos=True, seed=0)
-    sampler.sample([Trajectory(messages=m) for m in _prompts(4)], params)  # warm-up
+    sampler.sample([Trajectory(messages=m) for m in cycled_prompts(4)], params)  # warm-up
     out = {}
     for batch in batches:
         t0 = time.perf_counter()
-        res = sampler.sample([Trajectory(messages=m) for m in _prompts(batch)], params)
+        res = sampler.sample([Trajectory(messages=m) for m in cycled_prompts(batch)], params)
         seconds = time.perf_counter() - t0
         out[batch] = sum(len(s.tokens) for r in res for s in r.sequences) / seconds
     return out
@@ -86,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     greedy: dict[str, list[list[int]]] = {}
     scored: dict[str, list[list[float]]] = {}
     sequences: list[tuple[list[int], int]] = []
-    prompts = [Trajectory(messages=m) for m in _prompts(args.parity_prompts)]
+    prompts = [Trajectory(messages=m) for m in cycled_prompts(args.parity_prompts)]
     for dtype in DTYPES:
         with create_sampler("torch", model_id=args.model, dtype=dtype) as sampler:
             speed[dtype] = _speed(sampler, args.batches, args.tokens)

@@ -42,7 +42,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import BENCH_PROMPTS, machine_summary
+from harness import cycled_prompts, machine_summary
 
 from twinkle_core import SamplingParams, Trajectory
 from twinkle_core.data_format import InputFeature
@@ -57,9 +57,7 @@ def workload(
 ) -> list[tuple[InputFeature, int, int]]:
     """``(prompt, max_tokens, seed)`` per request, shuffled with ``seed``."""
     rng = random.Random(seed)
-    feats = [
-        sampler.template.encode(Trajectory(messages=BENCH_PROMPTS[i % len(BENCH_PROMPTS)])) for i in range(prompts)
-    ]
+    feats = [sampler.template.encode(Trajectory(messages=m)) for m in cycled_prompts(prompts)]
     total = prompts * samples
     n_long = round(total * long_share)
     kinds = [True] * n_long + [False] * (total - n_long)

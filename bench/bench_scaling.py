@@ -43,7 +43,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import BENCH_PROMPTS, Workload, machine_summary
+from harness import Workload, cycled_prompts, machine_summary
 
 MODEL_ID = "builtin://smollm2-135m-instruct"
 
@@ -119,7 +119,7 @@ def child(runner: str, points: list[dict[str, Any]], max_point_tokens: dict[str,
     target, kwargs = RUNNERS[runner]
 
     def workload(batch: int, length: int) -> Workload:
-        prompts = [BENCH_PROMPTS[i % len(BENCH_PROMPTS)] for i in range(batch)]
+        prompts = cycled_prompts(batch)
         return Workload(name=f"{batch}x{length}", model_id=MODEL_ID, prompts=prompts, num_samples=1, max_tokens=length)
 
     run = _load_target(target)(workload(2, 8), **kwargs)

@@ -49,6 +49,7 @@ __all__ = [
     "Runner",
     "Workload",
     "compare",
+    "cycled_prompts",
     "format_table",
     "hf_generate_runner",
     "machine_summary",
@@ -391,6 +392,11 @@ def format_table(results: Sequence[Result], baseline: str) -> str:
                 f" {r.median_tokens_per_s:>9.1f} {speed:>7} {r.peak_rss_mib:>9.0f} {mem:>6} {r.load_s:>7.1f}"
             )
     return "\n".join(lines)
+
+
+def cycled_prompts(n: int) -> list[list[dict[str, str]]]:
+    """``n`` chat prompts: :data:`BENCH_PROMPTS` in order, from the start again once they run out."""
+    return [BENCH_PROMPTS[i % len(BENCH_PROMPTS)] for i in range(n)]
 
 
 def machine_summary() -> str:

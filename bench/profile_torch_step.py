@@ -50,7 +50,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import BENCH_PROMPTS, machine_summary
+from harness import cycled_prompts, machine_summary
 
 #: The matmul floors measured; the shares are against the fastest.
 FLOOR_KERNELS = ("torch", "onednn", "onednn-packed")
@@ -191,7 +191,7 @@ def run_batch(sampler: Any, timers: Timers, batch: int, tokens: int, logprobs: i
     params = SamplingParams(
         temperature=1.0, top_p=0.95, max_tokens=tokens, ignore_eos=True, logprobs=logprobs, seed=None
     )
-    prompts = [Trajectory(messages=BENCH_PROMPTS[i % len(BENCH_PROMPTS)]) for i in range(batch)]
+    prompts = [Trajectory(messages=m) for m in cycled_prompts(batch)]
     sampler.engine.max_batch_tokens = max(sampler.engine.max_batch_tokens, batch * 512)
     sampler.sample(prompts[: min(batch, 4)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     timers.seconds.clear()
