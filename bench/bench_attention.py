@@ -1,17 +1,19 @@
-"""Decode attention on CPU against reading its cache: how far PyTorch's kernels are from the memory floor.
+"""Decode attention on CPU against reading its cache: PyTorch's kernels and the engine's own, against the memory floor.
 
     python bench/bench_attention.py                  # SmolLM2's shapes, 256 rows, 150 cached tokens
     python bench/bench_attention.py --rows 64 --tokens 100 200
 
 One layer of one decode step with SmolLM2-135M's attention shapes (3 key /
 value heads of 64, 9 query heads: 3 per group), float32, the cache a view
-of a preallocated buffer as the torch engine keeps it. Side by side, best of
-``--repeats``: the engine's call (the group's query heads as the query rows
-of one ``scaled_dot_product_attention`` with a boolean mask), the same without
-a mask, ``q @ kᵀ`` alone (half the work), and a plain sum over the keys and
-values (the bytes attention must read, and nothing else). The last column is
-the attention's time over the read's: what a kernel bound by memory alone
-would leave on the table.
+of a preallocated buffer as the torch engine keeps it, half the rows with a
+quarter of their columns masked (shorter prompts). Side by side, best of
+``--repeats``: the ``attention_kernel="sdpa"`` call (the group's query heads
+as the query rows of one ``scaled_dot_product_attention`` with a boolean
+mask), the same without a mask, ``q @ kᵀ`` alone (half the work), the
+engine's native kernel (``twinkle_torch.native``, the default on CPU), and a
+plain sum over the keys and values (the bytes attention must read, and
+nothing else). The last columns are each attention's time over the read's:
+what a kernel bound by memory alone would leave on the table.
 """
 
 from __future__ import annotations
@@ -49,10 +51,17 @@ def _one_layer(rows: int, heads: int, group: int, dim: int, tokens: int, repeats
     query = torch.randn(rows, heads, group, dim)
     mask = torch.ones(rows, 1, 1, tokens, dtype=torch.bool)
     mask[: rows // 2, :, :, : tokens // 4] = False  # half the rows have a shorter prompt
+    from twinkle_torch import native
+
+    native.load()
+    expected = F.scaled_dot_product_attention(query, key, value, attn_mask=mask).reshape(rows, heads * group, dim)
+    got = native.decode_attention(query, key, value, mask, None)
+    assert got is not None and torch.allclose(got, expected, atol=1e-5), "the native kernel disagrees with SDPA"
     timings = [
         _best(lambda: F.scaled_dot_product_attention(query, key, value, attn_mask=mask), repeats),
         _best(lambda: F.scaled_dot_product_attention(query, key, value), repeats),
         _best(lambda: torch.matmul(query, key.transpose(-1, -2)), repeats),
+        _best(lambda: native.decode_attention(query, key, value, mask, None), repeats),
         _best(lambda: (key.sum(), value.sum()), repeats),
     ]
     return timings, 2 * key.numel() * key.element_size() / 1e6
@@ -76,14 +85,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{rows} rows, {heads} key/value heads x {group} query heads, head size {dim}, float32; ms per layer")
     print()
     print(
-        "| cached tokens | MB read | SDPA, masked (the engine) | SDPA, no mask | q @ kᵀ alone"
-        " | read keys + values | SDPA / read |"
+        "| cached tokens | MB read | SDPA, masked | SDPA, no mask | q @ kᵀ alone | native kernel, masked"
+        " | read keys + values | SDPA / read | native / read | SDPA / native |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for tokens in args.tokens:
         timings, megabytes = _one_layer(rows, heads, group, dim, tokens, args.repeats)
         cells = " | ".join(f"{t * 1e3:.2f}" for t in timings)
-        print(f"| {tokens} | {megabytes:.0f} | {cells} | **{timings[0] / timings[3]:.1f}x** |")
+        sdpa, own, read = timings[0], timings[3], timings[4]
+        print(
+            f"| {tokens} | {megabytes:.0f} | {cells} | {sdpa / read:.1f}x | {own / read:.1f}x | **{sdpa / own:.1f}x** |"
+        )
     return 0
 
 

@@ -2,6 +2,7 @@
 
     python bench/profile_torch_step.py                       # SmolLM2, batch 1 16 64 256, 64 tokens
     python bench/profile_torch_step.py --batches 64 --tokens 32 --logprobs none
+    python bench/profile_torch_step.py --attention-kernel sdpa      # PyTorch's attention instead
 
 One run, in one process, on ``builtin://smollm2-135m-instruct`` in float32
 (or ``--model``), the scaling benchmark's workload: chat prompts from
@@ -13,7 +14,8 @@ its parts from outside (this script patches them; the engine has no hooks):
 
 * ``linear``: every ``nn.Linear`` of the decoder layers (q, k, v, o, gate, up, down);
 * ``lm head``: the output projection to the vocabulary;
-* ``attention``: the attention function over the cache (SDPA);
+* ``attention``: the attention function over the cache (decode steps through
+  ``twinkle_torch.native``'s kernel; ``--attention-kernel sdpa`` for PyTorch's);
 * ``cache write``: writing the step's keys and values into the cache;
 * ``other model ops``: the rest of the model's forward (norms, rotary
   embeddings, activations, residual adds, masks, and ``transformers``' Python);
@@ -275,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=64, help="tokens per completion")
     parser.add_argument("--logprobs", default="0", help="SamplingParams.logprobs: a number, or 'none'")
     parser.add_argument("--floor-repeats", type=int, default=5)
+    parser.add_argument("--attention-kernel", default="auto", help="the engine's attention_kernel option")
     parser.add_argument("--json", default=None, help="also write the raw figures here")
     args = parser.parse_args(argv)
     logprobs = None if args.logprobs == "none" else int(args.logprobs)
@@ -285,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     from twinkle_core import create_sampler
 
     with quiet():
-        sampler = create_sampler("torch", model_id=args.model, dtype=args.dtype)
+        sampler = create_sampler("torch", model_id=args.model, dtype=args.dtype, attention_kernel=args.attention_kernel)
     timers = Timers()
     instrument(sampler, timers)
     # the decode loop's thread is started per burst of work: it tells the timers its id
@@ -318,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     sampler.close()
     print(machine_summary())
     print(
-        f"{args.model}, {args.dtype}, {args.tokens} tokens per completion, temperature 1.0, top_p 0.95,"
+        f"{args.model}, {args.dtype}, attention_kernel={args.attention_kernel}, {args.tokens} tokens per completion,"
+        " temperature 1.0, top_p 0.95,"
         f" logprobs={logprobs}; per decode step (share of the decode time)\n"
     )
     print(table(rows))

@@ -144,10 +144,26 @@ def test_rows_of_different_lengths_and_budgets_join_and_leave(
     assert stats.peak_rows > 1
 
 
+@pytest.mark.parametrize("kernel", ["native", "sdpa"])
 def test_a_large_batch_prefilled_in_chunks_equals_its_solo_results(
-    sampler: TorchSampler, chat_prompts: list[Trajectory], monkeypatch: pytest.MonkeyPatch
+    sampler: TorchSampler,
+    tiny_llama: Path,
+    chat_prompts: list[Trajectory],
+    monkeypatch: pytest.MonkeyPatch,
+    kernel: str,
 ) -> None:
-    """Prompts of very different lengths: prefilled in several chunks, decoded with attention in row blocks."""
+    """Prompts of very different lengths, prefilled in several chunks. Decoded by the native kernel
+    (the default: it skips each row's masked columns itself), or by SDPA in row blocks."""
+    if kernel == "native":
+        _large_batch_in_chunks(sampler, chat_prompts, monkeypatch, row_blocks=False)
+    else:
+        with TorchSampler(tiny_llama, device="cpu", attention_kernel="sdpa") as s:
+            _large_batch_in_chunks(s, chat_prompts, monkeypatch, row_blocks=True)
+
+
+def _large_batch_in_chunks(
+    sampler: TorchSampler, chat_prompts: list[Trajectory], monkeypatch: pytest.MonkeyPatch, row_blocks: bool
+) -> None:
     from twinkle_torch import attention, decoding
 
     base = [sampler.template.encode(t) for t in chat_prompts[:4]]
@@ -162,7 +178,7 @@ def test_a_large_batch_prefilled_in_chunks_equals_its_solo_results(
     stats = fresh_stats(sampler)
     together = sampler.sample(feats, params, num_samples=5)  # 40 rows in one call
     assert stats.prefills > 2 and stats.peak_rows == 40
-    assert any(blocks is not None for blocks in split)  # the decode steps attended in row blocks
+    assert any(blocks is not None for blocks in split) == row_blocks  # the decode steps attended in row blocks
     for got, want in zip(together, solo):
         assert [s.tokens for s in got.sequences] == [s.tokens for s in want.sequences]
         for g, w in zip(got.sequences, want.sequences):

@@ -469,6 +469,7 @@ def test_parallel_meshes_point_at_remote_execution(tiny_llama: Path) -> None:
         ({"device": "tpu:0"}, "device"),
         ({"max_batch_tokens": 0}, "max_batch_tokens"),
         ({"linear_kernel": "fast"}, "linear_kernel='fast'.*'auto', 'onednn', 'torch'"),
+        ({"attention_kernel": "flash"}, "attention_kernel='flash'.*'auto', 'native', 'sdpa'"),
     ],
 )
 def test_bad_constructor_arguments(tiny_llama: Path, kwargs: dict[str, Any], message: str) -> None:

@@ -10,22 +10,37 @@ every layer and every step: on CPU it costs more than the attention itself.
 grouped heads as they are.
 
 :func:`register` adds it to ``transformers`` as ``"twinkle_sdpa"`` (with the
-same masks as ``"sdpa"``); :class:`~twinkle_torch.sampler.TorchSampler` loads
-CPU models with it unless ``attn_implementation`` is given.
+same masks as ``"sdpa"``), and as ``"twinkle_native"`` the same with decode
+steps through :mod:`twinkle_torch.native`'s kernel (prefill, and whatever the
+kernel does not take, stay on SDPA). :class:`~twinkle_torch.sampler.TorchSampler`
+loads CPU models with one of them unless ``attn_implementation`` is given
+(``attention_kernel`` chooses).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from typing import Any
 
 import torch
 
-__all__ = ["ATTN_IMPLEMENTATION", "grouped_sdpa_attention_forward", "register", "row_blocks"]
+from twinkle_torch.native import decode_attention as native_decode_attention
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "NATIVE_ATTN_IMPLEMENTATION",
+    "grouped_sdpa_attention_forward",
+    "native_attention_forward",
+    "register",
+    "row_blocks",
+]
 
 #: The name ``from_pretrained(attn_implementation=...)`` knows it by.
 ATTN_IMPLEMENTATION = "twinkle_sdpa"
+#: The same, decode steps through the native kernel.
+NATIVE_ATTN_IMPLEMENTATION = "twinkle_native"
 
 # keyword arguments that only the stock implementation knows how to honour
 _STOCK_ONLY = ("position_bias", "s_aux", "sinks", "cache")
@@ -84,25 +99,34 @@ def grouped_sdpa_attention_forward(
     dropout: float = 0.0,
     scaling: float | None = None,
     is_causal: bool | None = None,
+    *,
+    native: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """``transformers``' attention-function signature.
 
     Takes ``[batch, heads, seq, dim]`` queries, keys and values; returns ``[batch, seq, heads, dim]``.
+    ``native``: decode steps through :func:`twinkle_torch.native.decode_attention` where it applies.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    if query.shape[1] == key.shape[1] or any(kwargs.get(k) is not None for k in _STOCK_ONLY):
+    batch, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    stock_only = any(kwargs.get(k) is not None for k in _STOCK_ONLY)
+    decoding = q_len == 1 and (attention_mask is None or attention_mask.shape[-2] == 1)
+    # Decoding: the query heads of a group attend to the same keys under the same mask, so they
+    # can be the query rows of one head: [batch, kv_heads, group, dim].
+    if native and decoding and not stock_only and dropout == 0.0 and heads % kv_heads == 0:
+        grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
+        fast = native_decode_attention(grouped, key, value, attention_mask, scaling)
+        if fast is not None:
+            return fast.view(batch, 1, heads, dim), None
+    if heads == kv_heads or stock_only:
         stock: tuple[torch.Tensor, None] = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
         return stock
-    batch, heads, q_len, dim = query.shape
-    kv_heads = key.shape[1]
-    if q_len == 1 and (attention_mask is None or attention_mask.shape[-2] == 1):
-        # Decoding: the query heads of a group attend to the same keys under the same mask, so
-        # they can be the query rows of one head: [batch, kv_heads, group, dim]. Faster still
-        # than enable_gqa, which loops over the groups.
+    if decoding:  # SDPA on the grouped query: faster still than enable_gqa, which loops over the groups
         grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
         blocks = row_blocks(attention_mask) if attention_mask is not None else None
         if blocks is None or attention_mask is None:
@@ -125,10 +149,16 @@ def grouped_sdpa_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
+#: ``"twinkle_native"``'s function: decode steps through the native kernel.
+native_attention_forward = functools.partial(grouped_sdpa_attention_forward, native=True)
+
+
 def register() -> None:
-    """Make ``attn_implementation="twinkle_sdpa"`` available to ``transformers`` (idempotent)."""
+    """Make ``attn_implementation="twinkle_sdpa"`` and ``"twinkle_native"`` known to ``transformers`` (idempotent)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, grouped_sdpa_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    AttentionInterface.register(NATIVE_ATTN_IMPLEMENTATION, native_attention_forward)
+    AttentionMaskInterface.register(NATIVE_ATTN_IMPLEMENTATION, sdpa_mask)

@@ -24,6 +24,7 @@ lock), so every sequence's ``weights_version`` is the version its tokens came fr
 from __future__ import annotations
 
 import inspect
+import logging
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -45,11 +46,13 @@ from twinkle_core.engine import (
 from twinkle_core.errors import AdapterError, ConfigError, InvalidMeshError, WeightUpdateError
 from twinkle_core.hub import resolve_model_id
 from twinkle_torch.adapters import AdapterSet
-from twinkle_torch.attention import ATTN_IMPLEMENTATION
+from twinkle_torch.attention import ATTN_IMPLEMENTATION, NATIVE_ATTN_IMPLEMENTATION
 from twinkle_torch.attention import register as register_attention
 from twinkle_torch.decoding import Decoder, RunControl, SequenceResult
 from twinkle_torch.linear import available as onednn_available
 from twinkle_torch.linear import use_onednn
+from twinkle_torch.native import KernelUnavailable
+from twinkle_torch.native import load as load_native_kernel
 from twinkle_torch.weights import WeightTable
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "SUPPORTED_PARAMS", "TorchEngine"]
@@ -69,6 +72,9 @@ SUPPORTED_PARAMS = frozenset(
 )  # fmt: skip
 
 _LINEAR_KERNELS = ("auto", "onednn", "torch")
+_ATTENTION_KERNELS = ("auto", "native", "sdpa")
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {
     "float32": torch.float32,
@@ -151,19 +157,43 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
 
 
 def _load_model(
-    path: Any, dtype: torch.dtype, device: torch.device, trust_remote_code: bool, model_kwargs: dict[str, Any]
+    path: Any, dtype: torch.dtype, trust_remote_code: bool, model_kwargs: dict[str, Any], attention: str | None
 ) -> Any:
-    """``AutoModelForCausalLM.from_pretrained``; on CPU with the grouped-query-aware attention when it fits."""
+    """``AutoModelForCausalLM.from_pretrained``, with the attention implementation ``attention`` when it fits."""
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code, **model_kwargs}
-    if device.type == "cpu" and "attn_implementation" not in model_kwargs:
+    if attention is not None:
         register_attention()
         try:
-            return AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=ATTN_IMPLEMENTATION, **kwargs)
+            return AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=attention, **kwargs)
         except (ValueError, KeyError):  # an architecture without pluggable attention: its own default
             pass
     return AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+
+
+def _attention_for(kernel: str, device: torch.device, model_kwargs: Mapping[str, Any]) -> str | None:
+    """The attention implementation to load the model with (``None``: ``transformers``' choice or the user's)."""
+    if kernel == "native":
+        if device.type != "cpu":
+            raise ConfigError(f"attention_kernel='native' runs on CPU only, not on {device}. Use 'auto' or 'sdpa'.")
+        if "attn_implementation" in model_kwargs:
+            raise ConfigError(
+                f"attention_kernel='native' and attn_implementation={model_kwargs['attn_implementation']!r}"
+                " both choose the attention: give one."
+            )
+    if device.type != "cpu" or "attn_implementation" in model_kwargs:
+        return None
+    if kernel == "sdpa":
+        return ATTN_IMPLEMENTATION
+    try:
+        load_native_kernel()
+    except KernelUnavailable as exc:
+        if kernel == "native":
+            raise ConfigError(f"attention_kernel='native' is not available: {exc}. Use 'auto' or 'sdpa'.") from exc
+        logger.warning("the native decode-attention kernel is unavailable (%s); decoding with SDPA", exc)
+        return ATTN_IMPLEMENTATION
+    return NATIVE_ATTN_IMPLEMENTATION
 
 
 class TorchEngine(Engine):
@@ -194,6 +224,12 @@ class TorchEngine(Engine):
             CPU model, see :mod:`twinkle_torch.linear`; PyTorch's elsewhere),
             ``"onednn"`` (the same, and an error where the build lacks it) or
             ``"torch"`` (``F.linear`` everywhere).
+        attention_kernel: ``"auto"`` (on CPU, decode steps through the
+            attention kernel of :mod:`twinkle_torch.native`, built on first use
+            with the machine's C++ compiler; PyTorch's SDPA where it cannot be
+            built, with a warning, and on other devices), ``"native"`` (the
+            same, and an error where it cannot be built) or ``"sdpa"``
+            (PyTorch's ``scaled_dot_product_attention`` throughout).
         **model_kwargs: more ``AutoModelForCausalLM.from_pretrained`` arguments
             (e.g. ``attn_implementation="eager"``); ``revision=`` goes to the model-id resolver.
 
@@ -216,6 +252,7 @@ class TorchEngine(Engine):
         max_model_len: int | None = None,
         trust_remote_code: bool = False,
         linear_kernel: str = "auto",
+        attention_kernel: str = "auto",
         **model_kwargs: Any,
     ) -> None:
         super().__init__(context)
@@ -226,6 +263,10 @@ class TorchEngine(Engine):
             raise ConfigError(
                 "linear_kernel='onednn' is not available: this PyTorch build has no oneDNN (mkldnn) linear kernel."
                 " Use 'auto' or 'torch'."
+            )
+        if attention_kernel not in _ATTENTION_KERNELS:
+            raise ConfigError(
+                f"attention_kernel={attention_kernel!r} is invalid: expected one of {list(_ATTENTION_KERNELS)}."
             )
         if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise ConfigError(f"max_batch_tokens={max_batch_tokens!r} is invalid: expected an integer >= 1.")
@@ -238,9 +279,10 @@ class TorchEngine(Engine):
         path = resolve_model_id(model_id, revision=model_kwargs.pop("revision", None))
         self.model_path = path
         self.device = _resolve_device(device)
+        attention = _attention_for(attention_kernel, self.device, model_kwargs)
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         self.dtype = _resolve_dtype(dtype, config, self.device)
-        model = _load_model(path, self.dtype, self.device, trust_remote_code, model_kwargs)
+        model = _load_model(path, self.dtype, trust_remote_code, model_kwargs, attention)
         self._model: torch.nn.Module = model.to(self.device).eval()
         if self.device.type == "cpu" and linear_kernel != "torch":
             use_onednn(self._model)
@@ -279,7 +321,12 @@ class TorchEngine(Engine):
             pad_token_id=pad,
             max_model_len=self.info.max_model_len,
             logits_to_keep="logits_to_keep" in inspect.signature(type(self._model).forward).parameters,
-            sdpa_masks=getattr(self._model.config, "_attn_implementation", None) in ("sdpa", ATTN_IMPLEMENTATION),
+            sdpa_masks=getattr(self._model.config, "_attn_implementation", None)
+            in (
+                "sdpa",
+                ATTN_IMPLEMENTATION,
+                NATIVE_ATTN_IMPLEMENTATION,
+            ),
             max_batch_tokens=max_batch_tokens,
             vocab_size=self.info.vocab_size,
         )
