@@ -159,12 +159,20 @@ def _probe(tiny_llama: Path, cache: Path, compiler: str | None) -> tuple[dict[st
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
-def test_without_a_compiler_auto_keeps_sdpa_and_native_refuses(tiny_llama: Path, tmp_path: Path) -> None:
-    out, log = _probe(tiny_llama, tmp_path, str(tmp_path / "no-such-c++"))
-    assert "attention_kernel='native' is not available" in out["native"] and "no-such-c++" in out["native"]
+@pytest.mark.parametrize("why", ["no compiler", "no cache folder"])
+def test_where_it_cannot_be_built_auto_keeps_sdpa_and_native_refuses(
+    tiny_llama: Path, tmp_path: Path, why: str
+) -> None:
+    if why == "no compiler":
+        cache, compiler, reason = tmp_path, str(tmp_path / "no-such-c++"), "no-such-c++"
+    else:
+        (tmp_path / "a-file").write_text("")
+        cache, compiler, reason = tmp_path / "a-file", None, "cannot write the kernel cache"
+    out, log = _probe(tiny_llama, cache, compiler)
+    assert "attention_kernel='native' is not available" in out["native"] and reason in out["native"]
     assert out["auto"] == ATTN_IMPLEMENTATION and out["tokens"] == 4
     assert "decode-attention kernel is unavailable" in log
-    assert not list(tmp_path.glob("kernels/*.so"))
+    assert not list(tmp_path.glob("**/*.so"))
 
 
 def test_the_build_is_cached_by_source_compiler_and_cpu(tiny_llama: Path, tmp_path: Path) -> None:

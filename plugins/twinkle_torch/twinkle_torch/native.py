@@ -85,10 +85,14 @@ def _build(compiler: str) -> Path:
     target = _cache_dir() / f"decode_attention-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # build beside the target and rename: processes building at once never load a half-written file
-    fd, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so.partial", dir=target.parent)
-    os.close(fd)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # build beside the target and rename: processes building at once never load a half-written file
+        fd, partial = tempfile.mkstemp(prefix=target.stem, suffix=".so.partial", dir=target.parent)
+        os.close(fd)
+    except OSError as exc:
+        where = target.parent
+        raise KernelUnavailable(f"cannot write the kernel cache {where} (set TWINKLE_CACHE_DIR): {exc}") from exc
     try:
         done = subprocess.run(
             [compiler, *_FLAGS, "-o", partial, str(_SOURCE)], capture_output=True, text=True, timeout=_BUILD_TIMEOUT
@@ -125,7 +129,7 @@ def load() -> ctypes.CDLL:
                 function.restype = ctypes.c_int
                 _loaded = library
         if isinstance(_loaded, KernelUnavailable):
-            raise _loaded
+            raise KernelUnavailable(str(_loaded))
         return _loaded
 
 
