@@ -70,6 +70,17 @@ def test_a_row_with_nothing_to_attend_to_gets_zeros_not_nan() -> None:
     assert torch.allclose(out[[0, 2]], expected[[0, 2]], atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_nan_in_the_cache_comes_out_as_nan(dtype: torch.dtype) -> None:
+    case = _case(2, 1, 2, 64, 8, dtype, seed=2)
+    value = case["value"].clone()
+    value[0, 0, 3, 5] = float("nan")
+    mask = torch.ones(2, 1, 1, 8, dtype=torch.bool)
+    out = native.decode_attention(case["query"], case["key"], value, mask, None)
+    assert out is not None and torch.isnan(out[0, :, 5]).all() and not torch.isinf(out).any()
+    assert torch.isfinite(out[1]).all()
+
+
 def test_what_the_kernel_does_not_take_is_left_to_sdpa() -> None:
     case = _case(2, 1, 2, 64, 8, torch.float32, seed=1)
     q, k, v, mask = case["query"], case["key"], case["value"], case["mask"]

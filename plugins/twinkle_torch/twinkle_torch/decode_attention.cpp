@@ -33,10 +33,10 @@ inline float load(BF16 x) {
   return f;
 }
 inline void store(float* out, float x) { *out = x; }
-inline void store(BF16* out, float x) {  // round to nearest even (finite values)
+inline void store(BF16* out, float x) {  // round to nearest even; a NaN stays a NaN
   uint32_t u;
   std::memcpy(&u, &x, 4);
-  out->bits = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  out->bits = x != x ? uint16_t{0x7FC0} : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
 }
 
 // exp(x) for x <= 0, written so the compiler vectorises it (no libm call):
