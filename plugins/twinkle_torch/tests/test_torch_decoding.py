@@ -171,6 +171,41 @@ def test_processed_logprobs_under_top_p_equal_a_full_sort(params: SamplingParams
             assert out.top_logprobs[r].tolist() == pytest.approx(want.tolist(), abs=1e-5)
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0, logprobs=2),
+        SamplingParams(temperature=0.7, top_p=0.9, logprobs=3),
+        SamplingParams(temperature=1.3, top_p=0.5, min_p=0.01, logprobs=0, logprobs_mode="raw"),
+        SamplingParams(temperature=0.0, logprobs=1),
+    ],
+    ids=["full", "top-p", "top-p-min-p-raw", "greedy"],
+)
+def test_the_workspace_changes_no_bit_and_no_result_refers_to_it(params: SamplingParams) -> None:
+    """The sampler's passes written into reused buffers give the same bits as into fresh tensors,
+    and a result stays what it was when the next step reuses the buffers."""
+    from twinkle_torch.sampling import Workspace
+
+    torch.manual_seed(4)
+    # peaked rows (the drawn token alone fills the nucleus) and flat ones (the pass over the vocabulary runs)
+    steps = [torch.randn(rows, 3000) * torch.linspace(0.05, 6.0, rows).unsqueeze(-1) for rows in (9, 5, 9)]
+    uniforms = [torch.rand(len(logits)) for logits in steps]
+    sampler, workspace = TokenSampler(params), Workspace()
+
+    def redraw(rows: list[int]) -> torch.Tensor:  # rejected draws: numbers of their own, the same in both runs
+        return torch.tensor([(0.618 * (r + 1)) % 1.0 for r in rows])
+
+    fresh = [sampler(logits, uniforms=u, redraw=redraw) for logits, u in zip(steps, uniforms)]
+    reused = [sampler(logits, uniforms=u, redraw=redraw, workspace=workspace) for logits, u in zip(steps, uniforms)]
+    for a, b in zip(fresh, reused):  # every step compared after all three ran: none was overwritten
+        for name in ("tokens", "logprobs", "top_ids", "top_logprobs"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None and y is None) or torch.equal(x, y), name
+    assert workspace._buffers  # every case here writes into it
+    workspace.clear()
+    assert not workspace._buffers
+
+
 def test_gather_prefills_right_aligns_rows_from_several_caches() -> None:
     from transformers import LlamaConfig
 

@@ -52,7 +52,7 @@ from twinkle_core.data_format import SamplingMask, SamplingParams
 from twinkle_core.errors import InvalidSamplingParams, SamplerClosedError
 from twinkle_torch.cache import PreallocatedLayer, gather_prefills, join_caches, joinable, make_cache, select_rows
 from twinkle_torch.constraints import LogitConstraints
-from twinkle_torch.sampling import RowRandomness, TokenSampler, derive_seed
+from twinkle_torch.sampling import RowRandomness, TokenSampler, Workspace, derive_seed
 from twinkle_torch.stopping import StopStringMatcher
 
 __all__ = ["Decoder", "DecoderStats", "PromptScores", "RunControl", "SequenceResult"]
@@ -336,6 +336,7 @@ class Decoder:
         self._adapter: str | None = None
         self._row_cap: int | None = None  # after an out-of-memory error: the most rows a batch may hold
         self._samplers: dict[Hashable, TokenSampler] = {}
+        self._workspace = Workspace()  # the sampler's [rows, vocab] buffers, while a batch runs
 
     # -- public -------------------------------------------------------------------------------
     @property
@@ -448,6 +449,7 @@ class Decoder:
                     if self._closed or (not self._queue and self._batch is None):
                         self._looping = False
                         self._batch = None
+                        self._workspace.clear()
                         _give_back_freed_memory()
                         self._row_cap = None  # an out-of-memory limit lasts while its work does
                         if self._closed:
@@ -474,6 +476,7 @@ class Decoder:
             # caller whose run returns sees the memory back (not a moment later, from this thread).
             self._batch = None
             batch.cache = batch.logits = batch.inputs = batch.seen = None
+            self._workspace.clear()
             _give_back_freed_memory()
         for row, reason, stop in ended:
             self._finish(row, reason, stop)
@@ -872,9 +875,9 @@ class Decoder:
                 if sampler.needs_uniforms:
                     randomness = RowRandomness([r.seed for r in rows], [r.position0 + len(r.tokens) for r in rows])
                     uniforms = randomness.uniforms(device)
-                    result = sampler(logits, seen, uniforms, randomness.redraw, outputs, matchers)
+                    result = sampler(logits, seen, uniforms, randomness.redraw, outputs, matchers, self._workspace)
                 else:
-                    result = sampler(logits, seen, outputs=outputs, matchers=matchers)
+                    result = sampler(logits, seen, outputs=outputs, matchers=matchers, workspace=self._workspace)
             except InvalidSamplingParams as exc:  # these parameters leave nothing to draw: their runs fail alone
                 # every run with rows here: a row left without its token this step cannot go on
                 for failed in {id(r.job): r.job for r in rows}.values():

@@ -32,7 +32,7 @@ from twinkle_core.data_format import SamplingParams
 from twinkle_core.errors import InvalidSamplingParams
 from twinkle_torch.constraints import LogitConstraints
 
-__all__ = ["RowRandomness", "StepResult", "TokenSampler", "derive_seed"]
+__all__ = ["RowRandomness", "StepResult", "TokenSampler", "Workspace", "derive_seed"]
 
 #: Candidates examined first when top-p or min-p is on (widened x4 as needed).
 _FIRST_CANDIDATES = 64
@@ -42,6 +42,46 @@ _MAX_REDRAWS = 8
 _MASK64 = (1 << 64) - 1
 #: The largest float32 below 1: a double drawn in [0, 1) must not round up to 1.
 _BELOW_ONE = 1.0 - 2.0**-24
+
+
+class Workspace:
+    """Buffers the sampler's passes over ``[rows, vocab]`` write into, kept from one decode step to the next.
+
+    A fresh ``[256, 49152]`` float32 tensor (50 MB) comes from new pages every
+    time (glibc maps blocks over 32 MB afresh and unmaps them when freed), and
+    faulting them in costs more than the pass that fills them: on 2 cores a
+    softmax into a fresh tensor took 33 ms, into a reused one 8.6 ms. The same
+    kernels write into these buffers (their ``out=`` forms), so the results
+    are the same bits. One buffer per name, grown to the largest request;
+    :meth:`clear` drops them (the decoder does when its batch ends). One
+    decode loop's: not for two threads at once.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, name: str, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """A buffer shaped as ``like`` (its dtype, or ``dtype``); its contents are garbage."""
+        dtype = like.dtype if dtype is None else dtype
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.numel() < like.numel() or buffer.dtype != dtype or buffer.device != like.device:
+            self._buffers.pop(name, None)  # the old one goes before the new one comes
+            buffer = self._buffers[name] = torch.empty(like.numel(), dtype=dtype, device=like.device)
+        return buffer[: like.numel()].view(like.shape)
+
+    def clear(self) -> None:
+        self._buffers.clear()
+
+
+def _softmax(scores: torch.Tensor, ws: Workspace | None) -> torch.Tensor:
+    if ws is None:
+        return torch.softmax(scores, dim=-1)
+    out: torch.Tensor = torch.ops.aten._softmax.out(scores, -1, False, out=ws.take("probs", scores))
+    return out
+
+
+def _cumsum(probs: torch.Tensor, ws: Workspace | None) -> torch.Tensor:
+    return probs.cumsum(dim=-1) if ws is None else torch.cumsum(probs, dim=-1, out=ws.take("cdf", probs))
 
 
 def derive_seed(seed: int, index: int) -> int:
@@ -216,6 +256,7 @@ class TokenSampler:
         redraw: Redraw = _global_redraw,
         outputs: list[list[int]] | None = None,
         matchers: list[Any] | None = None,
+        workspace: Workspace | None = None,
     ) -> StepResult:
         """Choose one token per row.
 
@@ -228,6 +269,8 @@ class TokenSampler:
                 asks for them; seeded rows must draw from their own generators).
             outputs: per row, its completion so far; needed with constraints.
             matchers: per row, its grammar matcher; needed with ``structured_outputs``.
+            workspace: buffers to write the passes over the vocabulary into (see
+                :class:`Workspace`); none: fresh tensors. No result refers to them.
 
         Raises:
             InvalidSamplingParams: the constraints leave a row no token to draw.
@@ -250,21 +293,24 @@ class TokenSampler:
             result = (
                 StepResult(tokens)
                 if not self.want_logprobs
-                else self._finish_full(tokens, raw if self.raw_mode else processed)
+                else self._finish_full(tokens, raw if self.raw_mode else processed, workspace)
             )
             if self.want_mask and constraints is not None and constraints.masks:
                 result = attrs.evolve(result, kept=self._finite(processed))  # greedy draws from what is left
             return result
         assert uniforms is not None
         if self.params.temperature != 1.0:
-            processed = processed / self.params.temperature
+            t = self.params.temperature
+            processed = (
+                processed / t if workspace is None else torch.div(processed, t, out=workspace.take("scaled", processed))
+            )
         if not self.truncates:
-            result = self._sample_full(processed, raw, uniforms)
+            result = self._sample_full(processed, raw, uniforms, workspace)
             if self.want_mask and constraints is not None and constraints.masks:
                 result = attrs.evolve(result, kept=self._finite(processed))
             return result
         if self.by_rejection:
-            result = self._sample_by_rejection(processed, raw, uniforms, redraw)
+            result = self._sample_by_rejection(processed, raw, uniforms, redraw, workspace)
         else:
             result = self._sample_candidates(processed, raw, uniforms)
         if self.want_mask:
@@ -321,9 +367,12 @@ class TokenSampler:
                 row.append(t)
         return rows
 
-    def _finish_full(self, tokens: torch.Tensor, scores: torch.Tensor) -> StepResult:
+    def _finish_full(self, tokens: torch.Tensor, scores: torch.Tensor, ws: Workspace | None = None) -> StepResult:
         """Log-probs of ``tokens`` (and the top-n) under the log-softmax of ``scores``."""
-        logprobs = torch.log_softmax(scores, dim=-1)
+        if ws is None:
+            logprobs = torch.log_softmax(scores, dim=-1)
+        else:
+            logprobs = torch.ops.aten._log_softmax.out(scores, -1, False, out=ws.take("logprobs", scores))
         chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         if not self.top_n:
             return StepResult(tokens, chosen)
@@ -343,15 +392,19 @@ class TokenSampler:
         return torch.searchsorted(cdf, target, right=True).squeeze(-1)
 
     # -- the untruncated distribution -------------------------------------------------------
-    def _sample_full(self, scaled: torch.Tensor, raw: torch.Tensor, uniforms: torch.Tensor) -> StepResult:
-        probs = torch.softmax(scaled, dim=-1)
-        tokens = self._inverse_cdf(probs.cumsum(dim=-1), uniforms)
+    def _sample_full(
+        self, scaled: torch.Tensor, raw: torch.Tensor, uniforms: torch.Tensor, ws: Workspace | None = None
+    ) -> StepResult:
+        probs = _softmax(scaled, ws)
+        tokens = self._inverse_cdf(_cumsum(probs, ws), uniforms)
         if not self.want_logprobs:
             return StepResult(tokens)
-        return self._finish_full(tokens, raw if self.raw_mode else scaled)
+        return self._finish_full(tokens, raw if self.raw_mode else scaled, ws)
 
     # -- top-p / min-p by rejection ---------------------------------------------------------------
-    def _survives(self, probs: torch.Tensor, peak: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor:
+    def _survives(
+        self, probs: torch.Tensor, peak: torch.Tensor | None, tokens: torch.Tensor, ws: Workspace | None = None
+    ) -> torch.Tensor:
         """Whether each row's token survives top-p and min-p (``peak``: each row's largest probability)."""
         p = probs.gather(-1, tokens.unsqueeze(-1))
         ok = torch.ones(tokens.shape, dtype=torch.bool, device=tokens.device)
@@ -363,20 +416,25 @@ class TokenSampler:
             # rest; only the others need the pass over the vocabulary.
             unsure = (p.squeeze(-1) <= 1.0 - self.top_p).nonzero().flatten()
             if unsure.numel() * 2 > len(tokens):
-                ok &= torch.where(probs > p, probs, 0.0).sum(dim=-1) < self.top_p  # mass ranked above
+                if ws is None:
+                    above = torch.where(probs > p, probs, 0.0)
+                else:
+                    higher = torch.gt(probs, p, out=ws.take("higher", probs, torch.bool))
+                    above = torch.where(higher, probs, probs.new_zeros(()), out=ws.take("above", probs))
+                ok &= above.sum(dim=-1) < self.top_p  # mass ranked above
             elif unsure.numel():
                 rows = probs[unsure]
                 ok[unsure] &= torch.where(rows > p[unsure], rows, 0.0).sum(dim=-1) < self.top_p
         return ok
 
     def _sample_by_rejection(
-        self, scaled: torch.Tensor, raw: torch.Tensor, uniforms: torch.Tensor, redraw: Redraw
+        self, scaled: torch.Tensor, raw: torch.Tensor, uniforms: torch.Tensor, redraw: Redraw, ws: Workspace | None
     ) -> StepResult:
-        probs = torch.softmax(scaled, dim=-1)
-        cdf = probs.cumsum(dim=-1)
+        probs = _softmax(scaled, ws)
+        cdf = _cumsum(probs, ws)
         peak = probs.amax(dim=-1, keepdim=True) if self.min_p is not None else None
         tokens = self._inverse_cdf(cdf, uniforms)
-        pending = (~self._survives(probs, peak, tokens)).nonzero().flatten().tolist()
+        pending = (~self._survives(probs, peak, tokens, ws)).nonzero().flatten().tolist()
         for _ in range(_MAX_REDRAWS):
             if not pending:
                 break
@@ -391,7 +449,7 @@ class TokenSampler:
         if not self.want_logprobs:
             return StepResult(tokens)
         if self.raw_mode:
-            return self._finish_full(tokens, raw)
+            return self._finish_full(tokens, raw, ws)
         # Processed log-probs need the kept mass. Under min-p alone that is one pass; under
         # top-p it takes the boundary, found over the largest probabilities (only the
         # normaliser comes from there: the token was drawn above, so asking for log-probs
