@@ -184,13 +184,13 @@ def test_processed_logprobs_under_top_p_equal_a_full_sort(params: SamplingParams
 def test_the_workspace_changes_no_bit_and_no_result_refers_to_it(params: SamplingParams) -> None:
     """The sampler's passes written into reused buffers give the same bits as into fresh tensors,
     and a result stays what it was when the next step reuses the buffers."""
-    from twinkle_torch.sampling import Workspace
+    from twinkle_torch.sampling import FRESH_PAGES_BYTES, Workspace
 
     torch.manual_seed(4)
     # peaked rows (the drawn token alone fills the nucleus) and flat ones (the pass over the vocabulary runs)
     steps = [torch.randn(rows, 3000) * torch.linspace(0.05, 6.0, rows).unsqueeze(-1) for rows in (9, 5, 9)]
     uniforms = [torch.rand(len(logits)) for logits in steps]
-    sampler, workspace = TokenSampler(params), Workspace()
+    sampler, workspace = TokenSampler(params), Workspace(min_bytes=0)  # keep even these small passes
 
     def redraw(rows: list[int]) -> torch.Tensor:  # rejected draws: numbers of their own, the same in both runs
         return torch.tensor([(0.618 * (r + 1)) % 1.0 for r in rows])
@@ -204,6 +204,11 @@ def test_the_workspace_changes_no_bit_and_no_result_refers_to_it(params: Samplin
     assert workspace._buffers  # every case here writes into it
     workspace.clear()
     assert not workspace._buffers
+    small = Workspace()  # the default keeps only blocks the allocator would map afresh
+    assert sampler(steps[0], uniforms=uniforms[0], redraw=redraw, workspace=small).tokens.equal(fresh[0].tokens)
+    assert not small._buffers
+    big = torch.empty(FRESH_PAGES_BYTES // 4, dtype=torch.float32)
+    assert small.take("probs", big).numel() == big.numel() and small._buffers
 
 
 def test_gather_prefills_right_aligns_rows_from_several_caches() -> None:

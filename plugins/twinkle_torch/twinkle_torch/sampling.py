@@ -32,7 +32,7 @@ from twinkle_core.data_format import SamplingParams
 from twinkle_core.errors import InvalidSamplingParams
 from twinkle_torch.constraints import LogitConstraints
 
-__all__ = ["RowRandomness", "StepResult", "TokenSampler", "Workspace", "derive_seed"]
+__all__ = ["FRESH_PAGES_BYTES", "RowRandomness", "StepResult", "TokenSampler", "Workspace", "derive_seed"]
 
 #: Candidates examined first when top-p or min-p is on (widened x4 as needed).
 _FIRST_CANDIDATES = 64
@@ -44,6 +44,11 @@ _MASK64 = (1 << 64) - 1
 _BELOW_ONE = 1.0 - 2.0**-24
 
 
+#: Blocks at least this big come from fresh pages at every allocation (glibc's largest mmap
+#: threshold on 64-bit Linux); its heap already reuses smaller ones.
+FRESH_PAGES_BYTES = 32 << 20
+
+
 class Workspace:
     """Buffers the sampler's passes over ``[rows, vocab]`` write into, kept from one decode step to the next.
 
@@ -53,16 +58,22 @@ class Workspace:
     softmax into a fresh tensor took 33 ms, into a reused one 8.6 ms. The same
     kernels write into these buffers (their ``out=`` forms), so the results
     are the same bits. One buffer per name, grown to the largest request;
-    :meth:`clear` drops them (the decoder does when its batch ends). One
-    decode loop's: not for two threads at once.
+    :meth:`clear` drops them (the decoder does when its batch ends). Only CPU
+    blocks of ``min_bytes`` or more are kept: smaller ones the allocator
+    reuses already (keeping them would only hold memory the forward could
+    have reused), and CUDA's caching allocator keeps its own. One decode
+    loop's: not for two threads at once.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, min_bytes: int = FRESH_PAGES_BYTES) -> None:
+        self.min_bytes = min_bytes
         self._buffers: dict[str, torch.Tensor] = {}
 
     def take(self, name: str, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """A buffer shaped as ``like`` (its dtype, or ``dtype``); its contents are garbage."""
+        """A tensor shaped as ``like`` (its dtype, or ``dtype``) to write into; its contents are garbage."""
         dtype = like.dtype if dtype is None else dtype
+        if like.device.type != "cpu" or like.numel() * dtype.itemsize < self.min_bytes:
+            return torch.empty(like.shape, dtype=dtype, device=like.device)
         buffer = self._buffers.get(name)
         if buffer is None or buffer.numel() < like.numel() or buffer.dtype != dtype or buffer.device != like.device:
             self._buffers.pop(name, None)  # the old one goes before the new one comes
