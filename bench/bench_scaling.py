@@ -250,11 +250,12 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_summary()
     title = f"SmolLM2-135M-Instruct, float32, sampled, ignore_eos; one run, {minutes:.0f} min; {machine}"
     out = Path(args.out)
-    plot(results, out, title)
+    out.parent.mkdir(parents=True, exist_ok=True)
     text = f"{title}\n\n{table(results)}\n"
+    print(text, flush=True)  # before the files: a run's figures are never lost to a bad path
     out.with_suffix(".md").write_text(text)
     out.with_suffix(".json").write_text(json.dumps({"title": title, "results": results}, indent=1))
-    print(text)
+    plot(results, out, title)
     return 0
 
 
