@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -77,16 +78,55 @@ def test_seeded_rows_draw_their_own_stream() -> None:
     assert b.uniforms(torch.device("cpu"))[0] == second[1]
 
 
-def test_truncation_widens_candidates_for_flat_rows() -> None:
+@pytest.mark.parametrize("native", [False, True], ids=["topk", "native"])
+def test_truncation_widens_candidates_for_flat_rows(native: bool) -> None:
     # one peaked row and one flat row: the flat row's nucleus needs most of the vocabulary
     vocab = 5000
     logits = torch.zeros(2, vocab)
     logits[0, 7] = 30.0
-    sampler = TokenSampler(SamplingParams(top_p=0.9, logprobs=0))
+    sampler = TokenSampler(SamplingParams(top_p=0.9, logprobs=0), native=native)
     out = sampler(logits, uniforms=torch.tensor([0.5, 0.999]))
     assert out.tokens[0] == 7
     assert out.logprobs is not None
-    assert out.logprobs[1] == pytest.approx(-math.log(math.ceil(0.9 * vocab)), abs=1e-3)
+    # The flat row's tokens tie. The draw keeps them all (no token has mass above it), and the
+    # native nucleus keeps them together as the draw does; the topk path cuts the tie at 90%.
+    kept = vocab if native else math.ceil(0.9 * vocab)
+    assert out.logprobs[1] == pytest.approx(-math.log(kept), abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(top_p=0.9, logprobs=0),
+        SamplingParams(top_p=0.7, temperature=0.6, logprobs=5),
+        SamplingParams(top_p=0.95, min_p=0.2, logprobs=3),
+    ],
+    ids=["top-p", "top-p-alternatives", "top-p-min-p"],
+)
+def test_native_nucleus_log_probs_equal_the_topk_paths(params: SamplingParams) -> None:
+    """Rows from peaked to nearly flat, no exact ties: both ways of finding the nucleus give the same
+    draws (the draw does not depend on them) and the same log-probs."""
+    g = torch.Generator().manual_seed(11)
+    logits = torch.randn(32, 8000, generator=g) * torch.linspace(0.5, 6.0, 32).unsqueeze(1)
+    uniforms = torch.rand(32, generator=g)
+
+    def redraw() -> Callable[[list[int]], torch.Tensor]:  # the same numbers for the rows drawn again
+        again = torch.Generator().manual_seed(5)
+        return lambda rows: torch.rand(len(rows), generator=again)
+
+    fast = TokenSampler(params, native=True)(logits, uniforms=uniforms, redraw=redraw())
+    slow = TokenSampler(params)(logits, uniforms=uniforms, redraw=redraw())
+    assert torch.equal(fast.tokens, slow.tokens)
+    assert fast.logprobs is not None and slow.logprobs is not None
+    assert torch.allclose(fast.logprobs, slow.logprobs, atol=1e-5, rtol=0)
+    if params.logprobs:
+        assert fast.top_ids is not None and slow.top_ids is not None
+        assert torch.equal(fast.top_ids, slow.top_ids)
+        assert fast.top_logprobs is not None and slow.top_logprobs is not None
+        finite = torch.isfinite(slow.top_logprobs)
+        assert torch.equal(torch.isfinite(fast.top_logprobs), finite)
+        assert torch.allclose(fast.top_logprobs[finite], slow.top_logprobs[finite], atol=1e-5, rtol=0)
+        assert not bool(finite.all())  # some alternatives fall outside a nucleus: the test sees the cut
 
 
 def test_min_p_and_top_k() -> None:

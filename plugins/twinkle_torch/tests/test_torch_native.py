@@ -1,8 +1,10 @@
-"""The native decode-attention kernel (`twinkle_torch.native`): against SDPA, in the engine, without a compiler."""
+"""The native kernels (`twinkle_torch.native`): decode attention against SDPA, the top-p nucleus against a
+sort, both in the engine, and the engine without a compiler."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -94,6 +96,61 @@ def test_what_the_kernel_does_not_take_is_left_to_sdpa() -> None:
     assert native.decode_attention(q, k, v, mask, None) is not None
 
 
+def _sorted_nucleus(probs: torch.Tensor, top_p: float, min_p: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's nucleus from a full sort: a value is kept when the mass of the values above it is below top_p."""
+    masses, lowest = [], []
+    for row in probs.double():
+        values, counts = torch.unique_consecutive(row.sort(descending=True).values, return_counts=True)
+        group = values * counts
+        keep = (group.cumsum(0) - group) < top_p
+        if min_p is not None:
+            keep &= values.float() >= min_p * values[0].float()
+        masses.append(group[keep].sum())
+        lowest.append(values[keep].min())
+    return torch.stack(masses).float(), torch.stack(lowest).float()
+
+
+@pytest.mark.parametrize("temperature", [0.3, 1.0, 3.0])
+@pytest.mark.parametrize(("top_p", "min_p"), [(0.95, None), (0.5, None), (0.9, 0.05), (0.999, None)])
+def test_the_nucleus_equals_a_sort(temperature: float, top_p: float, min_p: float | None) -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(24, 5003, generator=g) * 4 / temperature  # peaked to nearly flat rows
+    wide = torch.softmax(torch.cat([logits, torch.zeros(24, 9)], dim=1), dim=-1)
+    probs = wide[:, :5003] / wide[:, :5003].sum(-1, keepdim=True)
+    probs = torch.cat([probs, torch.zeros(24, 9)], dim=1)[:, :5003]  # rows strided apart, as a view
+    assert probs.stride(0) == 5012
+    found = native.nucleus(probs, top_p, min_p)
+    assert found is not None
+    mass, threshold = found
+    want_mass, want_threshold = _sorted_nucleus(probs, top_p, min_p)
+    assert torch.allclose(mass.squeeze(1), want_mass, rtol=1e-6, atol=0)
+    assert torch.equal(threshold.squeeze(1), want_threshold)
+
+
+def test_the_nucleus_keeps_ties_together_and_flags_what_is_no_probability() -> None:
+    probs = torch.full((3, 1000), 1e-3)
+    probs[1, :10] = 0.05  # ten tied leaders hold half the mass: all ten are kept, and only they
+    probs[1, 10:] = 0.5 / 990
+    probs[2, 5] = float("nan")
+    found = native.nucleus(probs, 0.3)
+    assert found is not None
+    mass, threshold = found
+    assert mass[0].item() == pytest.approx(1.0) and threshold[0].item() == pytest.approx(1e-3)
+    assert mass[1].item() == pytest.approx(0.5) and threshold[1].item() == pytest.approx(0.05)
+    assert math.isnan(mass[2].item()) and math.isnan(threshold[2].item())
+
+
+def test_what_the_nucleus_does_not_take_is_left_to_topk() -> None:
+    probs = torch.softmax(torch.randn(4, 100), dim=-1)
+    assert native.nucleus(probs.double(), 0.9) is None
+    assert native.nucleus(probs.t().contiguous().t(), 0.9) is None  # columns strided
+    assert native.nucleus(probs, float("nan")) is None
+    assert native.nucleus(probs, 0.9, min_p=1.5) is None
+    with torch.enable_grad():
+        assert native.nucleus(probs.clone().requires_grad_(), 0.9) is None
+    assert native.nucleus(probs, 0.9) is not None
+
+
 # -- in the engine ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf_model(tiny_llama: Path) -> Any:
@@ -133,6 +190,36 @@ def test_sampled_logprobs_through_the_kernel_equal_the_models(
             assert torch.allclose(got, want[torch.arange(len(seq.tokens)), seq.tokens], atol=1e-4, rtol=0)
             checked += len(seq.tokens)
     assert checked == len(chat_prompts) * 3 * 24
+
+
+def test_processed_logprobs_under_top_p_and_min_p_are_the_renormalised_nucleus(
+    sampler: TorchSampler, hf_model: Any, chat_prompts: list[Trajectory]
+) -> None:
+    """Through the native nucleus (the CPU engine's default): each sampled token's log-prob is its
+    probability over the mass of its step's nucleus, found here by a sort of the model's own forward."""
+    assert sampler.engine._decoder.native_kernels
+    top_p, min_p, temperature = 0.8, 0.02, 1.3
+    params = SamplingParams(
+        temperature=temperature, top_p=top_p, min_p=min_p, max_tokens=12, ignore_eos=True, seed=5, logprobs=3
+    )
+    for response in sampler.sample(chat_prompts[:3], params):
+        prompt = response.prompt_token_ids
+        (seq,) = response.sequences
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([prompt + seq.tokens])).logits[0].float()
+        probs = torch.softmax(logits[len(prompt) - 1 : -1] / temperature, -1)
+        mass, lowest = _sorted_nucleus(probs, top_p, min_p)
+        chosen = probs[torch.arange(len(seq.tokens)), seq.tokens]
+        assert bool((chosen >= lowest * (1 - 1e-5)).all())  # every drawn token is in its nucleus
+        assert seq.logprobs is not None
+        want = torch.log(chosen) - torch.log(mass)
+        assert torch.allclose(torch.tensor(seq.logprobs), want, atol=1e-4, rtol=0)
+        assert seq.top_logprobs is not None
+        for step, alternatives in enumerate(seq.top_logprobs):
+            for token, logprob in alternatives:
+                p = probs[step, token]
+                expected = float(torch.log(p) - torch.log(mass[step])) if p >= lowest[step] else -math.inf
+                assert logprob == pytest.approx(expected, abs=1e-4)
 
 
 def test_native_conflicts_with_a_chosen_attention(tiny_llama: Path) -> None:
@@ -189,7 +276,7 @@ def test_where_it_cannot_be_built_auto_keeps_sdpa_and_native_refuses(
 def test_the_build_is_cached_by_source_compiler_and_cpu(tiny_llama: Path, tmp_path: Path) -> None:
     out, _ = _probe(tiny_llama, tmp_path, None)
     assert "native" not in out and out["auto"] == NATIVE_ATTN_IMPLEMENTATION and out["tokens"] == 4
-    (built,) = tmp_path.glob("kernels/decode_attention-*.so")
+    (built,) = tmp_path.glob("kernels/kernels-*.so")
     stamp = built.stat().st_mtime_ns
     _probe(tiny_llama, tmp_path, None)  # a second process loads the same file, no rebuild
     assert [p.name for p in tmp_path.glob("kernels/*")] == [built.name] and built.stat().st_mtime_ns == stamp

@@ -296,6 +296,8 @@ class Decoder:
         max_batch_tokens: the KV-cache budget of the batch, in tokens:
             rows x the longest (prompt + max_tokens) among them.
         vocab_size: the width of the logits (token constraints are checked against it).
+        native_kernels: whether the sampler may use :mod:`twinkle_torch.native`'s
+            kernels (the engine's choice; see its ``attention_kernel``).
     """
 
     def __init__(
@@ -311,8 +313,10 @@ class Decoder:
         sdpa_masks: bool = False,
         max_batch_tokens: int = 65536,
         vocab_size: int | None = None,
+        native_kernels: bool = False,
     ) -> None:
         self.model = model
+        self.native_kernels = native_kernels
         self.vocab_size = vocab_size if vocab_size is not None else int(model.config.vocab_size)
         self._tokenizer = tokenizer
         self.device = device
@@ -839,7 +843,7 @@ class Decoder:
             if len(self._samplers) > 256:  # parameters of runs long gone
                 self._samplers.clear()
             constraints = LogitConstraints.of(job.params, self._min_tokens_ids(job), self.tokenizer, self.vocab_size)
-            sampler = self._samplers[job.group] = TokenSampler(job.params, constraints)
+            sampler = self._samplers[job.group] = TokenSampler(job.params, constraints, native=self.native_kernels)
         return sampler
 
     def _sample(self, batch: _Batch) -> list[tuple[_Row, str, str | int | None]]:

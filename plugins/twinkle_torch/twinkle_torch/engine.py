@@ -229,7 +229,11 @@ class TorchEngine(Engine):
             with the machine's C++ compiler; PyTorch's SDPA where it cannot be
             built, with a warning, and on other devices), ``"native"`` (the
             same, and an error where it cannot be built) or ``"sdpa"``
-            (PyTorch's ``scaled_dot_product_attention`` throughout).
+            (PyTorch's ``scaled_dot_product_attention`` throughout). The
+            same library, where this loads it, also gives the sampler the
+            normaliser of processed log-probs under top-p without a sort
+            (:func:`twinkle_torch.native.nucleus`); with ``"sdpa"`` the
+            engine builds and runs no native code.
         **model_kwargs: more ``AutoModelForCausalLM.from_pretrained`` arguments
             (e.g. ``attn_implementation="eager"``); ``revision=`` goes to the model-id resolver.
 
@@ -329,6 +333,7 @@ class TorchEngine(Engine):
             ),
             max_batch_tokens=max_batch_tokens,
             vocab_size=self.info.vocab_size,
+            native_kernels=attention == NATIVE_ATTN_IMPLEMENTATION,
         )
 
     @property

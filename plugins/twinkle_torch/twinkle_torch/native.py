@@ -1,4 +1,7 @@
-"""The decode-attention kernel in ``decode_attention.cpp``: built on this machine, called through ``ctypes``.
+"""The engine's own CPU kernels: built on this machine, called through ``ctypes``.
+
+Two sources make one library: ``decode_attention.cpp`` (:func:`decode_attention`)
+and ``nucleus.cpp`` (:func:`nucleus`, the sampler's top-p mass without a sort).
 
 One decode step of grouped-query attention is, for PyTorch on CPU, many tiny
 matrix products, and ``scaled_dot_product_attention`` spends most of its time
@@ -8,7 +11,7 @@ on their overhead rather than on reading the cache: at SmolLM2's shapes and
 and values once for all the query heads of its group and skips the columns a
 row masks.
 
-It is compiled on first use with the machine's C++ compiler (``$CXX``, else
+The library is compiled on first use with the machine's C++ compiler (``$CXX``, else
 ``c++``, ``g++`` or ``clang++``; ``-O3 -march=native -fopenmp``) into
 ``$TWINKLE_CACHE_DIR/kernels`` (default ``~/.cache/twinkle/kernels``), under
 a name that hashes the source, the compiler, the flags and the CPU, so a
@@ -19,7 +22,8 @@ start (``attention_kernel="native"``).
 
 :func:`decode_attention` takes float32 and bfloat16 CPU tensors; anything else
 (another device or dtype, a float mask, a layout it does not read) returns
-``None`` and the caller runs PyTorch's attention instead.
+``None`` and the caller runs PyTorch's attention instead; :func:`nucleus`
+does the same for what it does not take.
 """
 
 from __future__ import annotations
@@ -36,10 +40,11 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KernelUnavailable", "decode_attention", "load"]
+__all__ = ["KernelUnavailable", "decode_attention", "load", "nucleus"]
 
-_SOURCE = Path(__file__).with_name("decode_attention.cpp")
+_SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.cpp", "nucleus.cpp"))
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_NAMES = " and ".join(path.name for path in _SOURCES)
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 #: seconds a build may take before it counts as failed
 _BUILD_TIMEOUT = 300
@@ -80,9 +85,9 @@ def _build(compiler: str) -> Path:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60, check=True).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"the C++ compiler {compiler!r} does not run: {exc}") from exc
-    source = _SOURCE.read_bytes()
-    digest = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode(), _cpu().encode()]))
-    target = _cache_dir() / f"decode_attention-{digest.hexdigest()[:16]}.so"
+    sources = [path.read_bytes() for path in _SOURCES]
+    digest = hashlib.sha256(b"\0".join([*sources, " ".join(_FLAGS).encode(), version.encode(), _cpu().encode()]))
+    target = _cache_dir() / f"kernels-{digest.hexdigest()[:16]}.so"
     if target.exists():
         return target
     try:
@@ -95,13 +100,16 @@ def _build(compiler: str) -> Path:
         raise KernelUnavailable(f"cannot write the kernel cache {where} (set TWINKLE_CACHE_DIR): {exc}") from exc
     try:
         done = subprocess.run(
-            [compiler, *_FLAGS, "-o", partial, str(_SOURCE)], capture_output=True, text=True, timeout=_BUILD_TIMEOUT
+            [compiler, *_FLAGS, "-o", partial, *map(str, _SOURCES)],
+            capture_output=True,
+            text=True,
+            timeout=_BUILD_TIMEOUT,
         )
         if done.returncode != 0:
-            raise KernelUnavailable(f"building {_SOURCE.name} with {compiler} failed:\n{done.stderr.strip()[-2000:]}")
+            raise KernelUnavailable(f"building {_NAMES} with {compiler} failed:\n{done.stderr.strip()[-2000:]}")
         os.replace(partial, target)
     except subprocess.TimeoutExpired as exc:
-        raise KernelUnavailable(f"building {_SOURCE.name} with {compiler} took over {_BUILD_TIMEOUT} s") from exc
+        raise KernelUnavailable(f"building {_NAMES} with {compiler} took over {_BUILD_TIMEOUT} s") from exc
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
@@ -119,6 +127,7 @@ def load() -> ctypes.CDLL:
                     raise KernelUnavailable("no C++ compiler found (set CXX, or install g++ or clang++)")
                 library = ctypes.CDLL(str(_build(compiler)))
                 function = library.twinkle_decode_attention
+                nucleus_function = library.twinkle_nucleus
             except KernelUnavailable as exc:
                 _loaded = exc
             except (OSError, AttributeError) as exc:
@@ -127,10 +136,23 @@ def load() -> ctypes.CDLL:
                 i64 = ctypes.c_int64
                 function.argtypes = [ctypes.c_int] + [ctypes.c_void_p] * 5 + [i64] * 13 + [ctypes.c_float, ctypes.c_int]
                 function.restype = ctypes.c_int
+                nucleus_function.argtypes = [ctypes.c_void_p, i64, i64, i64, ctypes.c_double, ctypes.c_double]
+                nucleus_function.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                nucleus_function.restype = ctypes.c_int
                 _loaded = library
         if isinstance(_loaded, KernelUnavailable):
             raise KernelUnavailable(str(_loaded))
         return _loaded
+
+
+def _library() -> ctypes.CDLL | None:
+    library = _loaded
+    if isinstance(library, ctypes.CDLL):
+        return library
+    try:
+        return load()
+    except KernelUnavailable:
+        return None
 
 
 def decode_attention(
@@ -144,12 +166,9 @@ def decode_attention(
     Returns ``[rows, kv_heads * group, dim]`` (the query heads in order), or
     ``None`` where the kernel does not apply or cannot be built.
     """
-    library = _loaded
-    if not isinstance(library, ctypes.CDLL):
-        try:
-            library = load()
-        except KernelUnavailable:
-            return None
+    library = _library()
+    if library is None:
+        return None
     rows, heads, group, dim = query.shape
     tokens = key.shape[2]
     dtype = _DTYPES.get(query.dtype)
@@ -194,3 +213,42 @@ def decode_attention(
     if status == -2:
         raise MemoryError("decode attention: no memory for the kernel's scratch buffers")
     return out if status == 0 else None
+
+
+def nucleus(probs: torch.Tensor, top_p: float, min_p: float | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Each row's top-p nucleus (with the min-p rule when ``min_p`` is given), without sorting.
+
+    ``probs``: ``[rows, vocab]`` float32 probabilities on the CPU. A token is
+    kept when the mass of the tokens strictly more likely than it is below
+    ``top_p`` (ties are kept together), and, with ``min_p``, when it is at
+    least ``min_p`` times the row's largest probability. Returns ``(mass,
+    threshold)``, each ``[rows, 1]``: the kept tokens' total probability
+    (summed in double) and the lowest kept probability, NaN both for a row
+    that holds a value no probability has (NaN, negative, infinite). ``None``
+    where the kernel does not apply or cannot be built.
+    """
+    if (
+        probs.dtype != torch.float32
+        or probs.device.type != "cpu"
+        or probs.dim() != 2
+        or probs.shape[1] == 0
+        or probs.stride(1) != 1
+        or probs.stride(0) < probs.shape[1]
+        or not top_p > 0.0
+        or (min_p is not None and not 0.0 <= min_p <= 1.0)
+        or (torch.is_grad_enabled() and probs.requires_grad)
+    ):
+        return None
+    library = _library()
+    if library is None:
+        return None
+    rows, vocab = probs.shape
+    mass = probs.new_empty(rows, 1)
+    threshold = probs.new_empty(rows, 1)
+    if rows == 0:
+        return mass, threshold
+    status = library.twinkle_nucleus(
+        probs.data_ptr(), rows, vocab, probs.stride(0), float(top_p), -1.0 if min_p is None else float(min_p),
+        mass.data_ptr(), threshold.data_ptr(), torch.get_num_threads(),
+    )  # fmt: skip
+    return (mass, threshold) if status == 0 else None

@@ -30,6 +30,7 @@ import torch
 
 from twinkle_core.data_format import SamplingParams
 from twinkle_core.errors import InvalidSamplingParams
+from twinkle_torch import native
 from twinkle_torch.constraints import LogitConstraints
 
 __all__ = ["FRESH_PAGES_BYTES", "RowRandomness", "StepResult", "TokenSampler", "Workspace", "derive_seed"]
@@ -84,15 +85,20 @@ class Workspace:
         self._buffers.clear()
 
 
-def _softmax(scores: torch.Tensor, ws: Workspace | None) -> torch.Tensor:
+def _out(ws: Workspace | None, name: str, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Where a pass over ``like``'s shape writes: ``ws``'s buffer ``name``, or a fresh tensor without one."""
     if ws is None:
-        return torch.softmax(scores, dim=-1)
-    out: torch.Tensor = torch.ops.aten._softmax.out(scores, -1, False, out=ws.take("probs", scores))
+        return torch.empty(like.shape, dtype=like.dtype if dtype is None else dtype, device=like.device)
+    return ws.take(name, like, dtype)
+
+
+def _softmax(scores: torch.Tensor, ws: Workspace | None) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.aten._softmax.out(scores, -1, False, out=_out(ws, "probs", scores))
     return out
 
 
 def _cumsum(probs: torch.Tensor, ws: Workspace | None) -> torch.Tensor:
-    return probs.cumsum(dim=-1) if ws is None else torch.cumsum(probs, dim=-1, out=ws.take("cdf", probs))
+    return torch.cumsum(probs, dim=-1, out=_out(ws, "cdf", probs))
 
 
 def derive_seed(seed: int, index: int) -> int:
@@ -214,21 +220,30 @@ class TokenSampler:
     on CPU) or a wide ``topk``. Top-k takes the candidate path: ``topk`` over a
     candidate set wide enough to hold every kept token, the kept prefix found
     there. Processed log-probs under top-p need the boundary too, for their
-    normaliser: it is found the same way, with a candidate set that starts at
-    the width the previous step needed. How a token is drawn never depends on
+    normaliser: with ``native``, :func:`twinkle_torch.native.nucleus` finds it
+    without a sort; otherwise a ``topk`` that starts narrow and widens for the
+    rows whose nucleus is not closed yet. How a token is drawn never depends on
     the log-prob options, so asking for log-probs does not change the samples.
 
-    Both paths keep the tokens whose probability mass ranked above them is
-    below ``top_p``; they differ only in how they break exact ties in probability.
+    All paths keep the tokens whose probability mass ranked above them is
+    below ``top_p``; they differ only in how they break exact ties in
+    probability. The draw by rejection and the native nucleus keep a tie
+    whole; the ``topk`` paths cut it where the mass reaches ``top_p``.
 
     Args:
         params: the request's sampling parameters.
         constraints: its token constraints, bias and completion penalties
             (``LogitConstraints.of(params, ...)``), if it sets any.
+        native: find the normaliser of processed log-probs under top-p with
+            :func:`twinkle_torch.native.nucleus` (CPU, float32; no sort, and
+            exact ties kept together as the draw keeps them) where it applies.
     """
 
-    def __init__(self, params: SamplingParams, constraints: LogitConstraints | None = None) -> None:
+    def __init__(
+        self, params: SamplingParams, constraints: LogitConstraints | None = None, *, native: bool = False
+    ) -> None:
         self.params = params
+        self.native = native
         self.constraints = constraints
         self.greedy = params.greedy
         self.want_logprobs = params.logprobs is not None
@@ -312,9 +327,7 @@ class TokenSampler:
         assert uniforms is not None
         if self.params.temperature != 1.0:
             t = self.params.temperature
-            processed = (
-                processed / t if workspace is None else torch.div(processed, t, out=workspace.take("scaled", processed))
-            )
+            processed = torch.div(processed, t, out=_out(workspace, "scaled", processed))
         if not self.truncates:
             result = self._sample_full(processed, raw, uniforms, workspace)
             if self.want_mask and constraints is not None and constraints.masks:
@@ -380,10 +393,7 @@ class TokenSampler:
 
     def _finish_full(self, tokens: torch.Tensor, scores: torch.Tensor, ws: Workspace | None = None) -> StepResult:
         """Log-probs of ``tokens`` (and the top-n) under the log-softmax of ``scores``."""
-        if ws is None:
-            logprobs = torch.log_softmax(scores, dim=-1)
-        else:
-            logprobs = torch.ops.aten._log_softmax.out(scores, -1, False, out=ws.take("logprobs", scores))
+        logprobs = torch.ops.aten._log_softmax.out(scores, -1, False, out=_out(ws, "logprobs", scores))
         chosen = logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         if not self.top_n:
             return StepResult(tokens, chosen)
@@ -427,11 +437,8 @@ class TokenSampler:
             # rest; only the others need the pass over the vocabulary.
             unsure = (p.squeeze(-1) <= 1.0 - self.top_p).nonzero().flatten()
             if unsure.numel() * 2 > len(tokens):
-                if ws is None:
-                    above = torch.where(probs > p, probs, 0.0)
-                else:
-                    higher = torch.gt(probs, p, out=ws.take("higher", probs, torch.bool))
-                    above = torch.where(higher, probs, probs.new_zeros(()), out=ws.take("above", probs))
+                higher = torch.gt(probs, p, out=_out(ws, "higher", probs, torch.bool))
+                above = torch.where(higher, probs, probs.new_zeros(()), out=_out(ws, "above", probs))
                 ok &= above.sum(dim=-1) < self.top_p  # mass ranked above
             elif unsure.numel():
                 rows = probs[unsure]
@@ -478,7 +485,24 @@ class TokenSampler:
         return self._nucleus_logprobs(probs, tokens)
 
     def _nucleus_logprobs(self, probs: torch.Tensor, tokens: torch.Tensor) -> StepResult:
-        """Processed log-probs under top-p (and min-p with it), from the probabilities the draw used.
+        """Processed log-probs under top-p (and min-p with it), from the probabilities the draw used."""
+        assert self.top_p is not None
+        found = native.nucleus(probs, self.top_p, self.min_p) if self.native else None
+        if found is None:
+            return self._nucleus_logprobs_topk(probs, tokens)
+        mass, threshold = found
+        log_mass = torch.log(mass)
+        chosen = (torch.log(probs.gather(-1, tokens.unsqueeze(-1))) - log_mass).squeeze(-1)
+        n = min(self.top_n, probs.shape[-1])
+        if not n:
+            return StepResult(tokens, chosen)
+        values, ids = probs.topk(n, dim=-1)
+        return StepResult(
+            tokens, chosen, ids, torch.where(values >= threshold, torch.log(values) - log_mass, -math.inf)
+        )
+
+    def _nucleus_logprobs_topk(self, probs: torch.Tensor, tokens: torch.Tensor) -> StepResult:
+        """:meth:`_nucleus_logprobs` without the native kernel.
 
         The kept set is a prefix of each row's probabilities sorted down;
         ``topk`` finds it, starting ``_FIRST_CANDIDATES`` wide and widening x4
