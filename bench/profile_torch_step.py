@@ -140,8 +140,7 @@ def instrument(sampler: Any, timers: Timers) -> None:
     dec._sample = timers.wrap("sample pass", dec._sample)  # type: ignore[method-assign]
     dec._prune = timers.wrap("prune / join", dec._prune)  # type: ignore[method-assign]
     dec._join = timers.wrap("prune / join", dec._join)  # type: ignore[method-assign]
-    dec._prefill = timers.wrap("prefill", dec._prefill)  # type: ignore[method-assign]
-    dec._step = timers.wrap("step", dec._step)  # type: ignore[method-assign]
+    time_steps(timers)
     ts = sampling.TokenSampler
     ts.__call__ = timers.wrap("sampler", ts.__call__)  # type: ignore[method-assign]
     for name in ("_finish_full", "_candidate_logprobs", "_candidates", "_nucleus_logprobs"):

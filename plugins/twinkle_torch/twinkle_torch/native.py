@@ -14,7 +14,7 @@ row masks.
 The library is compiled on first use with the machine's C++ compiler (``$CXX``, else
 ``c++``, ``g++`` or ``clang++``; ``-O3 -march=native -fopenmp``) into
 ``$TWINKLE_CACHE_DIR/kernels`` (default ``~/.cache/twinkle/kernels``), under
-a name that hashes the source, the compiler, the flags and the CPU, so a
+a name that hashes the sources, the compiler, the flags and the CPU, so a
 cache shared by different machines never loads a binary built for another.
 Without a compiler, or when the build fails, :func:`load` says why and the
 engine keeps PyTorch's attention (``attention_kernel="auto"``) or refuses to

@@ -14,7 +14,6 @@
 //
 // Built with decode_attention.cpp by twinkle_torch.native; see that module.
 
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>

@@ -487,22 +487,26 @@ class TokenSampler:
     def _nucleus_logprobs(self, probs: torch.Tensor, tokens: torch.Tensor) -> StepResult:
         """Processed log-probs under top-p (and min-p with it), from the probabilities the draw used."""
         assert self.top_p is not None
+        n = min(self.top_n, probs.shape[-1])
+        top_ids: torch.Tensor | None
+        top_lp: torch.Tensor | None
         found = native.nucleus(probs, self.top_p, self.min_p) if self.native else None
         if found is None:
-            return self._nucleus_logprobs_topk(probs, tokens)
-        mass, threshold = found
-        log_mass = torch.log(mass)
+            log_mass, top_ids, top_lp = self._nucleus_topk(probs, n)
+        else:
+            mass, threshold = found
+            log_mass = torch.log(mass)
+            top_ids = top_lp = None
+            if n:  # a topk of width 0 still costs a pass
+                values, top_ids = probs.topk(n, dim=-1)
+                top_lp = torch.where(values >= threshold, torch.log(values) - log_mass, -math.inf)
         chosen = (torch.log(probs.gather(-1, tokens.unsqueeze(-1))) - log_mass).squeeze(-1)
-        n = min(self.top_n, probs.shape[-1])
         if not n:
             return StepResult(tokens, chosen)
-        values, ids = probs.topk(n, dim=-1)
-        return StepResult(
-            tokens, chosen, ids, torch.where(values >= threshold, torch.log(values) - log_mass, -math.inf)
-        )
+        return StepResult(tokens, chosen, top_ids, top_lp)
 
-    def _nucleus_logprobs_topk(self, probs: torch.Tensor, tokens: torch.Tensor) -> StepResult:
-        """:meth:`_nucleus_logprobs` without the native kernel.
+    def _nucleus_topk(self, probs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each row's log nucleus mass and its top-``n`` ids and processed log-probs, found by ``topk``.
 
         The kept set is a prefix of each row's probabilities sorted down;
         ``topk`` finds it, starting ``_FIRST_CANDIDATES`` wide and widening x4
@@ -512,7 +516,6 @@ class TokenSampler:
         assert self.top_p is not None
         rows, vocab = probs.shape
         log_mass = probs.new_empty(rows, 1)
-        n = min(self.top_n, vocab)
         top_ids = torch.zeros(rows, n, dtype=torch.long, device=probs.device)
         top_lp = probs.new_empty(rows, n)
         todo = torch.arange(rows, device=probs.device)
@@ -540,10 +543,7 @@ class TokenSampler:
             todo = todo[~closed]
             sub = probs[todo]
             k = vocab if 4 * k > vocab // 2 else 4 * k
-        chosen = (torch.log(probs.gather(-1, tokens.unsqueeze(-1))) - log_mass).squeeze(-1)
-        if not n:
-            return StepResult(tokens, chosen)
-        return StepResult(tokens, chosen, top_ids, top_lp)
+        return log_mass, top_ids, top_lp
 
     def _candidate_logprobs(
         self,
