@@ -15,12 +15,18 @@ steps through :mod:`twinkle_torch.native`'s kernel (prefill, and whatever the
 kernel does not take, stay on SDPA). :class:`~twinkle_torch.sampler.TorchSampler`
 loads CPU models with one of them unless ``attn_implementation`` is given
 (``attention_kernel`` chooses).
+
+A call that carries an argument neither SDPA nor the kernel honours (Gemma 2's
+logit soft-cap, gpt-oss's attention sinks...) goes to the model's own eager
+attention instead, with the masks turned into its additive form: the model
+keeps its meaning, only that family loses the speed.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import weakref
 from typing import Any
 
@@ -42,8 +48,29 @@ ATTN_IMPLEMENTATION = "twinkle_sdpa"
 #: The same, decode steps through the native kernel.
 NATIVE_ATTN_IMPLEMENTATION = "twinkle_native"
 
-# keyword arguments that only the stock implementation knows how to honour
-_STOCK_ONLY = ("position_bias", "s_aux", "sinks", "cache")
+
+def _carried() -> frozenset[str]:
+    """Keyword arguments an attention call may carry that change nothing here.
+
+    The ones every model's forward hands down to its attention
+    (``transformers``' ``TransformersKwargs``: output flags, packed-sequence
+    lengths, positions...), the cache's, and ``sliding_window``: the masks
+    already carry windows and packed sequences, as they do for
+    ``transformers``' own SDPA. Any other one set (a soft-cap, attention
+    sinks, sparse indices, a position bias...) is the attention module's own
+    and sends the call to the model's eager attention, which honours it:
+    PyTorch's SDPA and the native kernel would ignore it.
+    """
+    try:
+        from transformers.utils.generic import TransformersKwargs
+
+        handed_down = set(TransformersKwargs.__annotations__)
+    except ImportError:  # pragma: no cover - an older transformers: the names it had
+        handed_down = {"output_attentions", "output_hidden_states", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k"}
+    return frozenset(handed_down | {"sliding_window", "use_cache", "cache_position", "past_key_values"})
+
+
+_CARRIED = _carried()
 
 #: Decode steps split the batch into blocks of rows only from this many rows on.
 _MIN_BLOCK_ROWS = 16
@@ -112,16 +139,18 @@ def grouped_sdpa_attention_forward(
 
     batch, heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
-    stock_only = any(kwargs.get(k) is not None for k in _STOCK_ONLY)
+    extras = sorted(k for k, v in kwargs.items() if v is not None and v is not False and k not in _CARRIED)
+    if extras:
+        return _model_eager(module, query, key, value, attention_mask, dropout, scaling, is_causal, extras, kwargs)
     decoding = q_len == 1 and (attention_mask is None or attention_mask.shape[-2] == 1)
     # Decoding: the query heads of a group attend to the same keys under the same mask, so they
     # can be the query rows of one head: [batch, kv_heads, group, dim].
-    if native and decoding and not stock_only and dropout == 0.0 and heads % kv_heads == 0:
+    if native and decoding and dropout == 0.0 and heads % kv_heads == 0:
         grouped = query.reshape(batch, kv_heads, heads // kv_heads, dim)
         fast = native_decode_attention(grouped, key, value, attention_mask, scaling)
         if fast is not None:
             return fast.view(batch, 1, heads, dim), None
-    if heads == kv_heads or stock_only:
+    if heads == kv_heads:
         stock: tuple[torch.Tensor, None] = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
@@ -147,6 +176,42 @@ def grouped_sdpa_attention_forward(
         query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=causal, enable_gqa=True
     )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _model_eager(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    is_causal: bool | None,
+    extras: list[str],
+    kwargs: dict[str, Any],
+) -> tuple[torch.Tensor, None]:
+    """The model's own ``eager_attention_forward`` (from its modeling module), for what only it honours.
+
+    Its masks are additive floats and it applies no causality of its own: the
+    boolean (or absent) masks made for SDPA become one.
+    """
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise NotImplementedError(
+            f"{type(module).__name__} passes {extras} to its attention, which twinkle's attention does not"
+            " implement, and its module has no eager_attention_forward to defer to; load the model with"
+            " attn_implementation='eager'"
+        )
+    q_len, tokens = query.shape[2], key.shape[2]
+    mask = attention_mask
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if mask is None and causal and q_len > 1:
+        mask = torch.ones(q_len, tokens, dtype=torch.bool, device=query.device).tril(tokens - q_len)[None, None]
+    if mask is not None and mask.dtype == torch.bool:
+        blocked = torch.finfo(query.dtype).min
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, blocked)
+    out, _ = eager(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+    return out, None
 
 
 #: ``"twinkle_native"``'s function: decode steps through the native kernel.
