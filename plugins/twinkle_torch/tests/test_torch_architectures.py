@@ -29,6 +29,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch_helpers import make_lora
 
 from twinkle_core.data_format import SamplingParams, Trajectory
 from twinkle_core.testing import build_tiny_model
@@ -121,30 +122,39 @@ def _prompts() -> list[Trajectory]:
     return [Trajectory(messages=[{"role": "user", "content": "hi " * k + "there"}]) for k in (1, 9, 4, 22)]
 
 
-def _worst_gap(path: Path, attention_kernel: str) -> tuple[float, int]:
-    """The largest |engine - forward| over every sampled and prompt log-prob, and how many were compared."""
+def _eager(path: Path) -> Any:
+    """The reference: the model loaded plainly, with ``transformers``' own eager attention."""
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def _worst_gap(path: Path, attention_kernel: str) -> tuple[float, int]:
+    """The largest |engine - forward| over every sampled and prompt log-prob, and how many were compared."""
     with TorchSampler(path, device="cpu", attention_kernel=attention_kernel) as sampler:
         results = sampler.sample(_prompts(), PARAMS)
         results += sampler.sample(_prompts()[-1:], PARAMS)  # alone: no padding, so possibly no mask at all
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    return _gap(results, _eager(path))
+
+
+def _gap(results: list[Any], model: Any) -> tuple[float, int]:
     worst, compared = 0.0, 0
     for result in results:
         prompt = result.prompt_token_ids
-        assert result.prompt_logprobs is not None and len(result.prompt_logprobs) == len(prompt)
+        assert result.prompt_logprobs is None or len(result.prompt_logprobs) == len(prompt)
         assert len(result.sequences) == 2
         for seq in result.sequences:
-            assert len(seq.tokens) == 24 and seq.logprobs is not None
+            assert seq.tokens and seq.logprobs is not None and len(seq.logprobs) == len(seq.tokens)
             ids = torch.tensor([prompt + seq.tokens])
             with torch.no_grad():
                 logprobs = torch.log_softmax(model(ids).logits[0].float(), dim=-1)
             want = [logprobs[len(prompt) - 1 + i, t].item() for i, t in enumerate(seq.tokens)]
             want_prompt = [logprobs[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
-            got_prompt = result.prompt_logprobs[1:]
-            assert all(v is not None for v in got_prompt)
             gaps = [abs(a - b) for a, b in zip(want, seq.logprobs)]
-            gaps += [abs(a - b) for a, b in zip(want_prompt, got_prompt)]  # type: ignore[operator]
+            if result.prompt_logprobs is not None:
+                got_prompt = result.prompt_logprobs[1:]
+                assert all(v is not None for v in got_prompt)
+                gaps += [abs(a - b) for a, b in zip(want_prompt, got_prompt)]  # type: ignore[operator]
             worst, compared = max(worst, *gaps), compared + len(gaps)
     return worst, compared
 
@@ -182,3 +192,50 @@ def test_only_what_needs_it_leaves_the_engines_attention(
     with TorchSampler(models[name], device="cpu") as sampler:
         sampler.sample(_prompts()[:2], SamplingParams(max_tokens=4, ignore_eos=True))
     assert bool(calls) is deferred, calls
+
+
+#: Where each family keeps the projections a LoRA adapter targets (GPT-2's are ``Conv1D``, Phi-3's fused).
+LORA_TARGETS = {
+    "gpt2": ["c_attn", "c_proj"],
+    "phi3": ["qkv_proj", "o_proj", "gate_up_proj"],
+    "mixtral": ["q_proj", "v_proj", "o_proj"],
+    "gpt-oss": ["q_proj", "v_proj", "o_proj"],
+}
+
+
+@pytest.mark.parametrize("name", list(LORA_TARGETS))
+def test_adapters_merges_and_weight_updates_on_other_families(
+    models: dict[str, Path], name: str, tmp_path: Path
+) -> None:
+    """LoRA served on the fly, the same merged, the base again, then new weights: each is the model it says."""
+    from peft import PeftModel
+
+    path = models[name]
+    adapter = make_lora(path, tmp_path / "lora", seed=1, targets=LORA_TARGETS[name])
+    base = _eager(path)
+    with_adapter = PeftModel.from_pretrained(_eager(path), str(adapter)).eval()
+    gen = torch.Generator().manual_seed(7)
+    new_weights = {
+        k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in base.state_dict().items() if v.is_floating_point()
+    }
+    updated = _eager(path)
+    updated.load_state_dict(new_weights, strict=False)
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, logprobs=0, num_samples=2, seed=5)
+    gaps = {}
+    with TorchSampler(path, device="cpu") as sampler:
+        sampler.add_adapter_to_model("a", str(adapter))
+        gaps["adapter"] = _gap(sampler.sample(_prompts(), params, adapter_name="a"), with_adapter)[0]
+        gaps["base beside it"] = _gap(sampler.sample(_prompts(), params), base)[0]
+        sampler.remove_adapter("a")
+        sampler.add_adapter_to_model("m", str(adapter), merge=True)
+        gaps["merged"] = _gap(sampler.sample(_prompts(), params, adapter_name="m"), with_adapter)[0]
+        sampler.remove_adapter("m")
+        gaps["base, unmerged"] = _gap(sampler.sample(_prompts(), params), base)[0]
+        sampler.update_weights(new_weights)
+        gaps["updated"] = _gap(sampler.sample(_prompts(), params), updated)[0]
+    assert max(gaps.values()) < _TOLERANCE, gaps
+    # and the three models differ, so each comparison could fail
+    ids = torch.tensor([[5, 17, 99, 3, 250, 41]])
+    with torch.no_grad():
+        logits = [m(ids).logits for m in (base, with_adapter, updated)]
+    assert (logits[0] - logits[1]).abs().max() > 0.1 and (logits[0] - logits[2]).abs().max() > 0.1
