@@ -6,9 +6,10 @@ through SDPA or a native kernel, oneDNN linears) and the tiny models of the
 other tests are Llama and Qwen2 only. Here random tiny models of other
 families, built offline from their configs, each bring something those two
 lack: sliding windows (all layers, or alternating with full ones), logit
-soft-capping, query/key norms, biases, GPT-2's ``Conv1D`` and learned
-positions, partial rotary embeddings, parallel residuals, a mixture of
-experts, multipliers, full multi-head attention, head sizes of 32, 48 and 128.
+soft-capping, attention sinks, query/key norms, biases, GPT-2's ``Conv1D`` and
+learned positions, partial rotary embeddings, parallel residuals, mixtures of
+experts, multipliers, full multi-head attention, latent attention (values of
+another width than keys), head sizes of 32, 48 and 128.
 
 For each, the engine samples (two samples per prompt, prompts longer than
 the sliding windows, generations that cross them) and every sampled token's
@@ -74,6 +75,25 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "starcoder2": ("starcoder2", dict(sliding_window=None)),
     "cohere": ("cohere", {}),
+    "deepseek-v3": (  # multi-head latent attention: values narrower than query/key heads; routed experts
+        "deepseek_v3",
+        dict(
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=48,
+            v_head_dim=32,
+            head_dim=16,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            moe_intermediate_size=64,
+            num_key_value_heads=2,
+        ),
+    ),
+    "mimo-v2-flash": ("mimo_v2_flash", dict(sliding_window=12)),  # values wider than keys, windows
 }
 
 #: These run again with ``attention_kernel="sdpa"`` (the engine's other decode attention).
@@ -142,7 +162,7 @@ def _gap(results: list[Any], model: Any) -> tuple[float, int]:
     for result in results:
         prompt = result.prompt_token_ids
         assert result.prompt_logprobs is None or len(result.prompt_logprobs) == len(prompt)
-        assert len(result.sequences) == 2
+        assert len(result.sequences) == PARAMS.num_samples
         for seq in result.sequences:
             assert seq.tokens and seq.logprobs is not None and len(seq.logprobs) == len(seq.tokens)
             ids = torch.tensor([prompt + seq.tokens])

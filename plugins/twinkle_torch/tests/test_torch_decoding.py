@@ -302,3 +302,26 @@ def test_attention_row_blocks_skip_only_columns_their_rows_mask() -> None:
     # nothing to skip, or too few rows: one call
     assert row_blocks(torch.ones(rows, 1, 1, columns, dtype=torch.bool)) is None
     assert row_blocks(mask[:16]) is None
+
+
+@pytest.mark.parametrize("value_dim", [32, 48])  # 48: values wider than keys, as multi-head latent attention has
+@pytest.mark.parametrize("native", [False, True])
+def test_grouped_decode_attention_equals_plain_attention(value_dim: int, native: bool) -> None:
+    """Decode attention of grouped heads, in row blocks or not, through SDPA or the native kernel: plain math."""
+    from twinkle_torch.attention import grouped_sdpa_attention_forward, row_blocks
+
+    rows, heads, kv_heads, columns, dim = 64, 6, 2, 100, 32
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(rows, heads, 1, dim, generator=gen)
+    key = torch.randn(rows, kv_heads, columns, dim, generator=gen)
+    value = torch.randn(rows, kv_heads, columns, value_dim, generator=gen)
+    first = torch.cat([torch.full((32,), 5), torch.full((32,), 70)])
+    mask = (torch.arange(columns).unsqueeze(0) >= first.unsqueeze(1)).view(rows, 1, 1, columns)
+    assert row_blocks(mask) is not None  # the SDPA path runs in blocks
+    out, _ = grouped_sdpa_attention_forward(torch.nn.Module(), query, key, value, mask, scaling=0.2, native=native)
+    group = heads // kv_heads
+    scores = (query @ key.repeat_interleave(group, dim=1).transpose(-1, -2)) * 0.2
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+    want = (weights @ value.repeat_interleave(group, dim=1)).transpose(1, 2)  # [rows, 1, heads, value_dim]
+    assert out.shape == want.shape
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)

@@ -163,13 +163,13 @@ def grouped_sdpa_attention_forward(
                 grouped, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling
             )
         else:
-            out = grouped.new_empty(grouped.shape)
+            out = grouped.new_empty(*grouped.shape[:-1], value.shape[-1])  # values may be wider than keys (MLA)
             for a, b, start in blocks:
                 out[a:b] = torch.nn.functional.scaled_dot_product_attention(
                     grouped[a:b], key[a:b, :, start:], value[a:b, :, start:],
                     attn_mask=attention_mask[a:b, ..., start:], dropout_p=dropout, scale=scaling,
                 )  # fmt: skip
-        return out.reshape(batch, heads, 1, dim).transpose(1, 2).contiguous(), None
+        return out.reshape(batch, heads, 1, value.shape[-1]).transpose(1, 2).contiguous(), None
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(q_len > 1 and attention_mask is None and causal)
     out = torch.nn.functional.scaled_dot_product_attention(
