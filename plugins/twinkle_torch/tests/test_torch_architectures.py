@@ -94,6 +94,20 @@ ARCHS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "mimo-v2-flash": ("mimo_v2_flash", dict(sliding_window=12)),  # values wider than keys, windows
+    # attention in code of their own (no attention interface): transformers' default attention
+    "mpt": ("mpt", dict(d_model=128, n_heads=2, n_layers=3, expansion_ratio=2, max_seq_len=512)),
+    "bloom": ("bloom", dict(n_layer=3, n_head=2)),
+    "xglm": ("xglm", dict(d_model=128, num_layers=3, attention_heads=2, ffn_dim=256)),
+    "doge": ("doge", {}),  # a decode mask per head
+}
+
+#: Families the engine must refuse at load, and what its error says.
+REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
+    "mamba": ("mamba", dict(num_hidden_layers=2), "recurrent state"),
+    "rwkv": ("rwkv", dict(num_hidden_layers=2, attention_hidden_size=128), "recurrent state"),
+    "bert": ("bert", {}, "not a causal language model"),
+    "trocr": ("trocr", dict(d_model=128, decoder_layers=2, decoder_attention_heads=2), "left padding"),
+    "openai-gpt": ("openai-gpt", dict(n_embd=128, n_layer=2, n_head=2), "KV cache"),
 }
 
 #: These run again with ``attention_kernel="sdpa"`` (the engine's other decode attention).
@@ -110,7 +124,7 @@ def _random_model(name: str, out: Path) -> Path:
     """A random model of family ``name`` with the tiny Llama's tokenizer and chat template."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_type, overrides = ARCHS[name]
+    model_type, overrides = ARCHS[name] if name in ARCHS else REFUSED[name][:2]
     tokenizer_from = build_tiny_model("llama")
     out.mkdir(parents=True)
     for path in tokenizer_from.iterdir():
@@ -259,3 +273,13 @@ def test_adapters_merges_and_weight_updates_on_other_families(
     with torch.no_grad():
         logits = [m(ids).logits for m in (base, with_adapter, updated)]
     assert (logits[0] - logits[1]).abs().max() > 0.1 and (logits[0] - logits[2]).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_models_it_would_sample_wrongly_are_refused_at_load(name: str, tmp_path: Path) -> None:
+    """A recurrent state, an encoder, positions that ignore padding, no cache: a clear error, not wrong samples."""
+    from twinkle_core.errors import ConfigError
+
+    path = _random_model(name, tmp_path / name)
+    with pytest.raises(ConfigError, match=REFUSED[name][2]):
+        TorchSampler(path, device="cpu")

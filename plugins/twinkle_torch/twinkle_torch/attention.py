@@ -142,7 +142,8 @@ def grouped_sdpa_attention_forward(
     extras = sorted(k for k, v in kwargs.items() if v is not None and v is not False and k not in _CARRIED)
     if extras:
         return _model_eager(module, query, key, value, attention_mask, dropout, scaling, is_causal, extras, kwargs)
-    decoding = q_len == 1 and (attention_mask is None or attention_mask.shape[-2] == 1)
+    # one mask row for all query heads (a mask per head, as Doge makes, takes the general path below)
+    decoding = q_len == 1 and (attention_mask is None or attention_mask.shape[-3:-1] == (1, 1))
     # Decoding: the query heads of a group attend to the same keys under the same mask, so they
     # can be the query rows of one head: [batch, kv_heads, group, dim].
     if native and decoding and dropout == 0.0 and heads % kv_heads == 0:

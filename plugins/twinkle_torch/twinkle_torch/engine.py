@@ -48,6 +48,7 @@ from twinkle_core.hub import resolve_model_id
 from twinkle_torch.adapters import AdapterSet
 from twinkle_torch.attention import ATTN_IMPLEMENTATION, NATIVE_ATTN_IMPLEMENTATION
 from twinkle_torch.attention import register as register_attention
+from twinkle_torch.cache import make_cache
 from twinkle_torch.decoding import Decoder, RunControl, SequenceResult
 from twinkle_torch.linear import available as onednn_available
 from twinkle_torch.linear import use_onednn
@@ -159,10 +160,25 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
 def _load_model(
     path: Any, dtype: torch.dtype, trust_remote_code: bool, model_kwargs: dict[str, Any], attention: str | None
 ) -> Any:
-    """``AutoModelForCausalLM.from_pretrained``, with the attention implementation ``attention`` when it fits."""
+    """``AutoModelForCausalLM.from_pretrained``, with the attention implementation ``attention`` when it fits.
+
+    It fits a model class that routes its attention through ``transformers``'
+    attention interface (``_supports_attention_backend``). Others (MPT, Bloom,
+    XGLM...) compute attention in code of their own and read the masks made
+    for it: they keep ``transformers``' default. A model with a recurrent state
+    (Mamba, RWKV, hybrids) is refused: the decode loop's cache cannot carry it.
+    """
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code, **model_kwargs}
+    cls = _causal_lm_class(path, trust_remote_code)
+    if cls is not None and getattr(cls, "_is_stateful", False):
+        raise ConfigError(
+            f"{cls.__name__} keeps a recurrent state (its cache is not only keys and values), which the torch"
+            " engine's batched KV cache cannot carry; sample it with an engine that supports it (vllm)."
+        )
+    if cls is not None and not getattr(cls, "_supports_attention_backend", False):
+        attention = None
     if attention is not None:
         register_attention()
         try:
@@ -170,6 +186,94 @@ def _load_model(
         except (ValueError, KeyError):  # an architecture without pluggable attention: its own default
             pass
     return AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+
+
+def _causal_lm_class(path: Any, trust_remote_code: bool) -> Any:
+    """The ``transformers`` class ``AutoModelForCausalLM`` picks for ``path``; ``None`` if unknown (remote code)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    try:
+        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except (KeyError, ValueError, OSError):
+        return None
+
+
+#: The load check's tolerances on log-probs. A causal model's log-probs at a position do not
+#: depend on later tokens at all (the same rows through the same kernels): any change is reading
+#: ahead. Padding and the cache move them by float rounding only, far below this.
+_CAUSAL_CHECK_NATS = 1e-2
+_DECODE_CHECK_NATS = 1.0
+
+
+def _check_decodes(model: Any, device: torch.device) -> None:
+    """Refuse a model the decode loop would sample wrongly: one that is not causal, or ignores its KV cache.
+
+    Four tiny forwards of the model itself, at load: the log-probs of a
+    4-token probe must not change when its last token does (a model that
+    reads ahead, as a BERT-style encoder loaded with a language-model head
+    does, fails); the first three left-padded by one token, with their mask
+    and positions, into a cache must give the log-probs they give alone (a
+    model that ignores ``position_ids``, as TrOCR's decoder does, fails); and
+    the last decoded from that cache must give those of one forward over all
+    four (a model that keeps no cache, or ignores the mask over it, fails).
+
+    Raises:
+        ConfigError: the model fails a check, naming which.
+    """
+    name = type(model).__name__
+    vocab = int(model.get_input_embeddings().num_embeddings)
+    ids = torch.tensor([[1, 2, 3, 4]], device=device) % max(1, vocab)
+    other = ids.clone()
+    other[0, -1] = (other[0, -1] + 1) % max(1, vocab)
+    try:
+        with torch.inference_mode():
+            full = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)
+            changed = torch.log_softmax(model(input_ids=other).logits.float(), dim=-1)
+            # the first three tokens left-padded by one (as the loop pads shorter prompts) into a cache,
+            # then the fourth decoded from it
+            cache = make_cache(model.config, 8)
+            mask = torch.tensor([[0, 1, 1, 1, 1]], device=device)
+            prefill = model(
+                input_ids=torch.cat([torch.zeros_like(ids[:, :1]), ids[:, :3]], dim=1),
+                attention_mask=mask[:, :4],
+                position_ids=torch.tensor([[0, 0, 1, 2]], device=device),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            padded = torch.log_softmax(prefill.logits[:, -1].float(), dim=-1)
+            step = model(
+                input_ids=ids[:, 3:],
+                attention_mask=mask,
+                position_ids=torch.tensor([[3]], device=device),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            stepped = torch.log_softmax(step.logits[:, -1].float(), dim=-1)
+    except Exception as exc:
+        raise ConfigError(
+            f"the torch engine cannot decode {name} with a KV cache: {type(exc).__name__}: {exc}"
+        ) from exc
+    ahead = float((full[:, :3] - changed[:, :3]).abs().max())
+    if not ahead <= _CAUSAL_CHECK_NATS:
+        raise ConfigError(
+            f"{name} is not a causal language model as loaded: changing the 4th token of a probe moved the"
+            f" log-probs of the tokens before it by {ahead:.3g} nats (an encoder with a language-model head,"
+            " e.g. one whose config has is_decoder=False)."
+        )
+    shift = float((padded - full[:, 2]).abs().max())
+    if not shift <= _DECODE_CHECK_NATS:
+        raise ConfigError(
+            f"{name} does not honour left padding (its attention mask and position ids): a probe left-padded by"
+            f" one token moved its log-probs by {shift:.3g} nats, and the torch engine pads shorter prompts."
+        )
+    drift = float((stepped - full[:, 3]).abs().max())
+    if not drift <= _DECODE_CHECK_NATS:
+        raise ConfigError(
+            f"{name} does not decode from its KV cache as one forward would: the last token of a probe, decoded"
+            f" from a left-padded cache of the first three, moved its log-probs by {drift:.3g} nats."
+        )
 
 
 def _attention_for(kernel: str, device: torch.device, model_kwargs: Mapping[str, Any]) -> str | None:
@@ -290,6 +394,7 @@ class TorchEngine(Engine):
         self._model: torch.nn.Module = model.to(self.device).eval()
         if self.device.type == "cpu" and linear_kernel != "torch":
             use_onednn(self._model)
+        _check_decodes(self._model, self.device)
         context.init_template(template, path)
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         positions = int(
