@@ -192,6 +192,77 @@ def test_completions_stream(server: RunningServer, sampler: Any) -> None:
     assert chunks[-1]["usage"]["completion_tokens"] == sum(len(s.tokens) for s in direct.sequences)
 
 
+def _stream_events(server: RunningServer, path: str, body: dict[str, Any]) -> tuple[int, list[str]]:
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=60) as r:
+        return r.status_code, [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": [5, -1]}, "token id"),  # found by the engine, once the call runs
+        ("/v1/completions", {"prompt": "x " * 600}, "max_model_len"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 600}]}, "max_model_len"),
+        ("/v1/completions", {"prompt": "Hi", "structured_outputs": {"regex": "(("}}, "regex"),
+    ],
+)
+def test_a_stream_the_engine_refuses_ends_with_the_error(
+    server: RunningServer, path: str, body: dict[str, Any], param: str
+) -> None:
+    """The 200 has gone out when the engine refuses: the stream carries the error body, then [DONE]."""
+    import json
+
+    body = {"model": "tiny", "max_tokens": 4, **body}
+    plain = httpx.post(server.url + path, json=body, timeout=60)
+    assert plain.status_code == 400, plain.text
+    status, events = _stream_events(server, path, body)
+    assert status == 200 and events[-1] == "[DONE]"
+    errors = [json.loads(e)["error"] for e in events[:-1] if "error" in json.loads(e)]
+    assert errors == [plain.json()["error"]] and param in errors[0]["message"]
+    healthy = {"prompt": [5, 6]} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
+    _post(server, path, {"model": "tiny", "max_tokens": 2, **healthy})  # and the server goes on
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "where"),
+    [
+        ("/v1/completions", {"prompt": "\ud83d hi"}, "prompt"),
+        ("/v1/completions", {"prompt": ["ok", "\udc00"]}, "prompt.1"),
+        ("/v1/completions", {"prompt": "hi", "bad_words": ["\ud83d"]}, "bad_words.0"),
+        ("/v1/completions", {"prompt": "hi", "stop": "\ud83d"}, "stop"),
+        ("/v1/completions", {"prompt": "hi", "request_id": "\ud83d"}, "request_id"),
+        ("/tokenize", {"prompt": "\ud83d hi"}, "prompt"),
+    ],
+)
+def test_lone_surrogates_are_refused_naming_the_field(
+    server: RunningServer, path: str, body: dict[str, Any], where: str
+) -> None:
+    """JSON's "\\ud83d" is valid JSON but no text: a 400 naming the field, before any engine work."""
+    raw = __import__("json").dumps({"model": "tiny", "max_tokens": 2, **body}).replace("\\\\u", "\\u")
+    r = httpx.post(server.url + path, content=raw, headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 400, r.text
+    assert where in r.json()["error"]["message"] and "surrogate" in r.json()["error"]["message"]
+
+
+def test_seeds_beyond_64_bits_and_stream_with_prompt_logprobs_are_refused(server: RunningServer) -> None:
+    for seed in (2**63, -(2**63) - 1, 2**64):
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "seed": seed}, timeout=60)
+        assert r.status_code == 400 and "seed" in r.text, r.text
+    _post(server, "/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 2, "seed": 2**63 - 1})
+    for path, body in (
+        ("/v1/completions", {"prompt": "Hi"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}),
+    ):
+        body = {"model": "tiny", "max_tokens": 2, "prompt_logprobs": 1, "stream": True, **body}
+        r = httpx.post(server.url + path, json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs", r.text
+
+
+def test_abort_requests_refuses_unknown_keys(server: RunningServer) -> None:
+    r = httpx.post(server.url + "/abort_requests", json={"request_id": "other"}, timeout=60)
+    assert r.status_code == 400 and "request_id" in r.text, r.text
+
+
 # -- fields: the table, neutral values, refusals ----------------------------------------------------------------
 
 

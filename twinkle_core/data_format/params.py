@@ -91,11 +91,20 @@ def _check_seed(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
         raise _bad(attribute.name, value, "an integer or None")
 
 
+def _encodable(text: str) -> bool:
+    """Whether ``text`` is text a tokenizer can encode (a lone surrogate, ``"\\ud83d"``, is not)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _stop_strings(value: Any) -> tuple[str, ...]:
     # Validated while converting, so the error shows the value the user passed.
     items = (value,) if isinstance(value, str) else value
-    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s for s in items):
-        raise _bad("stop", value, "a non-empty string or a list of non-empty strings")
+    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s and _encodable(s) for s in items):
+        raise _bad("stop", value, "a non-empty string or a list of non-empty strings (valid Unicode text)")
     return tuple(items)
 
 
@@ -135,11 +144,13 @@ def _allowed_ids(value: Any) -> tuple[int, ...] | None:
 
 
 def _bad_words(value: Any) -> tuple[str, ...]:
-    accepted = f"a list of at most {MAX_BAD_WORDS} non-empty strings"
+    accepted = f"a list of at most {MAX_BAD_WORDS} non-empty strings (valid Unicode text)"
     items = (value,) if isinstance(value, str) else value
     if items is None:
         return ()
-    if not isinstance(items, (list, tuple)) or not all(isinstance(w, str) and w.strip() for w in items):
+    if not isinstance(items, (list, tuple)) or not all(
+        isinstance(w, str) and w.strip() and _encodable(w) for w in items
+    ):
         raise _bad("bad_words", value, accepted)
     words = tuple(dict.fromkeys(items))
     if len(words) > MAX_BAD_WORDS:

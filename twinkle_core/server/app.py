@@ -146,6 +146,13 @@ class _Server:
         bad = neutral_violation(route, req.model_dump(exclude_unset=True))
         if bad is not None:
             raise ApiError(400, bad, param=bad.split("=", 1)[0])
+        if req.stream and req.prompt_logprobs is not None:
+            raise ApiError(
+                400,
+                "stream with prompt_logprobs is not supported: the prompt's log-probs come with whole replies;"
+                " ask without stream.",
+                param="prompt_logprobs",
+            )
         if req.stream_options is not None and set(req.stream_options) - {"include_usage"}:
             raise ApiError(
                 400,
@@ -198,6 +205,21 @@ class _Server:
         if isinstance(exc, TwinkleError):
             return _twinkle_status(exc)
         return exc
+
+    def stream_error(self, exc: Exception) -> str:
+        """A call that failed after its stream's 200 went out: the error as the stream's event (then ``[DONE]``).
+
+        A refused input (a token id out of the vocabulary, a prompt too long, a
+        bad grammar) is found by the engine once the call runs; the client gets
+        the same error body a call without ``stream`` gets, not a cut connection.
+        """
+        error = self.refusal(exc)
+        if not isinstance(error, ApiError):
+            log.error("a streamed call failed", exc_info=exc)
+            error = ApiError(
+                500, f"Internal error ({type(exc).__name__}); the server is still up.", kind="server_error"
+            )
+        return error.event()
 
     # -- calls in flight, pause --------------------------------------------------------------------
     @contextmanager
@@ -627,38 +649,46 @@ async def _stream_chat(
                 [{"index": index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
                 **(first if index == 0 else {}),
             )
-        with state.tracked(rid, call.pending):
-            async for item in call.pending.finished():
-                index = item.input_index * call.n + item.sample_index
-                turn = call.turn(item)
-                completion += len(turn.tokens)
-                pieces: list[str] = []
-                if turn.tool_calls:
-                    pieces = [str(turn.message.content)] if turn.message.content else []
-                else:
-                    # One chunk per token: the decoded text grows by each token's share (cut at a stop string).
-                    shown = 0
-                    for i in range(1, len(turn.tokens) + 1):
-                        text = decode(turn.tokens[:i])[: len(turn.text)]
-                        if len(text) > shown and turn.text.startswith(text):
-                            pieces.append(text[shown:])
-                            shown = len(text)
-                    if shown < len(turn.text):
-                        pieces.append(turn.text[shown:])
-                for text in pieces:
-                    yield chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}])
-                if turn.tool_calls:
-                    calls = [{"index": k, **c} for k, c in enumerate(_openai_calls(turn.tool_calls))]
-                    yield chunk([{"index": index, "delta": {"tool_calls": calls}, "finish_reason": None}])
-                final: dict[str, Any] = {
-                    "index": index,
-                    "delta": {},
-                    "finish_reason": _finish(turn, bool(turn.tool_calls)),
-                    **_extras(turn),
-                }
-                if req.logprobs:
-                    final["logprobs"] = {"content": names.chat_content(turn.tokens, turn.logprobs, turn.top_logprobs)}
-                yield chunk([final], session_id=session_id)
+        try:
+            with state.tracked(rid, call.pending):
+                async for item in call.pending.finished():
+                    index = item.input_index * call.n + item.sample_index
+                    turn = call.turn(item)
+                    completion += len(turn.tokens)
+                    pieces: list[str] = []
+                    if turn.tool_calls:
+                        pieces = [str(turn.message.content)] if turn.message.content else []
+                    else:
+                        # One chunk per token: the decoded text grows by each token's share (cut at a stop string).
+                        shown = 0
+                        for i in range(1, len(turn.tokens) + 1):
+                            text = decode(turn.tokens[:i])[: len(turn.text)]
+                            if len(text) > shown and turn.text.startswith(text):
+                                pieces.append(text[shown:])
+                                shown = len(text)
+                        if shown < len(turn.text):
+                            pieces.append(turn.text[shown:])
+                    for text in pieces:
+                        yield chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}])
+                    if turn.tool_calls:
+                        calls = [{"index": k, **c} for k, c in enumerate(_openai_calls(turn.tool_calls))]
+                        yield chunk([{"index": index, "delta": {"tool_calls": calls}, "finish_reason": None}])
+                    final: dict[str, Any] = {
+                        "index": index,
+                        "delta": {},
+                        "finish_reason": _finish(turn, bool(turn.tool_calls)),
+                        **_extras(turn),
+                    }
+                    if req.logprobs:
+                        final["logprobs"] = {
+                            "content": names.chat_content(turn.tokens, turn.logprobs, turn.top_logprobs)
+                        }
+                    yield chunk([final], session_id=session_id)
+        except Exception as exc:  # the engine refused the call once it ran: say so in the stream
+            yield state.stream_error(exc)
+            yield "data: [DONE]\n\n"
+            complete = True
+            return
         if req.stream_options and req.stream_options.get("include_usage"):
             usage = {
                 "prompt_tokens": len(prompt_ids),

@@ -167,21 +167,22 @@ async def _stream(
     """Each choice as one chunk when the engine finishes it (prompt log-probs come with the whole reply)."""
     created, used, complete = int(time.time()), 0, False
     try:
-        with state.tracked(rid, pending):
-            async for item in pending.finished():
-                used += len(item.sequence.tokens)
-                choice = build.choice(item.input_index, item.sample_index, item.sequence, None)
-                choice.pop("prompt_logprobs", None)
-                body = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
-                yield f"data: {json.dumps({**body, 'choices': [choice]})}\n\n"
-            if req.stream_options and req.stream_options.get("include_usage"):
-                usage = {
-                    "prompt_tokens": prompt_tokens,
-                    "completion_tokens": used,
-                    "total_tokens": prompt_tokens + used,
-                }
-                body = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
-                yield f"data: {json.dumps({**body, 'choices': [], 'usage': usage})}\n\n"
+        try:
+            with state.tracked(rid, pending):
+                async for item in pending.finished():
+                    used += len(item.sequence.tokens)
+                    choice = build.choice(item.input_index, item.sample_index, item.sequence, None)
+                    body = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
+                    yield f"data: {json.dumps({**body, 'choices': [choice]})}\n\n"
+        except Exception as exc:  # the engine refused the call once it ran: say so in the stream
+            yield state.stream_error(exc)
+            yield "data: [DONE]\n\n"
+            complete = True
+            return
+        if req.stream_options and req.stream_options.get("include_usage"):
+            usage = {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used}
+            body = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
+            yield f"data: {json.dumps({**body, 'choices': [], 'usage': usage})}\n\n"
         state.count(prompt_tokens, used)
         yield "data: [DONE]\n\n"
         complete = True

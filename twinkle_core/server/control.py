@@ -23,12 +23,12 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Query
 from fastapi.responses import PlainTextResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from twinkle_core._version import __version__
 from twinkle_core.data_format import Trajectory
 from twinkle_core.errors import TwinkleError
-from twinkle_core.server.protocol import ApiError, openai_messages, openai_tools
+from twinkle_core.server.protocol import ApiError, TextBody, openai_messages, openai_tools
 
 if TYPE_CHECKING:
     from twinkle_core.server.app import _Server
@@ -38,8 +38,8 @@ __all__ = ["add_control_routes"]
 PAUSE_MODES = ("abort", "wait", "keep")
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Body(TextBody):
+    pass
 
 
 class TokenizeRequest(_Body):
@@ -70,8 +70,7 @@ class UnloadLoraRequest(_Body):
     lora_int_id: int | None = None
 
 
-class AbortRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")  # vLLM's route reads request_ids only
+class AbortRequest(TextBody):  # unknown keys refused: a misspelt one must not abort every call
     request_ids: list[str] | None = None
 
 

@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import attrs
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from twinkle_core.data_format import Message
 from twinkle_core.errors import TwinkleError
@@ -87,10 +87,17 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
+    def body(self) -> dict[str, Any]:
+        """OpenAI's ``{"error": {...}}`` body."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
     def response(self) -> JSONResponse:
-        """The error as OpenAI's ``{"error": {...}}`` body."""
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
-        return JSONResponse(body, status_code=self.status)
+        """The error as a JSON answer with its status."""
+        return JSONResponse(self.body(), status_code=self.status)
+
+    def event(self) -> str:
+        """The error as a server-sent event, for a stream whose 200 has gone out already."""
+        return f"data: {json.dumps(self.body())}\n\n"
 
 
 #: Short, bounded reprs of what a client sent, for error messages (a deeply nested value cannot blow the stack).
@@ -265,10 +272,52 @@ def neutral_violation(route: Route, body: dict[str, Any]) -> str | None:
     return None
 
 
-class _Request(BaseModel):
+def lone_surrogate(value: Any, path: str = "") -> str | None:
+    """Where a string in a parsed JSON body holds a lone surrogate, described; ``None`` if none does.
+
+    JSON's ``"\\ud83d"`` decodes to a Python string no tokenizer can encode
+    (or the reply serialise): such a body is refused up front, naming the field.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return (
+                f"{path or 'body'}={value!r:.60} holds {value[exc.start]!r} at position {exc.start}, a lone"
+                " surrogate that is not encodable text; expected valid Unicode text"
+            )
+        return None
+    if isinstance(value, dict):
+        items: Any = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = lone_surrogate(key, f"{path}.<key>" if path else "<key>") or lone_surrogate(
+            item, f"{path}.{key}" if path else str(key)
+        )
+        if found:
+            return found
+    return None
+
+
+class TextBody(BaseModel):
+    """A request body of the server: unknown fields and lone surrogates anywhere in it are refused."""
+
     # Unknown fields are refused: an option the server would silently ignore is a bug.
     model_config = ConfigDict(extra="forbid")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _encodable(cls, data: Any) -> Any:
+        found = lone_surrogate(data)
+        if found:
+            raise ValueError(found)
+        return data
+
+
+class _Request(TextBody):
     model: str | None = None
     n: int = 1
     temperature: float | None = None
@@ -276,7 +325,7 @@ class _Request(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # vLLM's range: a signed 64-bit integer
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
