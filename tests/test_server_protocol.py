@@ -263,6 +263,23 @@ def test_abort_requests_refuses_unknown_keys(server: RunningServer) -> None:
     assert r.status_code == 400 and "request_id" in r.text, r.text
 
 
+def test_small_protocol_edges(server: RunningServer) -> None:
+    """The served name when a body names none; an unknown model on the tokenizer routes; an empty stop string."""
+    for model in (None, ""):
+        out = _post(server, "/v1/completions", {"model": model, "prompt": "Hi", "max_tokens": 2})
+        assert out["model"] == "tiny"
+        out = _post(server, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "Hi"}]})
+        assert out["model"] == "tiny"
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [5]})):
+        r = httpx.post(server.url + path, json={"model": "nope", **body}, timeout=60)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found", r.text
+        _post(server, path, {"model": "tiny", **body})
+    for stop in ("", [""]):
+        r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "stop": stop}, timeout=60)
+        assert r.status_code == 400 and "stop" in r.text, r.text
+    _post(server, "/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 2, "stop": []})
+
+
 # -- fields: the table, neutral values, refusals ----------------------------------------------------------------
 
 

@@ -184,7 +184,7 @@ class _Server:
                 fields[name] = getattr(req, name)
         if req.top_k is not None:
             fields["top_k"] = -1 if req.top_k == 0 else req.top_k  # vLLM: 0 and -1 both mean off
-        if req.stop:
+        if req.stop is not None and req.stop != []:  # "" is refused below, as [""] is: it never matches
             fields["stop"] = req.stop
         if req.stop_token_ids:
             fields["stop_token_ids"] = req.stop_token_ids
@@ -472,7 +472,7 @@ def create_app(
             "id": rid,
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": req.model,
+            "model": req.model or state.model_name,
             "choices": choices,
             "usage": {
                 "prompt_tokens": len(prompt_ids),
@@ -632,7 +632,7 @@ async def _stream_chat(
                 "id": rid,
                 "object": "chat.completion.chunk",
                 "created": created,
-                "model": req.model,
+                "model": req.model or state.model_name,
                 "choices": choices,
                 **extra,
             }

@@ -155,7 +155,7 @@ async def complete(state: _Server, req: CompletionRequest, request: Request) -> 
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
-        "model": req.model,
+        "model": req.model or state.model_name,
         "choices": choices,
         "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used},
     }
@@ -172,7 +172,12 @@ async def _stream(
                 async for item in pending.finished():
                     used += len(item.sequence.tokens)
                     choice = build.choice(item.input_index, item.sample_index, item.sequence, None)
-                    body = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
+                    body = {
+                        "id": rid,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": req.model or state.model_name,
+                    }
                     yield f"data: {json.dumps({**body, 'choices': [choice]})}\n\n"
         except Exception as exc:  # the engine refused the call once it ran: say so in the stream
             yield state.stream_error(exc)
@@ -181,7 +186,7 @@ async def _stream(
             return
         if req.stream_options and req.stream_options.get("include_usage"):
             usage = {"prompt_tokens": prompt_tokens, "completion_tokens": used, "total_tokens": prompt_tokens + used}
-            body = {"id": rid, "object": "text_completion", "created": created, "model": req.model}
+            body = {"id": rid, "object": "text_completion", "created": created, "model": req.model or state.model_name}
             yield f"data: {json.dumps({**body, 'choices': [], 'usage': usage})}\n\n"
         state.count(prompt_tokens, used)
         yield "data: [DONE]\n\n"

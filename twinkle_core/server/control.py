@@ -95,6 +95,7 @@ def add_control_routes(app: FastAPI, state: _Server, transfer_config: dict[str, 
     # -- tokenizer --------------------------------------------------------------------------------
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        state.adapter(req.model or "")  # an unknown model is a 404, as on the completion routes
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "tokenize needs exactly one of 'prompt' (a text) or 'messages' (a conversation).")
         if req.prompt is not None:
@@ -113,6 +114,7 @@ def add_control_routes(app: FastAPI, state: _Server, transfer_config: dict[str, 
 
     @app.post("/detokenize")
     async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        state.adapter(req.model or "")
         vocab = sampler.vocab_size
         bad = [t for t in req.tokens if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
