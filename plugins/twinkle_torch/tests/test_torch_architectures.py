@@ -122,18 +122,21 @@ PARAMS = SamplingParams(
 
 def _random_model(name: str, out: Path) -> Path:
     """A random model of family ``name`` with the tiny Llama's tokenizer and chat template."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     model_type, overrides = ARCHS[name] if name in ARCHS else REFUSED[name][:2]
-    tokenizer_from = build_tiny_model("llama")
-    out.mkdir(parents=True)
-    for path in tokenizer_from.iterdir():
-        if path.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
-            shutil.copy2(path, out / path.name)
     kwargs = {**_BASE, **overrides}
     config = AutoConfig.for_model(
         model_type, **{k: v for k, v in kwargs.items() if v is not None or k == "sliding_window"}
     )
+    save_random(config, out)
+    return out
+
+
+def save_random(config: Any, out: Path) -> None:
+    """A model of ``config`` with random weights (std 0.3), saved in ``out`` with the tiny Llama's tokenizer."""
+    from transformers import AutoModelForCausalLM
+
     config.tie_word_embeddings = False
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -141,8 +144,11 @@ def _random_model(name: str, out: Path) -> Path:
         for param in model.parameters():
             if param.dim() >= 2:
                 param.normal_(0.0, 0.3)
+    out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    return out
+    for path in build_tiny_model("llama").iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
+            shutil.copy2(path, out / path.name)
 
 
 @pytest.fixture(scope="module")
@@ -151,27 +157,27 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: _random_model(name, root / name) for name in ARCHS}
 
 
-def _prompts() -> list[Trajectory]:
+def prompts() -> list[Trajectory]:
     # 9 to about 40 tokens: shorter and longer than the 12-token windows, padded against each other
     return [Trajectory(messages=[{"role": "user", "content": "hi " * k + "there"}]) for k in (1, 9, 4, 22)]
 
 
-def _eager(path: Path) -> Any:
+def eager(path: Path) -> Any:
     """The reference: the model loaded plainly, with ``transformers``' own eager attention."""
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def _worst_gap(path: Path, attention_kernel: str) -> tuple[float, int]:
+def _worstgap(path: Path, attention_kernel: str) -> tuple[float, int]:
     """The largest |engine - forward| over every sampled and prompt log-prob, and how many were compared."""
     with TorchSampler(path, device="cpu", attention_kernel=attention_kernel) as sampler:
-        results = sampler.sample(_prompts(), PARAMS)
-        results += sampler.sample(_prompts()[-1:], PARAMS)  # alone: no padding, so possibly no mask at all
-    return _gap(results, _eager(path))
+        results = sampler.sample(prompts(), PARAMS)
+        results += sampler.sample(prompts()[-1:], PARAMS)  # alone: no padding, so possibly no mask at all
+    return gap(results, eager(path))
 
 
-def _gap(results: list[Any], model: Any) -> tuple[float, int]:
+def gap(results: list[Any], model: Any) -> tuple[float, int]:
     worst, compared = 0.0, 0
     for result in results:
         prompt = result.prompt_token_ids
@@ -195,14 +201,14 @@ def _gap(results: list[Any], model: Any) -> tuple[float, int]:
 
 @pytest.mark.parametrize("name", list(ARCHS))
 def test_sampled_and_prompt_logprobs_are_the_models_own(models: dict[str, Path], name: str) -> None:
-    worst, compared = _worst_gap(models[name], "auto")
+    worst, compared = _worstgap(models[name], "auto")
     assert compared > 200
     assert worst < _TOLERANCE, f"{name}: a log-prob is {worst:.2e} away from the model's own forward"
 
 
 @pytest.mark.parametrize("name", SDPA_TOO)
 def test_the_same_through_sdpa_attention(models: dict[str, Path], name: str) -> None:
-    worst, _ = _worst_gap(models[name], "sdpa")
+    worst, _ = _worstgap(models[name], "sdpa")
     assert worst < _TOLERANCE, f"{name}: a log-prob is {worst:.2e} away from the model's own forward"
 
 
@@ -224,7 +230,7 @@ def test_only_what_needs_it_leaves_the_engines_attention(
 
     monkeypatch.setattr(attention, "_model_eager", counted)
     with TorchSampler(models[name], device="cpu") as sampler:
-        sampler.sample(_prompts()[:2], SamplingParams(max_tokens=4, ignore_eos=True))
+        sampler.sample(prompts()[:2], SamplingParams(max_tokens=4, ignore_eos=True))
     assert bool(calls) is deferred, calls
 
 
@@ -246,27 +252,27 @@ def test_adapters_merges_and_weight_updates_on_other_families(
 
     path = models[name]
     adapter = make_lora(path, tmp_path / "lora", seed=1, targets=LORA_TARGETS[name])
-    base = _eager(path)
-    with_adapter = PeftModel.from_pretrained(_eager(path), str(adapter)).eval()
+    base = eager(path)
+    with_adapter = PeftModel.from_pretrained(eager(path), str(adapter)).eval()
     gen = torch.Generator().manual_seed(7)
     new_weights = {
         k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in base.state_dict().items() if v.is_floating_point()
     }
-    updated = _eager(path)
+    updated = eager(path)
     updated.load_state_dict(new_weights, strict=False)
     params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, logprobs=0, num_samples=2, seed=5)
     gaps = {}
     with TorchSampler(path, device="cpu") as sampler:
         sampler.add_adapter_to_model("a", str(adapter))
-        gaps["adapter"] = _gap(sampler.sample(_prompts(), params, adapter_name="a"), with_adapter)[0]
-        gaps["base beside it"] = _gap(sampler.sample(_prompts(), params), base)[0]
+        gaps["adapter"] = gap(sampler.sample(prompts(), params, adapter_name="a"), with_adapter)[0]
+        gaps["base beside it"] = gap(sampler.sample(prompts(), params), base)[0]
         sampler.remove_adapter("a")
         sampler.add_adapter_to_model("m", str(adapter), merge=True)
-        gaps["merged"] = _gap(sampler.sample(_prompts(), params, adapter_name="m"), with_adapter)[0]
+        gaps["merged"] = gap(sampler.sample(prompts(), params, adapter_name="m"), with_adapter)[0]
         sampler.remove_adapter("m")
-        gaps["base, unmerged"] = _gap(sampler.sample(_prompts(), params), base)[0]
+        gaps["base, unmerged"] = gap(sampler.sample(prompts(), params), base)[0]
         sampler.update_weights(new_weights)
-        gaps["updated"] = _gap(sampler.sample(_prompts(), params), updated)[0]
+        gaps["updated"] = gap(sampler.sample(prompts(), params), updated)[0]
     assert max(gaps.values()) < _TOLERANCE, gaps
     # and the three models differ, so each comparison could fail
     ids = torch.tensor([[5, 17, 99, 3, 250, 41]])

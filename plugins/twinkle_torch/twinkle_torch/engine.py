@@ -173,10 +173,7 @@ def _load_model(
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code, **model_kwargs}
     cls = _causal_lm_class(path, trust_remote_code)
     if cls is not None and getattr(cls, "_is_stateful", False):
-        raise ConfigError(
-            f"{cls.__name__} keeps a recurrent state (its cache is not only keys and values), which the torch"
-            " engine's batched KV cache cannot carry; sample it with an engine that supports it (vllm)."
-        )
+        raise _recurrent(cls.__name__)
     if cls is not None and not getattr(cls, "_supports_attention_backend", False):
         attention = None
     if attention is not None:
@@ -186,6 +183,13 @@ def _load_model(
         except (ValueError, KeyError):  # an architecture without pluggable attention: its own default
             pass
     return AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+
+
+def _recurrent(name: str) -> ConfigError:
+    return ConfigError(
+        f"{name} keeps a recurrent state (its cache is not only keys and values), which the torch"
+        " engine's batched KV cache cannot carry; sample it with an engine that supports it (vllm)."
+    )
 
 
 def _causal_lm_class(path: Any, trust_remote_code: bool) -> Any:
@@ -223,6 +227,12 @@ def _check_decodes(model: Any, device: torch.device) -> None:
         ConfigError: the model fails a check, naming which.
     """
     name = type(model).__name__
+    try:  # a cache layer holding a recurrent (linear-attention, convolution) state: a hybrid model
+        from transformers.cache_utils import LinearAttentionCacheLayerMixin as recurrent_layer
+    except ImportError:  # pragma: no cover - a transformers without such layers
+        recurrent_layer = ()
+    if recurrent_layer and any(isinstance(layer, recurrent_layer) for layer in make_cache(model.config, 1).layers):
+        raise _recurrent(name)
     vocab = int(model.get_input_embeddings().num_embeddings)
     ids = torch.tensor([[1, 2, 3, 4]], device=device) % max(1, vocab)
     other = ids.clone()
