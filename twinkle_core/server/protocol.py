@@ -287,10 +287,12 @@ def lone_surrogate(value: Any, path: str = "") -> str | None:
                 " surrogate that is not encodable text; expected valid Unicode text"
             )
         return None
-    if isinstance(value, dict):
-        items: Any = value.items()
-    elif isinstance(value, list):
-        items = enumerate(value)
+    if isinstance(value, list):
+        if set(map(type, value)) <= _SCALARS:  # token ids: one pass in C, not a call per id
+            return None
+        items: Any = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()
     else:
         return None
     for key, item in items:
@@ -300,6 +302,10 @@ def lone_surrogate(value: Any, path: str = "") -> str | None:
         if found:
             return found
     return None
+
+
+#: JSON values that hold no text.
+_SCALARS = frozenset((int, float, bool, type(None)))
 
 
 class TextBody(BaseModel):
