@@ -207,7 +207,7 @@ class _Server:
         return exc
 
     def stream_error(self, exc: Exception) -> str:
-        """A call that failed after its stream's 200 went out: the error as the stream's event (then ``[DONE]``).
+        """A call that failed after its stream's 200 went out: the error as the stream's last events, then ``[DONE]``.
 
         A refused input (a token id out of the vocabulary, a prompt too long, a
         bad grammar) is found by the engine once the call runs; the client gets
@@ -219,7 +219,7 @@ class _Server:
             error = ApiError(
                 500, f"Internal error ({type(exc).__name__}); the server is still up.", kind="server_error"
             )
-        return error.event()
+        return error.event() + "data: [DONE]\n\n"
 
     # -- calls in flight, pause --------------------------------------------------------------------
     @contextmanager
@@ -686,7 +686,6 @@ async def _stream_chat(
                     yield chunk([final], session_id=session_id)
         except Exception as exc:  # the engine refused the call once it ran: say so in the stream
             yield state.stream_error(exc)
-            yield "data: [DONE]\n\n"
             complete = True
             return
         if req.stream_options and req.stream_options.get("include_usage"):

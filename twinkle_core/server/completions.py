@@ -181,7 +181,6 @@ async def _stream(
                     yield f"data: {json.dumps({**body, 'choices': [choice]})}\n\n"
         except Exception as exc:  # the engine refused the call once it ran: say so in the stream
             yield state.stream_error(exc)
-            yield "data: [DONE]\n\n"
             complete = True
             return
         if req.stream_options and req.stream_options.get("include_usage"):

@@ -158,7 +158,12 @@ def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
 
 
 def _load_model(
-    path: Any, dtype: torch.dtype, trust_remote_code: bool, model_kwargs: dict[str, Any], attention: str | None
+    path: Any,
+    config: Any,
+    dtype: torch.dtype,
+    trust_remote_code: bool,
+    model_kwargs: dict[str, Any],
+    attention: str | None,
 ) -> Any:
     """``AutoModelForCausalLM.from_pretrained``, with the attention implementation ``attention`` when it fits.
 
@@ -171,7 +176,7 @@ def _load_model(
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code, **model_kwargs}
-    cls = _causal_lm_class(path, trust_remote_code)
+    cls = _causal_lm_class(config)
     if cls is not None and getattr(cls, "_is_stateful", False):
         raise _recurrent(cls.__name__)
     if cls is not None and not getattr(cls, "_supports_attention_backend", False):
@@ -192,15 +197,13 @@ def _recurrent(name: str) -> ConfigError:
     )
 
 
-def _causal_lm_class(path: Any, trust_remote_code: bool) -> Any:
-    """The ``transformers`` class ``AutoModelForCausalLM`` picks for ``path``; ``None`` if unknown (remote code)."""
-    from transformers import AutoConfig
+def _causal_lm_class(config: Any) -> Any:
+    """The ``transformers`` class ``AutoModelForCausalLM`` picks for ``config``; ``None`` if unknown (remote code)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     try:
-        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    except (KeyError, ValueError, OSError):
+    except KeyError:
         return None
 
 
@@ -231,7 +234,8 @@ def _check_decodes(model: Any, device: torch.device) -> None:
         from transformers.cache_utils import LinearAttentionCacheLayerMixin as recurrent_layer
     except ImportError:  # pragma: no cover - a transformers without such layers
         recurrent_layer = ()
-    if recurrent_layer and any(isinstance(layer, recurrent_layer) for layer in make_cache(model.config, 1).layers):
+    cache = make_cache(model.config, 8)
+    if recurrent_layer and any(isinstance(layer, recurrent_layer) for layer in cache.layers):
         raise _recurrent(name)
     vocab = int(model.get_input_embeddings().num_embeddings)
     ids = torch.tensor([[1, 2, 3, 4]], device=device) % max(1, vocab)
@@ -243,7 +247,6 @@ def _check_decodes(model: Any, device: torch.device) -> None:
             changed = torch.log_softmax(model(input_ids=other).logits.float(), dim=-1)
             # the first three tokens left-padded by one (as the loop pads shorter prompts) into a cache,
             # then the fourth decoded from it
-            cache = make_cache(model.config, 8)
             mask = torch.tensor([[0, 1, 1, 1, 1]], device=device)
             prefill = model(
                 input_ids=torch.cat([torch.zeros_like(ids[:, :1]), ids[:, :3]], dim=1),
@@ -400,7 +403,7 @@ class TorchEngine(Engine):
         attention = _attention_for(attention_kernel, self.device, model_kwargs)
         config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
         self.dtype = _resolve_dtype(dtype, config, self.device)
-        model = _load_model(path, self.dtype, trust_remote_code, model_kwargs, attention)
+        model = _load_model(path, config, self.dtype, trust_remote_code, model_kwargs, attention)
         self._model: torch.nn.Module = model.to(self.device).eval()
         if self.device.type == "cpu" and linear_kernel != "torch":
             use_onednn(self._model)
