@@ -106,7 +106,7 @@ def test_trajectory_round_trip_with_tools_and_tool_messages():
     [
         ({"messages": []}, "non-empty list"),
         ({"messages": [{"content": "x"}]}, "has no 'role'"),
-        ({"messages": [{"role": "robot", "content": "x"}]}, "role='robot'.*system, user, assistant, tool"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "role='robot'.*system, developer, user, assistant, tool"),
         ({"messages": [{"role": "user", "content": 3}]}, "content=3"),
         ({"messages": [{"role": "user", "content": "x"}], "toolz": []}, "Did you mean 'tools'"),
         ({"messages": "hi"}, "non-empty list"),

@@ -621,7 +621,8 @@ def test_command_line_mistakes_are_usage_errors(model_dir: Path) -> None:
 
 
 _THINKING = (
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}{{ '\\n' }}"
+    "{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
     "{% if enable_thinking is defined and not enable_thinking %}/no_think\n{% endif %}{% endif %}"
 )
@@ -640,6 +641,10 @@ def test_chat_template_kwargs_reach_the_template(server: RunningServer, sampler:
         expected = sampler.template.with_options(enable_thinking=False).encode({"messages": messages}).input_ids
         assert off["prompt_token_ids"] == expected != plain
         assert sampler.template.decode(expected[len(plain) :]).strip() == "/no_think"
+        tokenized = {"messages": messages, "chat_template_kwargs": {"enable_thinking": False}}
+        assert _post(server, "/tokenize", tokenized)["tokens"] == expected
+        bad_tokenize = {"messages": messages, "chat_template_kwargs": {"tokenize": False}}
+        assert _post(server, "/tokenize", bad_tokenize, status=400)["error"]["param"] == "chat_template_kwargs"
         bad = {**body, "chat_template_kwargs": {"add_generation_prompt": False}}
         assert _post(server, "/v1/chat/completions", bad, status=400)["error"]["param"] == "chat_template_kwargs"
         # a session's episode continues only under the options it was opened with
@@ -651,5 +656,36 @@ def test_chat_template_kwargs_reach_the_template(server: RunningServer, sampler:
         r = httpx.post(server.url + "/v1/chat/completions", json={**follow, **options}, headers=headers, timeout=60)
         assert r.status_code == 200, r.text
         assert httpx.get(server.url + "/v1/sessions/thinking").json()["episodes"] == 2
+    finally:
+        sampler.set_template(before)
+
+
+def test_message_names_and_the_developer_role_reach_the_template(server: RunningServer, sampler: Any) -> None:
+    from twinkle_core.template import Template
+
+    before = sampler.template
+    sampler.set_template(Template(before.tokenizer, chat_template=_THINKING))
+    try:
+        messages = [
+            {"role": "developer", "content": "Answer briefly."},
+            {"role": "user", "name": "ada", "content": "Hi!"},
+        ]
+        body = {"model": "tiny", "messages": messages, "max_tokens": 3, "temperature": 0, "return_token_ids": True}
+        out = _post(server, "/v1/chat/completions", body)
+        expected = sampler.template.encode({"messages": messages}).input_ids
+        assert out["prompt_token_ids"] == expected
+        text = sampler.template.decode(expected, skip_special_tokens=False)
+        assert "<|im_start|>developer\nAnswer briefly." in text and "<|im_start|>user (ada)\nHi!" in text
+        assert _post(server, "/tokenize", {"messages": messages})["tokens"] == expected
+        # a name is part of the message: a session continues an episode only when the names agree
+        headers = {"X-Session-Id": "names"}
+        first = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60).json()
+        reply = {"role": "assistant", "content": first["choices"][0]["message"]["content"]}
+        renamed = [messages[0], {**messages[1], "name": "bob"}, reply, {"role": "user", "content": "More."}]
+        r = httpx.post(server.url + "/v1/chat/completions", json={**body, "messages": renamed}, headers=headers)
+        assert r.status_code == 200, r.text
+        assert httpx.get(server.url + "/v1/sessions/names").json()["episodes"] == 2
+        bad = {**body, "messages": [{"role": "user", "name": 7, "content": "Hi!"}]}
+        assert "name" in _post(server, "/v1/chat/completions", bad, status=400)["error"]["message"]
     finally:
         sampler.set_template(before)

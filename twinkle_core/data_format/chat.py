@@ -11,7 +11,7 @@ from twinkle_core.errors import InvalidInputError
 
 __all__ = ["ROLES", "Message", "Tool", "Trajectory"]
 
-ROLES = ("system", "user", "assistant", "tool")
+ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 def _check_role(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -71,8 +71,11 @@ class Message(Record):
     """One chat turn.
 
     Attributes:
-        role: ``system``, ``user``, ``assistant`` or ``tool``.
+        role: ``system``, ``developer``, ``user``, ``assistant`` or ``tool``
+            (``developer`` is OpenAI's newer name for system instructions; it
+            reaches the template as written, as vLLM passes it on).
         content: the text (or a list of content parts).
+        name: the speaker's name (OpenAI's ``name``), for templates that render it.
         tool_calls: the assistant's tool calls, in the OpenAI/Hugging Face shape.
         tool_call_id: for a ``tool`` message, the call it answers.
         reasoning_content: an assistant's reasoning, for templates that render it.
@@ -83,6 +86,7 @@ class Message(Record):
     tool_calls: list[dict[str, Any]] | None = attrs.field(default=None, validator=_check_list_of_dicts)
     tool_call_id: str | None = attrs.field(default=None, validator=_check_opt_str)
     reasoning_content: str | None = attrs.field(default=None, validator=_check_opt_str)
+    name: str | None = attrs.field(default=None, validator=_check_opt_str)
 
     def to_hf(self) -> dict[str, Any]:
         """The message as a Hugging Face chat-template dict (unset fields left out)."""

@@ -196,6 +196,15 @@ class _Server:
         except TwinkleError as exc:
             raise ApiError(400, str(exc)) from None
 
+    def template_with(self, options: dict[str, Any] | None) -> Any:
+        """The sampler's template with a body's ``chat_template_kwargs`` (``None`` when it sets none)."""
+        if not options:
+            return None
+        try:
+            return self.sampler.template.with_options(**options)
+        except TwinkleError as exc:
+            raise ApiError(400, str(exc), param="chat_template_kwargs") from None
+
     def refusal(self, exc: BaseException) -> BaseException:
         """What a route raises for an engine call refused at submission (the error itself if unexpected)."""
         if isinstance(exc, UnsupportedFeatureError):
@@ -446,12 +455,7 @@ def create_app(
             raise ApiError(400, str(exc), param="tools") from None
         parser = state.no_parser if req.tool_choice == "none" else state.tool_parser
         session_id = request.headers.get(SESSION_HEADER) or req.session_id or req.user
-        template = None
-        if req.chat_template_kwargs:
-            try:
-                template = sampler.template.with_options(**req.chat_template_kwargs)
-            except TwinkleError as exc:
-                raise ApiError(400, str(exc), param="chat_template_kwargs") from None
+        template = state.template_with(req.chat_template_kwargs)
         await state.unpaused()
         call = await _start(state, session_id, trajectory, parser, params, adapter, template)
         rid = req.request_id or ("chatcmpl-" + uuid.uuid4().hex)

@@ -51,6 +51,7 @@ class TokenizeRequest(_Body):
     tools: list[dict[str, Any]] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
     return_token_strs: bool = False
 
 
@@ -101,9 +102,10 @@ def add_control_routes(app: FastAPI, state: _Server, transfer_config: dict[str, 
         if req.prompt is not None:
             ids = list(sampler.template.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         else:
+            template = state.template_with(req.chat_template_kwargs) or sampler.template
             try:
                 trajectory = Trajectory(messages=openai_messages(req.messages or []), tools=openai_tools(req.tools))
-                ids = sampler.template.encode(trajectory, add_generation_prompt=req.add_generation_prompt).input_ids
+                ids = template.encode(trajectory, add_generation_prompt=req.add_generation_prompt).input_ids
             except TwinkleError as exc:
                 raise ApiError(400, str(exc), param="messages") from None
         body: dict[str, Any] = {"count": len(ids), "max_model_len": sampler.max_model_len, "tokens": ids}

@@ -224,7 +224,13 @@ FIELDS: tuple[FieldRule, ...] = (
     FieldRule("suffix", COMPLETIONS, "neutral", ("",), note="no insertion"),
     FieldRule("prompt_embeds", COMPLETIONS, "neutral", (), note="token prompts only"),
     # -- /v1/chat/completions -----------------------------------------------------------
-    FieldRule("messages", CHAT, "implemented", note="OpenAI messages; text content parts"),
+    FieldRule(
+        "messages",
+        CHAT,
+        "implemented",
+        note="OpenAI messages: text content parts, `name`, and the `developer` role"
+        " (both handed to the template as written, as vLLM does)",
+    ),
     FieldRule("tools", CHAT, "implemented", note="OpenAI function tools; `strict` accepted (not enforced, as in vLLM)"),
     FieldRule("tool_choice", CHAT, "implemented", note="`none` and `auto`; `required` / a named function are a 400"),
     FieldRule("parallel_tool_calls", CHAT, "neutral", (True,), note="every call the model makes is returned"),

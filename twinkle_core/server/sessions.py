@@ -50,7 +50,7 @@ def message_key(message: Message) -> tuple[Any, ...]:
         (c.get("function", c).get("name"), _args(c.get("function", c).get("arguments", {})))
         for c in message.tool_calls or []
     )
-    return (message.role, _text(message.content), calls)
+    return (message.role, message.name, _text(message.content), calls)
 
 
 class Session:
