@@ -159,3 +159,7 @@ def test_errors_with_attributes_survive_pickling():
     assert (str(e), e.index, e.length, e.limit) == ("too long", 2, 9, 8)
     t = pickle.loads(pickle.dumps(WeightSyncTimeoutError("slow", stage="ack")))
     assert isinstance(t, TimeoutError) and t.stage == "ack"
+    with pytest.raises(InvalidSamplingParams) as info:
+        SamplingParams(num_samples=0)
+    p = pickle.loads(pickle.dumps(info.value))
+    assert p.field == "num_samples" and str(p) == str(info.value)

@@ -6,6 +6,7 @@ One server for the module; expectations come from the same sampler in process.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 from collections.abc import Iterator
@@ -278,6 +279,50 @@ def test_small_protocol_edges(server: RunningServer) -> None:
         r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "Hi", "stop": stop}, timeout=60)
         assert r.status_code == 400 and "stop" in r.text, r.text
     _post(server, "/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 2, "stop": []})
+
+
+_HI = [{"role": "user", "content": "Hi"}]
+_MANY = {"choice": [str(i) for i in range(20000)]}
+_NO_TYPE = {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": "Hi", "n": 0}, "n"),
+        ("/v1/chat/completions", {"messages": _HI, "n": 4097}, "n"),
+        ("/v1/completions", {"prompt": "Hi", "logprobs": -1}, "logprobs"),
+        ("/v1/chat/completions", {"messages": _HI, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ("/v1/chat/completions", {"messages": _HI, "max_completion_tokens": -1}, "max_completion_tokens"),
+        ("/v1/chat/completions", {"messages": _HI, "max_tokens": -1}, "max_tokens"),
+        ("/v1/completions", {"prompt": "Hi", "min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ("/v1/completions", {"prompt": "Hi", "logit_bias": {"999999": 1}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "Hi", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+        ("/v1/completions", {"prompt": "Hi", "structured_outputs": {}}, "structured_outputs"),
+        ("/v1/completions", {"prompt": "Hi", "structured_outputs": _MANY}, "structured_outputs"),
+        ("/v1/completions", {"prompt": "Hi", "structured_outputs": {"grammar": "root ::= root"}}, "structured_outputs"),
+        ("/v1/chat/completions", {"messages": _HI, "response_format": _NO_TYPE}, "response_format"),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("stream", [False, True])
+def test_errors_name_the_field_as_the_body_does(
+    server: RunningServer, path: str, body: dict[str, Any], param: str, stream: bool
+) -> None:
+    """A refused sampling value is named as the client sent it (``n``, not the engine's ``num_samples``),
+    in ``param`` and in the message, whether refused on arrival or once the engine ran the call."""
+    r = httpx.post(server.url + path, json={"model": "tiny", "max_tokens": 2, **body, "stream": stream}, timeout=120)
+    if r.status_code == 200:  # a stream refused once the engine ran it: the error is its last event
+        assert stream, r.text
+        events = [line[len("data: ") :] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        error = json.loads(events[-2])["error"]
+    else:
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+    assert error["param"] == param, error
+    assert error["message"].startswith(param) and "SamplingParams" not in error["message"], error
+    if body.get("structured_outputs") is _MANY:
+        assert "20000 choices" in error["message"], error  # a choice list is not called a grammar
 
 
 # -- fields: the table, neutral values, refusals ----------------------------------------------------------------

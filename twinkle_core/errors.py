@@ -65,7 +65,18 @@ class ConfigError(TwinkleError, ValueError):
 
 
 class InvalidSamplingParams(TwinkleError, ValueError):
-    """A sampling parameter has a bad value or an unknown name."""
+    """A sampling parameter has a bad value or an unknown name.
+
+    Attributes:
+        field: the ``SamplingParams`` field at fault (``None`` when no one field is).
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (type(self), self.args[0], {"field": self.field}))
 
 
 class InvalidInputError(TwinkleError, ValueError):

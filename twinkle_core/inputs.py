@@ -80,7 +80,8 @@ def check_params(params: SamplingParams, supported: frozenset[str], vocab: int |
     if params.min_tokens > params.max_tokens:
         raise InvalidSamplingParams(
             f"SamplingParams.min_tokens={params.min_tokens} is invalid: expected at most"
-            f" max_tokens={params.max_tokens}."
+            f" max_tokens={params.max_tokens}.",
+            field="min_tokens",
         )
     for field in attrs.fields(SamplingParams):
         value = getattr(params, field.name)
@@ -96,7 +97,7 @@ def check_params(params: SamplingParams, supported: frozenset[str], vocab: int |
         k = getattr(params, name)
         if k is not None and k > vocab:
             raise InvalidSamplingParams(
-                f"SamplingParams.{name}={k} is invalid: expected at most the vocabulary size {vocab}."
+                f"SamplingParams.{name}={k} is invalid: expected at most the vocabulary size {vocab}.", field=name
             )
     for name, ids in (
         ("stop_token_ids", params.stop_token_ids),
@@ -106,7 +107,7 @@ def check_params(params: SamplingParams, supported: frozenset[str], vocab: int |
         beyond = [t for t in ids if t >= vocab]
         if beyond:
             raise InvalidSamplingParams(
-                f"SamplingParams.{name} contains {beyond[0]}, outside the vocabulary [0, {vocab})."
+                f"SamplingParams.{name} contains {beyond[0]}, outside the vocabulary [0, {vocab}).", field=name
             )
 
 

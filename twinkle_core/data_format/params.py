@@ -33,7 +33,7 @@ MAX_BAD_WORDS = 128
 
 
 def _bad(field: str, value: Any, accepted: str) -> InvalidSamplingParams:
-    return InvalidSamplingParams(f"SamplingParams.{field}={value!r} is invalid: expected {accepted}.")
+    return InvalidSamplingParams(f"SamplingParams.{field}={value!r} is invalid: expected {accepted}.", field=field)
 
 
 def _is_int(value: Any) -> bool:
@@ -316,7 +316,9 @@ def resolve_params(sampling_params: SamplingParams | dict[str, Any] | None, num_
     if num_samples is None:
         return params
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-        raise InvalidSamplingParams(f"num_samples={num_samples!r} is invalid: expected an integer >= 1.")
+        raise InvalidSamplingParams(
+            f"num_samples={num_samples!r} is invalid: expected an integer >= 1.", field="num_samples"
+        )
     explicit = sampling_params is not None and (
         (isinstance(sampling_params, dict) and ("num_samples" in sampling_params or "n" in sampling_params))
         or (isinstance(sampling_params, SamplingParams) and params.num_samples != 1)
@@ -324,7 +326,8 @@ def resolve_params(sampling_params: SamplingParams | dict[str, Any] | None, num_
     if explicit and params.num_samples != num_samples:
         raise InvalidSamplingParams(
             f"num_samples={num_samples} conflicts with SamplingParams.num_samples={params.num_samples}:"
-            " give it once, or give the same value."
+            " give it once, or give the same value.",
+            field="num_samples",
         )
     return params.replace(num_samples=num_samples)
 
@@ -347,7 +350,8 @@ def bad_word_token_ids(tokenizer: Any, words: Sequence[str], vocab: int) -> list
             if not ids:
                 if not prefix:
                     raise InvalidSamplingParams(
-                        f"SamplingParams.bad_words={list(words)!r} is invalid: {word!r} tokenizes to no tokens."
+                        f"SamplingParams.bad_words={list(words)!r} is invalid: {word!r} tokenizes to no tokens.",
+                        field="bad_words",
                     )
                 continue
             if not prefix or (ids[0] != out[-1][0] and len(ids) == len(out[-1])):
@@ -355,13 +359,15 @@ def bad_word_token_ids(tokenizer: Any, words: Sequence[str], vocab: int) -> list
     if len(out) > MAX_BAD_WORDS:
         raise InvalidSamplingParams(
             f"SamplingParams.bad_words={list(words)!r} is invalid: it tokenizes to {len(out)} token sequences,"
-            f" more than the {MAX_BAD_WORDS} accepted."
+            f" more than the {MAX_BAD_WORDS} accepted.",
+            field="bad_words",
         )
     beyond = [t for ids in out for t in ids if not 0 <= t < vocab]
     if beyond:
         raise InvalidSamplingParams(
             f"SamplingParams.bad_words={list(words)!r} is invalid: token id {beyond[0]} is outside the"
-            f" vocabulary [0, {vocab})."
+            f" vocabulary [0, {vocab}).",
+            field="bad_words",
         )
     return out
 
@@ -391,5 +397,6 @@ def check_constraints(params: SamplingParams, bad_words: Sequence[Sequence[int]]
                 if params.min_tokens
                 else ""
             )
-            + " remove every one of them. Allow a token they do not remove."
+            + " remove every one of them. Allow a token they do not remove.",
+            field="allowed_token_ids",
         )

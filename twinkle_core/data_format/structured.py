@@ -32,7 +32,9 @@ _KINDS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 def _bad(value: Any, accepted: str) -> InvalidSamplingParams:
-    return InvalidSamplingParams(f"SamplingParams.structured_outputs={value!r:.200} is invalid: expected {accepted}.")
+    return InvalidSamplingParams(
+        f"SamplingParams.structured_outputs={value!r:.200} is invalid: expected {accepted}.", field="structured_outputs"
+    )
 
 
 def _schema(value: Any) -> str | None:
@@ -111,7 +113,10 @@ class StructuredOutputs(Record):
             )
         kind, spec = self.spec()
         if len(spec) > MAX_SPEC_CHARS:
-            raise _bad({kind: spec[:80] + "..."}, f"a {kind} of at most {MAX_SPEC_CHARS} characters")
+            asked = self.kind  # a choice is compiled as a grammar: its limit is that grammar's length
+            written = f"{spec[:80]}..." if asked == kind else f"{len(self.choice or ())} choices"
+            limit = f"at most {MAX_SPEC_CHARS} characters" + ("" if asked == kind else " as a grammar")
+            raise _bad({asked: written}, f"a {asked} of {limit}")
 
     @classmethod
     def coerce(cls, value: Any) -> StructuredOutputs | None:
@@ -208,7 +213,8 @@ def compiled_grammar(structured: StructuredOutputs, tokenizer: Any, vocab: int) 
         # xgrammar prefixes "[time] file.cc:line: "
         message = re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", lines[-1]) if lines else type(exc).__name__
         raise InvalidSamplingParams(
-            f"SamplingParams.structured_outputs {kind}={spec[:200]!r} does not compile: {message}"
+            f"SamplingParams.structured_outputs {kind}={spec[:200]!r} does not compile: {message}",
+            field="structured_outputs",
         ) from None
 
 

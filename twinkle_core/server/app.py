@@ -44,7 +44,6 @@ from twinkle_core.errors import (
     SamplerClosedError,
     TwinkleError,
     UnknownAdapterError,
-    UnsupportedFeatureError,
 )
 from twinkle_core.requests import Finished
 from twinkle_core.server.calls import Pending
@@ -55,7 +54,9 @@ from twinkle_core.server.protocol import (
     ChatRequest,
     CompletionRequest,
     Route,
+    body_names,
     brief,
+    in_body_terms,
     neutral_violation,
     openai_messages,
     openai_tools,
@@ -74,12 +75,21 @@ log = logging.getLogger("twinkle.server")
 SESSION_HEADER = "X-Session-Id"
 
 
-def _twinkle_status(exc: TwinkleError) -> ApiError:
+def _twinkle_status(exc: TwinkleError, names: Mapping[str, str] | None = None) -> ApiError:
+    """The answer to an error of twinkle's; a sampling field is named as the body names it (``names``)."""
     if isinstance(exc, (SamplerClosedError, EngineDeadError)):
         return ApiError(503, str(exc), kind="server_error", code="engine_unavailable")
+    if isinstance(exc, UnknownAdapterError):
+        return ApiError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, LookupError):
         return ApiError(404, str(exc), code="not_found")
-    return ApiError(400, str(exc))
+    names = body_names(None) if names is None else names
+    field = getattr(exc, "field", None)
+    return ApiError(400, in_body_terms(str(exc), names), param=names.get(field, field) if field else None)
+
+
+def _route(path: str) -> Route | None:
+    return "chat" if path.endswith("/chat/completions") else "completions" if path.endswith("/completions") else None
 
 
 def _openai_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -194,7 +204,7 @@ class _Server:
         try:
             return SamplingParams(**fields)
         except TwinkleError as exc:
-            raise ApiError(400, str(exc)) from None
+            raise _twinkle_status(exc, body_names(route, req)) from None
 
     def template_with(self, options: dict[str, Any] | None) -> Any:
         """The sampler's template with a body's ``chat_template_kwargs`` (``None`` when it sets none)."""
@@ -205,24 +215,23 @@ class _Server:
         except TwinkleError as exc:
             raise ApiError(400, str(exc), param="chat_template_kwargs") from None
 
-    def refusal(self, exc: BaseException) -> BaseException:
-        """What a route raises for an engine call refused at submission (the error itself if unexpected)."""
-        if isinstance(exc, UnsupportedFeatureError):
-            return ApiError(400, str(exc))
-        if isinstance(exc, UnknownAdapterError):
-            return ApiError(404, str(exc), param="model", code="model_not_found")
+    def refusal(self, exc: BaseException, names: Mapping[str, str] | None = None) -> BaseException:
+        """What a route raises for an engine call refused at submission (the error itself if unexpected).
+
+        ``names``: :func:`body_names` of the call's body.
+        """
         if isinstance(exc, TwinkleError):
-            return _twinkle_status(exc)
+            return _twinkle_status(exc, names)
         return exc
 
-    def stream_error(self, exc: Exception) -> str:
+    def stream_error(self, exc: Exception, names: Mapping[str, str] | None = None) -> str:
         """A call that failed after its stream's 200 went out: the error as the stream's last events, then ``[DONE]``.
 
         A refused input (a token id out of the vocabulary, a prompt too long, a
         bad grammar) is found by the engine once the call runs; the client gets
         the same error body a call without ``stream`` gets, not a cut connection.
         """
-        error = self.refusal(exc)
+        error = self.refusal(exc, names)
         if not isinstance(error, ApiError):
             log.error("a streamed call failed", exc_info=exc)
             error = ApiError(
@@ -396,7 +405,7 @@ def create_app(
 
     @app.exception_handler(TwinkleError)
     async def on_twinkle(request: Request, exc: TwinkleError) -> JSONResponse:
-        return _twinkle_status(exc).response()
+        return _twinkle_status(exc, body_names(_route(request.url.path))).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -457,7 +466,8 @@ def create_app(
         session_id = request.headers.get(SESSION_HEADER) or req.session_id or req.user
         template = state.template_with(req.chat_template_kwargs)
         await state.unpaused()
-        call = await _start(state, session_id, trajectory, parser, params, adapter, template)
+        fields = body_names("chat", req)
+        call = await _start(state, session_id, trajectory, parser, params, adapter, template, fields)
         rid = req.request_id or ("chatcmpl-" + uuid.uuid4().hex)
         prompt_ids = list(call.target.tokens)
         names = TokenNames(sampler.template, bool(req.return_tokens_as_token_ids))
@@ -465,9 +475,12 @@ def create_app(
             return StreamingResponse(
                 _stream_chat(state, rid, req, call, prompt_ids, session_id, names), media_type="text/event-stream"
             )
-        with state.tracked(rid, call.pending):
-            responses = await call.pending.until_done_or_gone(request)
-        episodes = await call.episodes
+        try:
+            with state.tracked(rid, call.pending):
+                responses = await call.pending.until_done_or_gone(request)
+            episodes = await call.episodes
+        except TwinkleError as exc:  # refused once it ran (a grammar that does not compile...)
+            raise state.refusal(exc, fields) from None
         turns = [t for t in (e.last_turn for e in episodes) if t is not None]
         choices = [_chat_choice(i, t, names if req.logprobs else None) for i, t in enumerate(turns)]
         completion = sum(len(t.tokens) for t in turns)
@@ -542,6 +555,7 @@ async def _start(
     params: SamplingParams,
     adapter: str,
     template: Any = None,
+    names: Mapping[str, str] | None = None,
 ) -> _Call:
     """Find or start the episode and submit its next turn (``n > 1`` forks it).
 
@@ -576,7 +590,7 @@ async def _start(
         if session is not None:
             session.lock.release()
         if isinstance(exc, TwinkleError):
-            raise state.refusal(exc) from None
+            raise state.refusal(exc, names) from None
         raise
 
 
@@ -689,7 +703,7 @@ async def _stream_chat(
                         }
                     yield chunk([final], session_id=session_id)
         except Exception as exc:  # the engine refused the call once it ran: say so in the stream
-            yield state.stream_error(exc)
+            yield state.stream_error(exc, body_names("chat", req))
             complete = True
             return
         if req.stream_options and req.stream_options.get("include_usage"):
@@ -710,8 +724,8 @@ async def _stream_chat(
 def _structured_outputs(structured: dict[str, Any] | None, response_format: dict[str, Any] | None) -> Any:
     """vLLM's ``structured_outputs``, or OpenAI's ``response_format``, as ``SamplingParams.structured_outputs``."""
     if response_format is None or response_format.get("type") == "text":
-        return structured or None
-    if structured:
+        return structured  # {} is refused by SamplingParams (a constraint names exactly one kind), not dropped
+    if structured is not None:
         raise ApiError(400, "Give structured_outputs or response_format, not both.", param="response_format")
     kind = response_format.get("type")
     if kind == "json_object":

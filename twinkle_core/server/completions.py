@@ -20,8 +20,9 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse
+from twinkle_core.errors import TwinkleError
 from twinkle_core.server.calls import Pending
-from twinkle_core.server.protocol import ApiError, CompletionRequest
+from twinkle_core.server.protocol import ApiError, CompletionRequest, body_names
 from twinkle_core.server.shapes import TokenNames, choice_text, stop_reason
 
 if TYPE_CHECKING:
@@ -51,7 +52,8 @@ def _prompts(state: _Server, req: CompletionRequest) -> tuple[list[InputFeature]
         if req.truncate_prompt_tokens is not None:
             keep = state.sampler.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
             if keep == 0:
-                raise ApiError(400, "truncate_prompt_tokens=0 leaves no prompt: expected -1 or >= 1.")
+                message = "truncate_prompt_tokens=0 leaves no prompt: expected -1 or >= 1."
+                raise ApiError(400, message, param="truncate_prompt_tokens")
             if len(ids) > keep:
                 ids = ids[:keep] if req.truncation_side == "right" else ids[-keep:]
                 texts[-1] = None  # the echoed text is the kept tokens', decoded
@@ -136,7 +138,7 @@ async def complete(state: _Server, req: CompletionRequest, request: Request) -> 
     try:
         pending = Pending(state.sampler, features, params, adapter)
     except Exception as exc:
-        raise state.refusal(exc) from None
+        raise state.refusal(exc, body_names("completions", req)) from None
     rid = req.request_id or ("cmpl-" + uuid.uuid4().hex)
     build = _Choices(state, req, features, texts)
     prompt_tokens = sum(len(f.input_ids) for f in features)
@@ -144,8 +146,11 @@ async def complete(state: _Server, req: CompletionRequest, request: Request) -> 
         return StreamingResponse(
             _stream(state, rid, req, pending, build, prompt_tokens), media_type="text/event-stream"
         )
-    with state.tracked(rid, pending):
-        responses = await pending.until_done_or_gone(request)
+    try:
+        with state.tracked(rid, pending):
+            responses = await pending.until_done_or_gone(request)
+    except TwinkleError as exc:  # refused once it ran (a grammar that does not compile...)
+        raise state.refusal(exc, body_names("completions", req)) from None
     choices = [
         build.choice(p, k, seq, resp) for p, resp in enumerate(responses) for k, seq in enumerate(resp.sequences)
     ]
@@ -180,7 +185,7 @@ async def _stream(
                     }
                     yield f"data: {json.dumps({**body, 'choices': [choice]})}\n\n"
         except Exception as exc:  # the engine refused the call once it ran: say so in the stream
-            yield state.stream_error(exc)
+            yield state.stream_error(exc, body_names("completions", req))
             complete = True
             return
         if req.stream_options and req.stream_options.get("include_usage"):

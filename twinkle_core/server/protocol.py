@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import reprlib
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import attrs
@@ -38,8 +40,10 @@ __all__ = [
     "ChatRequest",
     "CompletionRequest",
     "FieldRule",
+    "body_names",
     "brief",
     "fields_table",
+    "in_body_terms",
     "neutral_violation",
     "openai_messages",
     "openai_tools",
@@ -98,6 +102,32 @@ class ApiError(Exception):
     def event(self) -> str:
         """The error as a server-sent event, for a stream whose 200 has gone out already."""
         return f"data: {json.dumps(self.body())}\n\n"
+
+
+def body_names(route: Route | None, req: Any = None) -> dict[str, str]:
+    """The ``SamplingParams`` fields a request body calls by other names, and those names.
+
+    Errors from the engine name its fields; a client should read the names it
+    sent (``n``, not ``num_samples``). ``req``: the body, for the names that
+    depend on which of two fields it used.
+    """
+    names = {"num_samples": "n"}
+    if route == "chat":
+        names["logprobs"] = "top_logprobs"
+        if getattr(req, "max_completion_tokens", None) is not None:
+            names["max_tokens"] = "max_completion_tokens"
+    response_format = getattr(req, "response_format", None)
+    if isinstance(response_format, dict) and response_format.get("type") != "text":
+        names["structured_outputs"] = "response_format"
+    return names
+
+
+_FIELD_REF = re.compile(r"\bSamplingParams\.(\w+)")
+
+
+def in_body_terms(message: str, names: Mapping[str, str]) -> str:
+    """An engine's message with each ``SamplingParams.<field>`` written as the body's field."""
+    return _FIELD_REF.sub(lambda m: names.get(m.group(1), m.group(1)), message)
 
 
 #: Short, bounded reprs of what a client sent, for error messages (a deeply nested value cannot blow the stack).

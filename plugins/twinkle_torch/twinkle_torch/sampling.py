@@ -345,11 +345,20 @@ class TokenSampler:
         empty = (~torch.isfinite(processed).any(dim=-1)).nonzero().flatten().tolist()
         if empty:
             p = self.params
+            if p.structured_outputs is not None:  # a grammar that admits nothing here (or nothing the rest allow)
+                kind = p.structured_outputs.kind
+                raise InvalidSamplingParams(
+                    f"SamplingParams.structured_outputs ({kind}) leaves no token to draw: its grammar admits no"
+                    " token here that allowed_token_ids, bad_words and min_tokens allow (or none at all, as a rule"
+                    " that only refers to itself does).",
+                    field="structured_outputs",
+                )
             raise InvalidSamplingParams(
                 "The token constraints leave no token to draw: every token is removed by allowed_token_ids="
                 f"{list(p.allowed_token_ids) if p.allowed_token_ids is not None else None!r}, bad_words="
                 f"{list(p.bad_words)!r} and min_tokens={p.min_tokens} (which holds back the end-of-sequence and"
-                " stop ids) together. Allow a token none of the others removes."
+                " stop ids) together. Allow a token none of the others removes.",
+                field="allowed_token_ids",
             )
 
     # -- the sampling mask --------------------------------------------------------------------------

@@ -102,7 +102,8 @@ def make_plan(
     if bad:
         raise InvalidSamplingParams(
             f"SamplingParams.stop_token_ids={list(params.stop_token_ids)!r} is invalid: token id {bad[0]} is"
-            f" outside the vocabulary [0, {vocab_size})."
+            f" outside the vocabulary [0, {vocab_size}).",
+            field="stop_token_ids",
         )
 
     plan = Plan(params=params)
