@@ -325,6 +325,16 @@ def test_errors_name_the_field_as_the_body_does(
         assert "20000 choices" in error["message"], error  # a choice list is not called a grammar
 
 
+def test_a_request_for_more_sequences_than_memory_allows_is_refused(server: RunningServer) -> None:
+    from twinkle_core.server.completions import MAX_SEQUENCES
+
+    prompts = [[5, 6]] * (MAX_SEQUENCES // 4096 + 1)  # a short body that asks for one sequence too many x n
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": prompts, "n": 4096}, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    assert f"at most {MAX_SEQUENCES}" in r.json()["error"]["message"]
+    assert _post(server, "/v1/completions", {"model": "tiny", "prompt": [[5, 6]] * 2, "n": 3, "max_tokens": 1})
+
+
 # -- fields: the table, neutral values, refusals ----------------------------------------------------------------
 
 

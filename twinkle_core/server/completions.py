@@ -20,6 +20,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse
+from twinkle_core.data_format.params import MAX_NUM_SAMPLES
 from twinkle_core.errors import TwinkleError
 from twinkle_core.server.calls import Pending
 from twinkle_core.server.protocol import ApiError, CompletionRequest, body_names
@@ -28,7 +29,11 @@ from twinkle_core.server.shapes import TokenNames, choice_text, stop_reason
 if TYPE_CHECKING:
     from twinkle_core.server.app import _Server
 
-__all__ = ["complete"]
+__all__ = ["MAX_SEQUENCES", "complete"]
+
+#: The most sequences (prompts x ``n``) one completions request may ask for: the engine holds every one
+#: until the reply goes out, so a short body could otherwise ask for more memory than the machine has.
+MAX_SEQUENCES = 65536
 
 
 def _prompts(state: _Server, req: CompletionRequest) -> tuple[list[InputFeature], list[str | None]]:
@@ -40,6 +45,13 @@ def _prompts(state: _Server, req: CompletionRequest) -> tuple[list[InputFeature]
         items = [raw]
     else:
         items = list(raw)
+    if req.n <= MAX_NUM_SAMPLES and len(items) * req.n > MAX_SEQUENCES:  # a larger n: SamplingParams names it
+        raise ApiError(
+            400,
+            f"{len(items)} prompts x n={req.n} asks for {len(items) * req.n} sequences in one request: expected at"
+            f" most {MAX_SEQUENCES} (each holds memory until the reply goes out). Split the prompts over requests.",
+            param="prompt",
+        )
     features: list[InputFeature] = []
     texts: list[str | None] = []
     for i, item in enumerate(items):
