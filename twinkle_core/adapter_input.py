@@ -66,9 +66,11 @@ class AdapterInput:
         AdapterError: (on reading) see :func:`read_adapter`.
     """
 
-    def __init__(self, name: str, config_or_dir: Any, weights: Any = None, *, check_finite: bool = True) -> None:
+    def __init__(
+        self, name: str, config_or_dir: Any, weights: Any = None, *, check_finite: bool = True, into: str | None = None
+    ) -> None:
         self.name = name
-        self._given = (config_or_dir, weights, check_finite)
+        self._given = (config_or_dir, weights, check_finite, into)
         self._read: _Read | None = None
         if not isinstance(config_or_dir, (str, os.PathLike)):
             self._load()
@@ -101,7 +103,7 @@ class AdapterInput:
 
     @property
     def source(self) -> str:
-        config_or_dir, weights, _ = self._given
+        config_or_dir, weights, _, _ = self._given
         if weights is None and isinstance(config_or_dir, (str, os.PathLike)):
             return str(Path(config_or_dir).expanduser())
         return MEMORY_SOURCE
@@ -144,7 +146,7 @@ def read_adapter(name: str, config_or_dir: Any, weights: Any = None, *, check_fi
     return AdapterInput(name, config_or_dir, weights, check_finite=check_finite).read()
 
 
-def _read(name: str, config_or_dir: Any, weights: Any, check_finite: bool) -> _Read:
+def _read(name: str, config_or_dir: Any, weights: Any, check_finite: bool, into: str | None) -> _Read:
     if isinstance(config_or_dir, (str, os.PathLike)):
         if weights is not None:
             raise AdapterError(
@@ -153,7 +155,7 @@ def _read(name: str, config_or_dir: Any, weights: Any, check_finite: bool) -> _R
         folder = Path(config_or_dir).expanduser()
         config, raw = _read_folder(folder)
         label = f"Adapter {name!r} from {str(folder)!r}"
-        return _Read(config, _checked_tensors(label, raw, check_finite), folder, None)
+        return _Read(config, _checked_tensors(label, raw, check_finite, into), folder, None)
     peft_config = config_or_dir if hasattr(config_or_dir, "to_dict") else None
     if peft_config is None and not isinstance(config_or_dir, Mapping):
         raise AdapterError(
@@ -166,7 +168,7 @@ def _read(name: str, config_or_dir: Any, weights: Any, check_finite: bool) -> _R
             " get_peft_model_state_dict returns) or an adapter folder."
         )
     config = _json_safe(config_or_dir.to_dict() if peft_config is not None else config_or_dir)
-    return _Read(config, _checked_tensors(f"Adapter {name!r}", weights, check_finite), None, peft_config)
+    return _Read(config, _checked_tensors(f"Adapter {name!r}", weights, check_finite, into), None, peft_config)
 
 
 def _read_folder(folder: Path) -> tuple[dict[str, Any], Any]:
@@ -199,7 +201,7 @@ def _read_folder(folder: Path) -> tuple[dict[str, Any], Any]:
     return config, raw
 
 
-def _checked_tensors(label: str, weights: Any, check_finite: bool) -> list[tuple[str, Any]]:
+def _checked_tensors(label: str, weights: Any, check_finite: bool, into: str | None) -> list[tuple[str, Any]]:
     import torch
 
     try:
@@ -221,7 +223,7 @@ def _checked_tensors(label: str, weights: Any, check_finite: bool) -> list[tuple
         out.append((".".join(parts), tensor.detach()))
     if not out:
         raise AdapterError(f"{label}: weights is empty; pass the adapter's lora_A / lora_B tensors.")
-    bad = find_not_floating(out) or (find_non_finite(out) if check_finite else None)
+    bad = find_not_floating(out) or (find_non_finite(out, into) if check_finite else None)
     if bad is not None:
         raise AdapterError(f"{label}: {bad}; nothing was loaded.")
     return out

@@ -92,6 +92,11 @@ def _vocab(_self: Any, attribute: Any, value: Any) -> None:
         _positive(_self, attribute, value)
 
 
+def _dtype_name(value: Any) -> str | None:
+    """A dtype (``torch.bfloat16``) or its name, as the name (``"bfloat16"``)."""
+    return None if value is None else str(value).removeprefix("torch.")
+
+
 @attrs.frozen
 class EngineInfo:
     """What the sampler needs to know about an engine; set as ``engine.info`` once the engine is built.
@@ -113,6 +118,11 @@ class EngineInfo:
             ``(name, tensor)`` pairs and reads it once, as it goes (a sharded
             trainer's stream is then never gathered whole); otherwise the
             sampler hands it a list.
+        weights_dtype: the floating dtype the engine holds weights in (its
+            name, e.g. ``"bfloat16"``), or ``None`` if unknown. The sampler's
+            finite-value check then reads update and adapter tensors as they
+            will be after the engine's cast: a float64 ``1e300`` is finite
+            until it becomes a float32.
     """
 
     name: str
@@ -121,6 +131,7 @@ class EngineInfo:
     supported_params: frozenset[str] = attrs.field(default=BASE_PARAMS, converter=_frozen_names)
     concurrent: bool = False
     streams_weights: bool = False
+    weights_dtype: str | None = attrs.field(default=None, converter=_dtype_name)
 
 
 class EngineContext(ABC):

@@ -14,6 +14,7 @@ other.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -66,13 +67,16 @@ S = TypeVar("S", bound="Sampler")
 _SUBCLASS_MAY_SET = frozenset({"engine", "engine_name", "supported_params", "concurrent_samples"})
 
 
-def _checked_stream(pairs: Iterable[Any], check_finite: bool) -> Iterator[tuple[str, Any]]:
-    """``pairs`` read lazily, each checked as :meth:`Sampler.update_weights` checks a list; at least one."""
+def _checked_stream(pairs: Iterable[Any], check_finite: bool, into: str | None) -> Iterator[tuple[str, Any]]:
+    """``pairs`` read lazily, each checked as :meth:`Sampler.update_weights` checks a list; at least one.
+
+    ``into``: the engine's weights dtype (see :func:`find_non_finite`).
+    """
     count = 0
     for i, item in enumerate(pairs):
         check_pair(i, item)
         if check_finite:
-            bad = find_non_finite([item])
+            bad = find_non_finite([item], into)
             if bad is not None:
                 raise WeightUpdateError(f"update_weights: {bad}; nothing was updated.")
         count += 1
@@ -408,7 +412,9 @@ class Sampler:
         if not isinstance(adapter_name, str) or not adapter_name:
             raise InvalidInputError(f"adapter_name={adapter_name!r} is invalid: expected a non-empty string.")
         # Tensors in memory are checked now, before in_flight acts; a folder is read when the engine asks.
-        adapter = AdapterInput(adapter_name, config_or_dir, weights, check_finite=check_finite)
+        adapter = AdapterInput(
+            adapter_name, config_or_dir, weights, check_finite=check_finite, into=self.engine.info.weights_dtype
+        )
 
         def record(new_version: int, source: Any) -> None:
             self._state.record_adapter(adapter_name, new_version, adapter.source if source is None else source)
@@ -484,17 +490,22 @@ class Sampler:
         items: Any
         if isinstance(named_tensors, Mapping):
             items = list(named_tensors.items())
+        elif not isinstance(named_tensors, Iterable) or isinstance(named_tensors, (str, bytes)):
+            raise WeightUpdateError(
+                f"update_weights got {type(named_tensors).__name__} {named_tensors!r:.60}: expected a mapping of"
+                " names to tensors, or (name, tensor) pairs; nothing was updated."
+            )
         elif isinstance(named_tensors, (list, tuple)) or not self.engine.info.streams_weights:
             items = list(named_tensors)
         else:  # a stream the engine reads once, as it goes: each pair is checked as it comes
-            items = _checked_stream(named_tensors, check_finite)
+            items = _checked_stream(named_tensors, check_finite, self.engine.info.weights_dtype)
         if isinstance(items, list):
             for i, item in enumerate(items):
                 check_pair(i, item)
             if not items:
                 raise WeightUpdateError("update_weights got no tensors.")
             if check_finite:
-                bad = find_non_finite(items)
+                bad = find_non_finite(items, self.engine.info.weights_dtype)
                 if bad is not None:
                     raise WeightUpdateError(f"update_weights: {bad}; nothing was updated.")
         return self._state.change(
@@ -591,8 +602,16 @@ class Sampler:
         on_invalid: OnInvalid = "raise",
         adapter_path: str | os.PathLike[str] | None = None,
     ) -> list[SampleResponse]:
-        """``sample()`` for asyncio code: awaits the call without blocking the running event loop."""
-        return await self.submit(inputs, sampling_params, adapter_name, num_samples=num_samples, on_invalid=on_invalid)
+        """``sample()`` for asyncio code: awaits the call without blocking the running event loop.
+
+        Cancelling the awaiting task aborts the call: nobody is left to read its sequences.
+        """
+        handle = self.submit(inputs, sampling_params, adapter_name, num_samples=num_samples, on_invalid=on_invalid)
+        try:
+            return await handle
+        except asyncio.CancelledError:
+            handle.abort()
+            raise
 
     def abort_all(self) -> int:
         """Abort every call in flight (see ``SampleHandle.abort``); returns how many were."""

@@ -147,15 +147,21 @@ def find_not_floating(named_tensors: Iterable[Any]) -> str | None:
     return None
 
 
-def find_non_finite(named_tensors: Iterable[Any]) -> str | None:
+def find_non_finite(named_tensors: Iterable[Any], into: str | None = None) -> str | None:
     """Describe the first floating-point tensor holding NaN or infinity, or return ``None``.
 
     ``named_tensors`` holds ``(name, value)`` pairs; values that are not
-    torch tensors are left to the engine's own checks.
+    torch tensors are left to the engine's own checks. ``into``: the dtype
+    (its name) the engine casts values to; a value is checked as it will be
+    after that cast when the cast narrows its range (finite in float64,
+    infinite as float32).
     """
     if "torch" not in sys.modules:  # no tensor can exist
         return None
     import torch
+
+    target = getattr(torch, into, None) if into else None
+    target = target if isinstance(target, torch.dtype) and target.is_floating_point else None
 
     for entry in named_tensors:
         if not (isinstance(entry, tuple) and len(entry) == 2):
@@ -163,7 +169,11 @@ def find_non_finite(named_tensors: Iterable[Any]) -> str | None:
         name, value = entry
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.device.type == "meta":
             continue
-        value = value.detach()  # a trainer's parameter: reading it needs no graph (and torch warns otherwise)
+        sent = value = value.detach()  # a trainer's parameter: reading it needs no graph (and torch warns otherwise)
+        if target is not None and torch.finfo(target).max < torch.finfo(value.dtype).max:
+            value = value.to(target)  # the engine's cast may overflow: check what it will hold
+        elif value.element_size() == 1:  # float8: no reductions of its own; float32 holds every value
+            value = value.float()
         # One reduction first: a finite sum proves every element finite (NaN and inf propagate);
         # only a non-finite sum (which an overflow could also cause) pays for the exact check.
         if math.isfinite(float(value.sum())):
@@ -171,10 +181,14 @@ def find_non_finite(named_tensors: Iterable[Any]) -> str | None:
         finite = torch.isfinite(value)
         if not bool(finite.all()):
             bad = int((~finite).sum())
-            first = value.reshape(-1)[int((~finite).reshape(-1).nonzero()[0])].item()
-            return (
-                f"{name!r} holds {bad} non-finite value(s) (first: {first}); pass check_finite=False to skip this check"
+            at = int((~finite).reshape(-1).nonzero()[0])
+            first, given = value.reshape(-1)[at].item(), sent.reshape(-1)[at].item()
+            what = (
+                f"non-finite value(s) (first: {first})"
+                if not math.isfinite(given)
+                else f"value(s) beyond {into}'s range (first: {given:g}, which becomes {first} as {into})"
             )
+            return f"{name!r} holds {bad} {what}; pass check_finite=False to skip this check"
     return None
 
 

@@ -170,6 +170,7 @@ class ReplicaHost:
                 vocab_size=self._target.vocab_size,
                 engine_name=self._target.engine_name,
                 supported_params=sorted(self._target.supported_params),
+                weights_dtype=engine.info.weights_dtype,
                 weights_version=self._target.weights_version,
                 # the engine's own limits, so the driver checks prompts as the replica would
                 max_prompt_len={

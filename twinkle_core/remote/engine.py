@@ -111,6 +111,7 @@ class RemoteEngine(Engine):
                 supported_params=frozenset(info.get("supported_params", ())),
                 concurrent=True,
                 streams_weights=isinstance(self.weight_transport, CollectiveOptions),
+                weights_dtype=info.get("weights_dtype"),
             )
             self._prompt_limits: dict[str, int] = dict(info.get("max_prompt_len") or {})
             context.init_template(self._replicas_template)

@@ -79,7 +79,8 @@ def check_refused_changes(
 ) -> None:
     """Refused weight and adapter changes leave every output exactly as it was.
 
-    Tries NaN and infinite weights, NaN adapter tensors, a mis-shaped adapter,
+    Tries NaN and infinite weights, weights finite only in a wider dtype than
+    the engine's, NaN and overflowing adapter tensors, a mis-shaped adapter,
     an adapter with only half of its matrices and one of integer tensors; each must raise its typed
     error, leave the version and the adapter table unchanged, and leave greedy
     outputs (base model and a loaded adapter) identical. Then a good update of
@@ -104,6 +105,12 @@ def check_refused_changes(
             assert name in str(exc) and "non-finite" in str(exc), str(exc)
         else:
             raise AssertionError(f"an update holding {bad} in {name!r} was accepted")
+    try:  # finite as sent (float64), infinite once the engine casts it to its own dtype
+        sampler.update_weights({name: tensor.double() * 1e300})
+    except WeightUpdateError as exc:
+        assert name in str(exc) and "range" in str(exc), str(exc)
+    else:
+        raise AssertionError(f"an update of {name!r} beyond the engine's dtype's range was accepted")
     lora_a = next(k for k in tensors if "lora_A" in k)
     lora_b = next(k for k in tensors if "lora_B" in k)
     broken: dict[str, dict[str, Any]] = {
@@ -111,6 +118,7 @@ def check_refused_changes(
         "shape": {**tensors, lora_a: torch.zeros(tensors[lora_a].shape[0] + 1, tensors[lora_a].shape[1])},
         "half": {k: v for k, v in tensors.items() if k != lora_b},
         "integer": {k: v.round().to(torch.int32) for k, v in tensors.items()},
+        "overflowing": {**tensors, lora_b: tensors[lora_b].double() + 1e300},
     }
     for label, bad_weights in broken.items():
         for target in ("kept", f"new-{label}"):  # replacing a loaded adapter, and adding a new one

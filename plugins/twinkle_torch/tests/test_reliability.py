@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -9,9 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from twinkle_core import InputFeature, SamplingParams, Trajectory
-from twinkle_core.errors import InvalidInputError, InvalidSamplingParams
+from twinkle_core.errors import InvalidInputError, InvalidSamplingParams, WeightUpdateError
 from twinkle_core.testing.faults import check_refused_changes, run_soak, soak_seconds
 from twinkle_torch import TorchSampler
+from twinkle_torch.decoding import DecoderStats
 
 
 def _states(model_dir: Path) -> list[dict[str, torch.Tensor]]:
@@ -87,3 +91,72 @@ def test_soak_every_sequence_matches_its_weights_and_adapter(
             s, chat_prompts[:3], _states(tiny_llama), {"a": lora_dirs["a"], "b": lora_dirs["b"]}, seconds=soak_seconds()
         )
     assert report.sequences > 0 and report.updates > 0 and report.swaps > 0, report
+
+
+_LONG = {"max_tokens": 480, "ignore_eos": True, "num_samples": 64}
+_GREEDY = {"max_tokens": 8, "temperature": 0}
+
+
+def _steps_stay(stats: DecoderStats, settle_s: float = 0.5) -> bool:
+    """Whether the decode loop runs no forward for ``settle_s`` (after one step's grace)."""
+    time.sleep(0.2)
+    steps = stats.steps
+    time.sleep(settle_s)
+    return stats.steps == steps
+
+
+def test_ctrl_c_in_sample_ends_the_calls_rows(
+    tiny_llama: Path, chat_prompts: list[Trajectory], lora_dirs: dict[str, Path]
+) -> None:
+    """An interrupted ``sample()`` leaves nothing decoding behind it: no forward runs for it afterwards, and an
+    adapter loaded next never serves a call labelled as the base model (rows left running used to let it)."""
+    with TorchSampler(tiny_llama, device="cpu") as s:
+        base = s.sample(chat_prompts[0], _GREEDY)[0].sequences[0].tokens
+        stats = s.engine._decoder.stats
+
+        def interrupt(*_: object) -> None:
+            raise KeyboardInterrupt
+
+        previous = signal.signal(signal.SIGALRM, interrupt)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, 0.5)
+            with pytest.raises(KeyboardInterrupt):
+                s.sample(chat_prompts[1], _LONG)
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        assert _steps_stay(stats)
+        s.add_adapter_to_model("b", lora_dirs["b"])
+        again = s.sample(chat_prompts[0], _GREEDY)[0].sequences[0]
+        assert again.tokens == base and again.adapter_name == ""
+        assert s.sample(chat_prompts[0], _GREEDY, adapter_name="b")[0].sequences[0].adapter_name == "b"
+
+
+def test_cancelling_asample_aborts_its_call(tiny_llama: Path, chat_prompts: list[Trajectory]) -> None:
+    with TorchSampler(tiny_llama, device="cpu") as s:
+        stats = s.engine._decoder.stats
+
+        async def cancel_while_decoding() -> None:
+            task = asyncio.ensure_future(s.asample(chat_prompts[1], _LONG))
+            start, deadline = stats.steps, time.monotonic() + 60
+            while stats.steps < start + 3 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+        asyncio.run(cancel_while_decoding())
+        assert _steps_stay(stats)
+        assert len(s.sample(chat_prompts[0], _GREEDY)[0].sequences[0].tokens) == 8
+
+
+def test_update_weights_takes_float8_and_refuses_what_is_not_tensors(tiny_llama: Path) -> None:
+    with TorchSampler(tiny_llama, device="cpu") as s:
+        version = s.weights_version
+        for bad in (None, 5, "weights"):
+            with pytest.raises(WeightUpdateError, match="expected a mapping"):
+                s.update_weights(bad)  # type: ignore[arg-type]
+        name = "model.layers.0.mlp.down_proj.weight"
+        sent = s.model.state_dict()[name].to(torch.float8_e4m3fn)
+        assert s.update_weights({name: sent}) == version + 1
+        assert torch.equal(s.model.state_dict()[name], sent.float())

@@ -194,6 +194,7 @@ class _Job:
         self.pending = 0
         self.error: BaseException | None = None
         self.done = threading.Event()
+        self.interrupted = False  # the caller stopped waiting (Ctrl-C): end the rows as an abort would
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= set(eos_token_ids)
@@ -413,7 +414,12 @@ class Decoder:
                     self._thread = threading.Thread(target=self._loop, name="twinkle-torch-decode", daemon=True)
                     self._thread.start()
                 self._cond.notify_all()
-            job.done.wait()
+            try:
+                job.done.wait()
+            except BaseException:  # the caller was interrupted (Ctrl-C): its rows must not outlive the call
+                job.interrupted = True  # the loop ends them at its next step (_stop_requested)
+                job.done.wait(_JOIN_TIMEOUT_S)  # so that nothing runs for this call once run() is left
+                raise
             if job.error is not None:
                 raise job.error
         sequences: list[list[SequenceResult]] = []
@@ -497,7 +503,7 @@ class Decoder:
     def _stop_requested(self) -> None:
         """End every unfinished row of each run whose ``stopped()`` is set, with ``"abort"``."""
         with self._cond:
-            jobs = [job for job in self._jobs if job.control.stopped()]
+            jobs = [job for job in self._jobs if job.interrupted or job.control.stopped()]
             if not jobs:
                 return
             stopping = set(map(id, jobs))

@@ -426,6 +426,7 @@ class TorchEngine(Engine):
             vocab_size=vocab_size,
             supported_params=SUPPORTED_PARAMS,
             concurrent=True,
+            weights_dtype=self.dtype,
         )
         self._weights = WeightTable(self._model)
         self._adapter_set = AdapterSet(self._model, self.device)

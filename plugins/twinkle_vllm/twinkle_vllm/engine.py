@@ -135,6 +135,8 @@ class _Facts:
     seeds_crash: str
     #: the generation config's end-of-sequence ids (vLLM adds the tokenizer's)
     eos_token_ids: tuple[int, ...] = ()
+    #: the model's dtype ("bfloat16"...)
+    dtype: str | None = None
 
     @classmethod
     def read(cls, config: Any) -> _Facts:
@@ -149,6 +151,7 @@ class _Facts:
             max_model_len=int(config.model_config.max_model_len),
             vocab_size=int(config.model_config.get_vocab_size()),
             max_logprobs=int(config.model_config.max_logprobs),
+            dtype=str(config.model_config.dtype).removeprefix("torch."),
             lora_config=config.lora_config,
             device_type=device_type,
             world_size=int(config.parallel_config.world_size),
@@ -308,6 +311,7 @@ class vLLMEngine(Engine):
             vocab_size=self._facts.vocab_size,
             supported_params=SUPPORTED_PARAMS,
             concurrent=True,
+            weights_dtype=self._facts.dtype,
         )
         # vLLM's own finalizers stop its processes at exit; this also stops our loop thread first.
         atexit.register(_close_at_exit, weakref.ref(self))
