@@ -32,6 +32,7 @@ from twinkle_core.errors import EngineDeadError, InvalidInputError, TemplateErro
 from twinkle_core.inputs import (
     OnInvalid,
     SampleInputs,
+    check_alternatives,
     check_params,
     check_prompt,
     normalize_inputs,
@@ -255,6 +256,7 @@ class Calls:
         valid_at = [k for k, f in enumerate(features) if k not in errors and f is not None]
         generated: Iterator[SampleResponse] = iter([])
         if valid_at:
+            check_alternatives([len(features[k].input_ids) for k in valid_at], params, max_model_len)  # type: ignore[union-attr]
             run = self._engine_run([features[k] for k in valid_at], params, adapter_name, valid_at, feed, spec)  # type: ignore[misc]
             if run.stopped():  # aborted before it started: nothing generated
                 responses = [self._aborted_response(p, params, adapter_name) for p in run.prompts]

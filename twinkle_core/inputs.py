@@ -14,7 +14,13 @@ import attrs
 from twinkle_core.data_format import InputFeature, SamplingParams, Trajectory
 from twinkle_core.errors import InvalidInputError, InvalidSamplingParams, PromptTooLongError, UnsupportedFeatureError
 
-__all__ = ["OnInvalid", "SampleInputs", "check_params", "check_prompt", "normalize_inputs"]
+__all__ = ["OnInvalid", "SampleInputs", "check_alternatives", "check_params", "check_prompt", "normalize_inputs"]
+
+#: The most log-prob alternatives (``logprobs`` per generated token, ``prompt_logprobs`` per prompt token)
+#: one run may return. Each is a Python pair of some 100-200 bytes in the result, so past this a valid
+#: request (every sample of a large ``num_samples`` with the whole vocabulary at every token) would ask for
+#: more memory than a machine has; vLLM bounds the same product with ``max_logprobs`` (20 by default).
+MAX_ALTERNATIVES = 2**25
 
 # A Sequence, not a list: list is invariant, so a caller's list[Trajectory] would not be a list of the union.
 SampleInputs = InputFeature | Trajectory | dict[str, Any] | Sequence[InputFeature | Trajectory | dict[str, Any]]
@@ -109,6 +115,31 @@ def check_params(params: SamplingParams, supported: frozenset[str], vocab: int |
             raise InvalidSamplingParams(
                 f"SamplingParams.{name} contains {beyond[0]}, outside the vocabulary [0, {vocab}).", field=name
             )
+
+
+def check_alternatives(prompt_lengths: Sequence[int], params: SamplingParams, max_model_len: int) -> None:
+    """Refuse a run whose log-prob alternatives would pass :data:`MAX_ALTERNATIVES` (at most: every completion
+    at its full length), before any work.
+
+    Raises:
+        InvalidSamplingParams: naming ``logprobs`` or ``prompt_logprobs``, whichever asks for more.
+    """
+    generated = prompted = 0
+    if params.logprobs and params.max_tokens:
+        room = sum(max(0, min(params.max_tokens, max_model_len - n)) for n in prompt_lengths)
+        generated = params.num_samples * room * params.logprobs
+    if params.prompt_logprobs:
+        prompted = sum(prompt_lengths) * params.prompt_logprobs
+    if generated + prompted <= MAX_ALTERNATIVES:
+        return
+    field = "logprobs" if generated >= prompted else "prompt_logprobs"
+    raise InvalidSamplingParams(
+        f"SamplingParams.{field}={getattr(params, field)} asks for up to {generated + prompted:,} log-prob"
+        f" alternatives in one run ({len(prompt_lengths)} prompt(s), num_samples={params.num_samples},"
+        f" max_tokens={params.max_tokens}), more than the {MAX_ALTERNATIVES:,} a run may return (each holds memory"
+        " until the call returns). Ask for fewer alternatives, samples or tokens, or split the call.",
+        field=field,
+    )
 
 
 def truncate_prompt(feature: InputFeature, params: SamplingParams, limit: int) -> InputFeature:

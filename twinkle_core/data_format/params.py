@@ -204,7 +204,11 @@ class SamplingParams(Record):
         ignore_eos: keep generating past the model's end-of-sequence token.
         logprobs: ``None`` returns no log-probs; ``0`` returns the sampled
             token's log-prob at each position; ``k > 0`` also returns the top-k
-            alternatives, sorted, in ``SampledSequence.top_logprobs``.
+            alternatives, sorted, in ``SampledSequence.top_logprobs``. A run
+            returns at most ``2**25`` alternatives in all (``logprobs`` per
+            generated token plus ``prompt_logprobs`` per prompt token, counting
+            every sample at ``max_tokens``); a call past that is refused
+            before any work (see ``twinkle_core.inputs.MAX_ALTERNATIVES``).
         prompt_logprobs: ``None`` returns none; ``k >= 0`` returns each prompt
             token's log-prob given the tokens before it (the first is ``None``),
             and with ``k > 0`` the top-k alternatives too.

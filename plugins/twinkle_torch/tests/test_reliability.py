@@ -66,6 +66,7 @@ def test_one_bad_input_does_not_lose_the_batch(tiny_llama: Path, chat_prompts: l
         {"stop_token_ids": [768]},
         {"num_samples": 10**6},
         {"max_tokens": 2**64},
+        {"logprobs": 768, "num_samples": 4096, "max_tokens": 500},  # each valid; together ~1.6e9 alternatives
     ],
     ids=lambda p: next(iter(p)),
 )
