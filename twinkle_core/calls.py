@@ -37,6 +37,7 @@ from twinkle_core.inputs import (
     check_prompt,
     normalize_inputs,
     truncate_prompt,
+    unpadded,
 )
 from twinkle_core.requests import CallFeed, EngineRun, Finished, SampleHandle
 from twinkle_core.state import PolicyState
@@ -246,7 +247,7 @@ class Calls:
             try:
                 if isinstance(item, TwinkleError):
                     raise item
-                feature = truncate_prompt(self._encode_checked(item, index), params, limit)
+                feature = truncate_prompt(unpadded(self._encode_checked(item, index), index), params, limit)
                 check_prompt(feature, index, limit=limit, vocab=vocab, max_model_len=max_model_len)
             except TwinkleError as exc:
                 if on_invalid == "raise" or not isinstance(exc, ValueError):

@@ -14,7 +14,15 @@ import attrs
 from twinkle_core.data_format import InputFeature, SamplingParams, Trajectory
 from twinkle_core.errors import InvalidInputError, InvalidSamplingParams, PromptTooLongError, UnsupportedFeatureError
 
-__all__ = ["OnInvalid", "SampleInputs", "check_alternatives", "check_params", "check_prompt", "normalize_inputs"]
+__all__ = [
+    "OnInvalid",
+    "SampleInputs",
+    "check_alternatives",
+    "check_params",
+    "check_prompt",
+    "normalize_inputs",
+    "unpadded",
+]
 
 #: The most log-prob alternatives (``logprobs`` per generated token, ``prompt_logprobs`` per prompt token)
 #: one run may return. Each is a Python pair of some 100-200 bytes in the result, so past this a valid
@@ -156,6 +164,36 @@ def truncate_prompt(feature: InputFeature, params: SamplingParams, limit: int) -
         attention_mask=None if feature.attention_mask is None else feature.attention_mask[-keep:],
         labels=None if feature.labels is None else feature.labels[-keep:],
     )
+
+
+def unpadded(feature: InputFeature, index: int) -> InputFeature:
+    """The prompt without the padding its ``attention_mask`` marks (0s before or after the 1s).
+
+    A batch tokenized with padding (Hugging Face's ``padding=True``) gives
+    features whose masks mark pads: the prompt is the unmasked run. A mask
+    with other values, or 0s between 1s, has no meaning for a prompt and is
+    refused, never ignored. ``index`` names the input in messages.
+
+    Raises:
+        InvalidInputError: such a mask.
+    """
+    mask = feature.attention_mask
+    if mask is None or all(m == 1 for m in mask):
+        return feature
+    if any(m not in (0, 1) for m in mask):
+        raise InvalidInputError(
+            f"inputs[{index}].attention_mask holds {next(m for m in mask if m not in (0, 1))!r}: expected 1 for the"
+            " prompt's tokens and 0 for padding."
+        )
+    start = mask.index(1) if 1 in mask else len(mask)
+    end = len(mask) - mask[::-1].index(1) if 1 in mask else start
+    if 0 in mask[start:end]:
+        raise InvalidInputError(
+            f"inputs[{index}].attention_mask has 0 at position {start + mask[start:end].index(0)}, between the"
+            " prompt's tokens: a prompt's mask may only mark padding before or after it."
+        )
+    labels = feature.labels[start:end] if feature.labels is not None else None
+    return attrs.evolve(feature, input_ids=feature.input_ids[start:end], attention_mask=mask[start:end], labels=labels)
 
 
 def check_prompt(feature: InputFeature, index: int, *, limit: int, vocab: int | None, max_model_len: int) -> None:

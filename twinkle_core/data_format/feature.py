@@ -38,7 +38,9 @@ class InputFeature(Record):
 
     Attributes:
         input_ids: the token ids (for sampling: the prompt, non-empty).
-        attention_mask: 1 for real tokens; defaults to all ones.
+        attention_mask: 1 for real tokens, 0 for padding; defaults to all ones.
+            Sampling takes the prompt without the padding marked before or
+            after it, and refuses any other mask.
         labels: targets for training, ``-100`` where nothing is trained (the
             prompt); ``None`` when not a training feature.
         extra: optional extras carried along (e.g. multimodal inputs, user data).

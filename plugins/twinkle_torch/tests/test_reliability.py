@@ -161,3 +161,27 @@ def test_update_weights_takes_float8_and_refuses_what_is_not_tensors(tiny_llama:
         sent = s.model.state_dict()[name].to(torch.float8_e4m3fn)
         assert s.update_weights({name: sent}) == version + 1
         assert torch.equal(s.model.state_dict()[name], sent.float())
+
+
+def test_a_padded_feature_samples_as_its_unpadded_prompt(tiny_llama: Path) -> None:
+    """A feature from a padded batch (``attention_mask`` 0 on the pads) samples its prompt alone; a mask that
+    cannot mean padding is refused, not ignored."""
+    prompt = [1, 281, 201, 302, 283, 286]
+    params = {"max_tokens": 6, "temperature": 0, "logprobs": 0, "prompt_logprobs": 0}
+    with TorchSampler(tiny_llama, device="cpu") as s:
+        plain = s.sample(InputFeature(input_ids=prompt), params)[0]
+        for ids, mask in (([0, 0, *prompt], [0, 0, *[1] * 6]), ([*prompt, 0, 0], [*[1] * 6, 0, 0])):
+            padded = s.sample(InputFeature(input_ids=ids, attention_mask=mask), params)[0]
+            assert padded.prompt_token_ids == prompt
+            assert padded.sequences[0].tokens == plain.sequences[0].tokens
+            assert padded.sequences[0].logprobs == pytest.approx(plain.sequences[0].logprobs, abs=1e-5)
+            assert padded.prompt_logprobs == pytest.approx(plain.prompt_logprobs, abs=1e-5)
+        for mask, why in (([1, 1, 0, 1, 1, 1], "between"), ([7, 1, 1, 1, 1, 1], "holds 7"), ([0] * 6, "no tokens")):
+            with pytest.raises(InvalidInputError, match=why):
+                s.sample(InputFeature(input_ids=prompt, attention_mask=mask), params)
+        out = s.sample(
+            [InputFeature(input_ids=prompt, attention_mask=[1, 0, 1, 1, 1, 1]), InputFeature(input_ids=prompt)],
+            params,
+            on_invalid="skip",
+        )
+        assert out[0].error and "attention_mask" in out[0].error and out[1].sequences[0].tokens
