@@ -136,7 +136,18 @@ class Calls:
         try:
             responses = first()
             while feed.take_suspended():
-                responses = self._continue(feed, responses, params, adapter)
+                try:
+                    responses = self._continue(feed, responses, params, adapter)
+                except UnknownAdapterError:
+                    if not adapter or self._state.has_adapter(adapter):
+                        raise
+                    # its adapter was removed meanwhile (in_flight="keep"): nothing can continue it,
+                    # and what it generated stands, ended as an abort ends it
+                    for i, response in enumerate(responses):  # streams get the sequences a suspension held back
+                        for j, seq in enumerate(response.sequences):
+                            if seq.stop_reason == "abort":
+                                feed.emit(Finished(i, j, seq))
+                    break
         except BaseException as exc:
             feed.settle(None, exc)
         else:

@@ -429,6 +429,10 @@ class Sampler:
     def remove_adapter(self, adapter_name: str, *, in_flight: str = "wait") -> None:
         """Unload an adapter (after the samples in flight finish, or as ``in_flight`` says).
 
+        Under ``in_flight="keep"`` the calls of other adapters continue; a call
+        sampling this one cannot, and its unfinished sequences come back as
+        ``"abort"`` leaves them, with the tokens it generated.
+
         Raises:
             UnknownAdapterError: it is not loaded.
         """

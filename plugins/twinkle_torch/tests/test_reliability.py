@@ -185,3 +185,23 @@ def test_a_padded_feature_samples_as_its_unpadded_prompt(tiny_llama: Path) -> No
             on_invalid="skip",
         )
         assert out[0].error and "attention_mask" in out[0].error and out[1].sequences[0].tokens
+
+
+def test_removing_an_adapter_under_keep_returns_what_its_calls_generated(
+    tiny_llama: Path, chat_prompts: list[Trajectory], lora_dirs: dict[str, Path]
+) -> None:
+    """``keep`` continues calls after a change; a call whose adapter is gone cannot continue, so its sequences
+    end as an abort ends them (tokens kept, labelled with the adapter that made them), not as an error."""
+    with TorchSampler(tiny_llama, device="cpu") as s:
+        s.add_adapter_to_model("a", lora_dirs["a"])
+        stats = s.engine._decoder.stats
+        handle = s.submit(chat_prompts[1], {**_LONG, "num_samples": 2}, adapter_name="a")
+        deadline = time.monotonic() + 60
+        while stats.steps < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        s.remove_adapter("a", in_flight="keep")
+        sequences = handle.result(timeout=60)[0].sequences
+        assert [q.stop_reason for q in sequences] == ["abort", "abort"]
+        assert all(q.tokens and q.adapter_name == "a" for q in sequences)
+        assert sorted(len(f.sequence.tokens) for f in handle.as_completed()) == sorted(len(q.tokens) for q in sequences)
+        assert "a" not in s.adapters
