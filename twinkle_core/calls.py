@@ -197,7 +197,8 @@ class Calls:
                 out[i].prompt_token_ids,
                 out[i].sequences[j],
                 result.sequences[0],
-                decode=self._owner.template.decode,
+                params=cont_params,
+                template=self._owner.template,
                 make_sequence=self._owner._make_sequence,
             )
             out[i].sequences[j] = merged
@@ -320,7 +321,8 @@ class Calls:
                 spec.responses[i].prompt_token_ids,
                 spec.responses[i].sequences[j],
                 seq,
-                decode=self._owner.template.decode,
+                params=params,
+                template=self._owner.template,
                 make_sequence=self._owner._make_sequence,
             )
             spec.feed.emit(Finished(i, j, merged))

@@ -10,6 +10,7 @@ continuation draws what the uninterrupted sequence would have.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 
@@ -40,21 +41,29 @@ def merge_sequences(
     first: SampledSequence,
     rest: SampledSequence,
     *,
-    decode: Callable[[list[int]], str],
+    params: SamplingParams,
+    template: Any,
     make_sequence: Callable[..., SampledSequence],
 ) -> SampledSequence:
-    """One sequence from a partial one and its continuation.
+    """One sequence from a partial one and its continuation, as the uninterrupted sequence would be.
 
     Tokens, log-probs and masks are joined; ``version_spans`` says where the
-    weights version changed; the text is decoded anew (``decode``) and cut at
-    the continuation's stop string; ``make_sequence`` builds the result (the
-    sampler's, so the training feature is built as for any sequence).
+    weights version changed. A stop string that spans the join (begun by
+    ``first``, completed by ``rest``) ends it there: the continuation's
+    engine saw only its own tokens, so it could not. The text is the
+    template's ``completion_text`` of the whole (``params``' text options);
+    ``make_sequence`` builds the result (the sampler's, so the training
+    feature is built as for any sequence).
     """
-    tokens = [*first.tokens, *rest.tokens]
-    logprobs = None if first.logprobs is None else [*first.logprobs, *(rest.logprobs or [])]
-    top = None if first.top_logprobs is None else [*first.top_logprobs, *(rest.top_logprobs or [])]
+    keep, stop, stop_reason = len(rest.tokens), rest.stop, rest.stop_reason
+    spanning = _stop_across(first.tokens, rest.tokens, params, template)
+    if spanning is not None:
+        keep, stop, stop_reason = spanning[1], spanning[0], "stop"
+    tokens = [*first.tokens, *rest.tokens[:keep]]
+    logprobs = None if first.logprobs is None else [*first.logprobs, *(rest.logprobs or [])[:keep]]
+    top = None if first.top_logprobs is None else [*first.top_logprobs, *(rest.top_logprobs or [])[:keep]]
     spans = list(first.version_spans or ([(0, first.weights_version)] if first.tokens else []))
-    if rest.tokens and (not spans or spans[-1][1] != rest.weights_version):
+    if keep and (not spans or spans[-1][1] != rest.weights_version):
         spans.append((len(first.tokens), rest.weights_version))
     if not spans:
         spans = [(0, rest.weights_version)]
@@ -62,19 +71,14 @@ def merge_sequences(
     if first.sampling_mask is not None and rest.sampling_mask is not None:
         mask = SamplingMask.from_rows(
             [first.sampling_mask.kept(i) for i in range(len(first.sampling_mask))]
-            + [rest.sampling_mask.kept(i) for i in range(len(rest.sampling_mask))]
+            + [rest.sampling_mask.kept(i) for i in range(min(keep, len(rest.sampling_mask)))]
         )
-    full = decode(tokens)
-    text = full
-    if isinstance(rest.stop, str):
-        cut = full.find(rest.stop, max(0, len(decode(first.tokens)) - len(rest.stop)))
-        text = full[:cut] if cut >= 0 else full
     merged = make_sequence(
         prompt_ids,
         tokens,
-        stop_reason=rest.stop_reason,
-        stop=rest.stop,
-        text=text,
+        stop_reason=stop_reason,
+        stop=stop,
+        text=template.completion_text(tokens, params, stop),
         adapter_name=rest.adapter_name,
         logprobs=logprobs,
         top_logprobs=top,
@@ -82,6 +86,34 @@ def merge_sequences(
         sampling_mask=mask,
     )
     return attrs.evolve(merged, version_spans=spans if len(spans) > 1 else None)
+
+
+def _stop_across(first: list[int], rest: list[int], params: SamplingParams, template: Any) -> tuple[str, int] | None:
+    """A stop string begun in ``first``'s text and completed by ``rest``'s: ``(stop, rest tokens up to it)``.
+
+    Only the first tokens of ``rest`` can complete one (each adds at least a
+    character, bar special tokens), so only they are decoded again. Stop
+    strings do not count before ``params.min_tokens`` tokens, as in
+    ``Template.completion_text``.
+    """
+    if not params.stop or not first or not rest:
+        return None
+    options = {
+        "skip_special_tokens": params.skip_special_tokens,
+        "spaces_between_special_tokens": params.spaces_between_special_tokens,
+    }
+    longest = max(len(s) for s in params.stop)
+    before = template.decode(first, **options)
+    start = max(0, len(before) - longest + 1)  # a match must begin in the last characters of first's text
+    if params.min_tokens:
+        start = max(start, len(template.decode(first[: params.min_tokens], **options)) - longest + 1)
+    for k in range(1, min(len(rest), 2 * longest + 8) + 1):
+        text = template.decode([*first, *rest[:k]], **options)
+        found = [(text.find(s, start), s) for s in params.stop]
+        hits = [(pos, s) for pos, s in found if 0 <= pos < len(before)]
+        if hits:
+            return min(hits)[1], k
+    return None
 
 
 def plan_continuation(

@@ -7,6 +7,7 @@ import signal
 import time
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -205,3 +206,42 @@ def test_removing_an_adapter_under_keep_returns_what_its_calls_generated(
         assert all(q.tokens and q.adapter_name == "a" for q in sequences)
         assert sorted(len(f.sequence.tokens) for f in handle.as_completed()) == sorted(len(q.tokens) for q in sequences)
         assert "a" not in s.adapters
+
+
+@pytest.mark.parametrize("include_stop", [False, True])
+def test_a_continued_sequence_stops_and_reads_as_the_uninterrupted_one(
+    tiny_llama: Path, chat_prompts: list[Trajectory], include_stop: bool
+) -> None:
+    """A sequence continued after an abort (``resume()``, ``keep``) joins its parts as if never stopped: a stop
+    string begun before the join and completed after it ends it, and the text follows the call's text options."""
+    from twinkle_core.continuation import merge_sequences
+
+    with TorchSampler(tiny_llama, device="cpu") as s:
+        plain = {"max_tokens": 30, "temperature": 0, "ignore_eos": True, "skip_special_tokens": False}
+        whole = s.sample(chat_prompts[0], plain)[0]
+        tokens, prompt = whole.sequences[0].tokens, whole.prompt_token_ids
+        text = s.template.decode(tokens, skip_special_tokens=False)
+        # a join after token k, and a stop string of the text on both sides of it (its first occurrence)
+        k, stop = next(
+            (k, text[len(head) - 2 : len(head) + 2])
+            for k in range(2, len(tokens) - 4)
+            for head in [s.template.decode(tokens[:k], skip_special_tokens=False)]
+            if len(head) >= 2 and text.find(text[len(head) - 2 : len(head) + 2]) == len(head) - 2
+        )
+        params = SamplingParams(**plain, stop=[stop], include_stop_str_in_output=include_stop)
+        reference = s.sample(chat_prompts[0], params)[0].sequences[0]
+        assert reference.stop == stop and len(reference.tokens) > k
+        first = s.sample(InputFeature(input_ids=prompt), params.replace(max_tokens=k))[0].sequences[0]
+        assert first.tokens == tokens[:k] and first.stop is None
+        first = attrs.evolve(first, stop_reason="abort")
+        rest = s.sample(InputFeature(input_ids=prompt + tokens[:k]), params.replace(max_tokens=30 - k))[0]
+        merged = merge_sequences(
+            prompt, first, rest.sequences[0], params=params, template=s.template, make_sequence=s._make_sequence
+        )
+        assert (merged.tokens, merged.text, merged.stop, merged.stop_reason) == (
+            reference.tokens,
+            reference.text,
+            reference.stop,
+            reference.stop_reason,
+        )
+        assert merged.text.endswith(stop) == include_stop
