@@ -40,6 +40,7 @@ from twinkle_core.errors import (
     EngineDeadError,
     InvalidInputError,
     SamplerClosedError,
+    TemplateError,
     TwinkleError,
     WeightUpdateError,
 )
@@ -335,6 +336,7 @@ class Sampler:
 
         Raises:
             UnknownTemplateError: an unknown name (with did-you-mean).
+            TemplateError: anything else that is not a template, or options its class does not take.
         """
         if isinstance(template, str):
             template = get_template(template)
@@ -342,12 +344,16 @@ class Sampler:
             tokenizer = self._tokenizer if self._tokenizer is not None else getattr(self._template, "tokenizer", None)
             if tokenizer is None:
                 raise TwinkleError("This sampler has no tokenizer to build the template with; pass an instance.")
-            template = template(tokenizer, **kwargs)
+            cls = template
+            try:
+                template = cls(tokenizer, **kwargs)
+            except TypeError as exc:  # an option the class does not take
+                raise TemplateError(f"set_template({cls.__name__}, **{kwargs!r:.80}): {exc}.") from None
         elif kwargs:
-            raise TypeError(f"set_template got keyword arguments {sorted(kwargs)} with a Template instance.")
+            raise TemplateError(f"set_template got keyword arguments {sorted(kwargs)} with a Template instance.")
         if not isinstance(template, Template):
-            raise TypeError(
-                f"set_template expects a registered name, a Template subclass or instance; got {template!r}."
+            raise TemplateError(
+                f"set_template expects a registered name, a Template subclass or instance; got {template!r:.80}."
             )
         with self._state.lock.write():
             previous = (self._template, self._tokenizer)

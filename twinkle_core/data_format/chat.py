@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import attrs
@@ -98,6 +99,12 @@ def _check_tool_field(name: str, value: Any, kind: type) -> None:
         raise InvalidInputError(f"Tool.{name}={value!r:.80} is invalid: expected a {kind.__name__}.")
     if isinstance(value, str):
         _check_text(f"Tool.{name}", value)
+    elif isinstance(value, dict):  # a JSON schema: the template renders it as JSON text
+        try:
+            text = json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError, RecursionError) as exc:
+            raise InvalidInputError(f"Tool.{name}={value!r:.80} is invalid: expected JSON data ({exc}).") from None
+        _check_text(f"Tool.{name}", text)
 
 
 @attrs.define(kw_only=True)

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from twinkle_core import InputFeature, SamplingParams, Trajectory
-from twinkle_core.errors import InvalidInputError, InvalidSamplingParams, WeightUpdateError
+from twinkle_core.errors import InvalidInputError, InvalidSamplingParams, TemplateError, WeightUpdateError
 from twinkle_core.testing.faults import check_refused_changes, run_soak, soak_seconds
 from twinkle_torch import TorchSampler
 from twinkle_torch.decoding import DecoderStats
@@ -44,6 +44,8 @@ def test_one_bad_input_does_not_lose_the_batch(tiny_llama: Path, chat_prompts: l
             {"messages": [{"role": "user", "content": "hi"}], "tools": [{"name": 1}]},
             {"messages": [{"role": "wizard", "content": "hi"}]},
             {"messages": [{"content": "no role"}]},
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f", "parameters": {"d": "\ud800"}}]},
+            {"messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f", "parameters": {"d": object()}}]},
             42,
         ]
         out = s.sample([good, *bad, good], {"max_tokens": 3, "temperature": 0}, on_invalid="skip")
@@ -54,6 +56,10 @@ def test_one_bad_input_does_not_lose_the_batch(tiny_llama: Path, chat_prompts: l
         for item in bad:
             with pytest.raises(InvalidInputError):
                 s.sample([good, item], {"max_tokens": 1})
+        for template, options in ((5, {}), ("chatml", {"no_such_option": 1})):
+            with pytest.raises(TemplateError):
+                s.set_template(template, **options)  # type: ignore[arg-type]
+        assert s.sample(good, {"max_tokens": 3, "temperature": 0})[0].sequences[0].tokens == out[0].sequences[0].tokens
 
 
 @pytest.mark.parametrize(
