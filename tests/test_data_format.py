@@ -163,3 +163,13 @@ def test_errors_with_attributes_survive_pickling():
         SamplingParams(num_samples=0)
     p = pickle.loads(pickle.dumps(info.value))
     assert p.field == "num_samples" and str(p) == str(info.value)
+
+
+def test_input_ids_take_integer_scalars_of_numpy_and_torch():
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    feature = InputFeature(input_ids=[np.int64(3), np.uint8(4), torch.tensor(5), 6])
+    assert feature.input_ids == [3, 4, 5, 6] and all(type(t) is int for t in feature.input_ids)
+    for bad in ([np.float32(3)], [np.bool_(True)], [torch.tensor([1, 2])], [torch.tensor(1.0)]):
+        with pytest.raises(InvalidInputError, match="flat list of integers"):
+            InputFeature(input_ids=bad)

@@ -20,7 +20,16 @@ def _to_int_list(value: Any) -> Any:
         value = value.tolist()
     if isinstance(value, tuple):
         value = list(value)
+    if isinstance(value, list) and not all(type(t) is int for t in value):
+        # numpy / torch integer scalars (a list of np.int64) are integers; floats and bools are not
+        value = [t.tolist() if _integer_scalar(t) else t for t in value]
     return value
+
+
+def _integer_scalar(value: Any) -> bool:
+    """A numpy or torch integer scalar (not a bool), without importing either."""
+    dtype = getattr(value, "dtype", None)
+    return hasattr(value, "tolist") and getattr(value, "ndim", None) == 0 and "int" in str(dtype)
 
 
 def _check_ids(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:

@@ -237,10 +237,14 @@ class SamplingParams(Record):
             sampling, each bias in ``[-100, 100]`` (vLLM clamps larger ones;
             twinkle refuses them). JSON's string keys (``{"42": -5}``) are accepted.
         allowed_token_ids: only these tokens can be drawn (``None``: any).
-        bad_words: words the completion may not contain: each is tokenized
-            as written and with a leading space (vLLM's rule), and the last
-            token of such a sequence cannot follow the rest of it (a one-token
-            word is never drawn). At most 128, and 128 token sequences.
+        bad_words: token sequences the completion may not contain (vLLM's
+            rule): each word is tokenized as written, and with a leading space
+            when that gives a different first token and as many tokens; the
+            last token of such a sequence cannot follow the rest of it (a
+            one-token word is never drawn). Other tokenizations of the word
+            can still appear (``"Paris"`` as two tokens bans neither a
+            one-token ``" Paris"`` nor ``"paris"``). At most 128, and 128 token
+            sequences.
         include_stop_str_in_output: keep the stop string at the end of the
             text (the tokens always keep it).
         skip_special_tokens: leave special tokens out of the text.
