@@ -104,13 +104,12 @@ def _stop_across(first: list[int], rest: list[int], params: SamplingParams, temp
     }
     longest = max(len(s) for s in params.stop)
     before = template.decode(first, **options)
-    start = max(0, len(before) - longest + 1)  # a match must begin in the last characters of first's text
-    if params.min_tokens:
-        start = max(start, len(template.decode(first[: params.min_tokens], **options)) - longest + 1)
+    counted = len(template.decode(first[: params.min_tokens], **options)) if params.min_tokens else 0
+    # each stop string must begin in first's text and end past it (and past the first min_tokens tokens' text)
+    starts = {s: max(0, len(before) - len(s) + 1, counted - len(s) + 1) for s in params.stop}
     for k in range(1, min(len(rest), 2 * longest + 8) + 1):
         text = template.decode([*first, *rest[:k]], **options)
-        found = [(text.find(s, start), s) for s in params.stop]
-        hits = [(pos, s) for pos, s in found if 0 <= pos < len(before)]
+        hits = [(pos, s) for s in params.stop if 0 <= (pos := text.find(s, starts[s])) < len(before)]
         if hits:
             return min(hits)[1], k
     return None
