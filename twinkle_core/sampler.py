@@ -616,7 +616,14 @@ class Sampler:
 
         Cancelling the awaiting task aborts the call: nobody is left to read its sequences.
         """
-        handle = self.submit(inputs, sampling_params, adapter_name, num_samples=num_samples, on_invalid=on_invalid)
+        handle = self.submit(
+            inputs,
+            sampling_params,
+            adapter_name,
+            num_samples=num_samples,
+            on_invalid=on_invalid,
+            adapter_path=adapter_path,
+        )
         try:
             return await handle
         except asyncio.CancelledError:

@@ -946,6 +946,15 @@ class SamplerContractTests:
                 sampler.sample([_traj(0), _traj(1)], SamplingParams(max_tokens=4, structured_outputs=bad))
         self.assert_still_works(sampler)
 
+    def test_structured_outputs_that_admit_no_token_are_refused(self, sampler: Sampler) -> None:
+        """A constraint that compiles but matches nothing (a rule that only refers to itself, an empty
+        character class) is an ``InvalidSamplingParams`` naming it, not an engine's generic failure."""
+        self._declares(sampler, "structured_outputs")
+        for empty in ({"grammar": "root ::= root"}, {"regex": "[^\\s\\S]"}):
+            with pytest.raises(InvalidSamplingParams, match="structured_outputs"):
+                sampler.sample(_traj(0), SamplingParams(max_tokens=4, structured_outputs=empty))
+        self.assert_still_works(sampler)
+
     def test_structured_outputs_too_long_for_max_tokens_end_by_length(self, sampler: Sampler) -> None:
         self._declares(sampler, "structured_outputs")
         params = _greedy(max_tokens=5, ignore_eos=False, structured_outputs={"regex": "(ab){40}"})

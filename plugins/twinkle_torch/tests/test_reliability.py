@@ -251,3 +251,13 @@ def test_a_continued_sequence_stops_and_reads_as_the_uninterrupted_one(
             reference.stop_reason,
         )
         assert merged.text.endswith(stop) == include_stop
+
+
+def test_asample_takes_adapter_path_as_sample_does(
+    tiny_llama: Path, chat_prompts: list[Trajectory], lora_dirs: dict[str, Path]
+) -> None:
+    with TorchSampler(tiny_llama, device="cpu") as s:
+        expected = s.sample(chat_prompts[0], _GREEDY, adapter_path=lora_dirs["b"])[0].sequences[0]
+        got = asyncio.run(s.asample(chat_prompts[0], _GREEDY, adapter_path=lora_dirs["b"]))[0].sequences[0]
+        assert got.adapter_name == expected.adapter_name == f"path:{lora_dirs['b'].resolve()}"
+        assert got.tokens == expected.tokens != s.sample(chat_prompts[0], _GREEDY)[0].sequences[0].tokens

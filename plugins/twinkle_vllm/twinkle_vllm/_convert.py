@@ -261,6 +261,14 @@ def to_sequence(
     tokens = [] if plan.scoring else list(output.token_ids)
     reason = "length" if plan.scoring else (output.finish_reason or "length")
     if reason not in ("stop", "length", "abort"):
+        if params.structured_outputs is not None:  # vLLM ends a request whose grammar admits no next token
+            kind, spec = params.structured_outputs.spec()
+            raise InvalidSamplingParams(
+                f"SamplingParams.structured_outputs {params.structured_outputs.kind}={spec[:200]!r} leaves no token"
+                f" to draw after {len(output.token_ids)} token(s): its {kind} admits no token the other constraints"
+                " allow there (or none at all, as a rule that only refers to itself does).",
+                field="structured_outputs",
+            )
         raise TwinkleError(f"vLLM ended a request with finish_reason={reason!r}.")
     stop: str | int | None = None
     if reason == "stop":
