@@ -20,7 +20,7 @@ def _to_int_list(value: Any) -> Any:
         value = value.tolist()
     if isinstance(value, tuple):
         value = list(value)
-    if isinstance(value, list) and not all(type(t) is int for t in value):
+    if isinstance(value, list) and not set(map(type, value)) <= {int}:  # one pass in C for the usual list of ints
         # numpy / torch integer scalars (a list of np.int64) are integers; floats and bools are not
         value = [t.tolist() if _integer_scalar(t) else t for t in value]
     return value

@@ -24,7 +24,7 @@ import attrs
 from twinkle_core.data_format._base import Record
 from twinkle_core.errors import InvalidSamplingParams, UnsupportedFeatureError
 
-__all__ = ["MAX_SPEC_CHARS", "StructuredOutputs", "compile_structured"]
+__all__ = ["MAX_SPEC_CHARS", "StructuredOutputs", "compile_structured", "no_token_left"]
 
 #: The longest schema, regex or grammar accepted (a compile is roughly linear in it).
 MAX_SPEC_CHARS = 100_000
@@ -216,6 +216,22 @@ def compiled_grammar(structured: StructuredOutputs, tokenizer: Any, vocab: int) 
             f"SamplingParams.structured_outputs {kind}={spec[:200]!r} does not compile: {message}",
             field="structured_outputs",
         ) from None
+
+
+def no_token_left(structured: StructuredOutputs, generated: int | None = None) -> InvalidSamplingParams:
+    """The error for a constraint that compiled but admits no token at some position (``generated``: after how many).
+
+    A rule that only refers to itself, an empty character class, or a grammar
+    whose next tokens the other constraints all remove; every engine reports it so.
+    """
+    kind, spec = structured.spec()
+    where = "" if generated is None else f" after {generated} token(s)"
+    return InvalidSamplingParams(
+        f"SamplingParams.structured_outputs {structured.kind}={spec[:200]!r} leaves no token to draw{where}: its"
+        f" {kind} admits no token that allowed_token_ids, bad_words and min_tokens also allow (or none at all, as"
+        " a rule that only refers to itself does).",
+        field="structured_outputs",
+    )
 
 
 def _likely_lark(grammar: str) -> bool:

@@ -29,6 +29,7 @@ import attrs
 import torch
 
 from twinkle_core.data_format import SamplingParams
+from twinkle_core.data_format.structured import no_token_left
 from twinkle_core.errors import InvalidSamplingParams
 from twinkle_torch import native
 from twinkle_torch.constraints import LogitConstraints
@@ -346,13 +347,7 @@ class TokenSampler:
         if empty:
             p = self.params
             if p.structured_outputs is not None:  # a grammar that admits nothing here (or nothing the rest allow)
-                kind = p.structured_outputs.kind
-                raise InvalidSamplingParams(
-                    f"SamplingParams.structured_outputs ({kind}) leaves no token to draw: its grammar admits no"
-                    " token here that allowed_token_ids, bad_words and min_tokens allow (or none at all, as a rule"
-                    " that only refers to itself does).",
-                    field="structured_outputs",
-                )
+                raise no_token_left(p.structured_outputs)
             raise InvalidSamplingParams(
                 "The token constraints leave no token to draw: every token is removed by allowed_token_ids="
                 f"{list(p.allowed_token_ids) if p.allowed_token_ids is not None else None!r}, bad_words="

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from twinkle_core.data_format import SampledSequence, SampleResponse, SamplingParams
+from twinkle_core.data_format.structured import no_token_left
 from twinkle_core.engine import EngineContext
 from twinkle_core.errors import InvalidSamplingParams, TwinkleError, UnsupportedFeatureError
 from twinkle_vllm._logits import EXTRA_ARG
@@ -262,13 +263,7 @@ def to_sequence(
     reason = "length" if plan.scoring else (output.finish_reason or "length")
     if reason not in ("stop", "length", "abort"):
         if params.structured_outputs is not None:  # vLLM ends a request whose grammar admits no next token
-            kind, spec = params.structured_outputs.spec()
-            raise InvalidSamplingParams(
-                f"SamplingParams.structured_outputs {params.structured_outputs.kind}={spec[:200]!r} leaves no token"
-                f" to draw after {len(output.token_ids)} token(s): its {kind} admits no token the other constraints"
-                " allow there (or none at all, as a rule that only refers to itself does).",
-                field="structured_outputs",
-            )
+            raise no_token_left(params.structured_outputs, len(output.token_ids))
         raise TwinkleError(f"vLLM ended a request with finish_reason={reason!r}.")
     stop: str | int | None = None
     if reason == "stop":

@@ -135,8 +135,8 @@ class _Facts:
     seeds_crash: str
     #: the generation config's end-of-sequence ids (vLLM adds the tokenizer's)
     eos_token_ids: tuple[int, ...] = ()
-    #: the model's dtype ("bfloat16"...)
-    dtype: str | None = None
+    #: the model's dtype (a torch.dtype; EngineInfo keeps its name)
+    dtype: Any = None
 
     @classmethod
     def read(cls, config: Any) -> _Facts:
@@ -151,7 +151,7 @@ class _Facts:
             max_model_len=int(config.model_config.max_model_len),
             vocab_size=int(config.model_config.get_vocab_size()),
             max_logprobs=int(config.model_config.max_logprobs),
-            dtype=str(config.model_config.dtype).removeprefix("torch."),
+            dtype=config.model_config.dtype,
             lora_config=config.lora_config,
             device_type=device_type,
             world_size=int(config.parallel_config.world_size),
