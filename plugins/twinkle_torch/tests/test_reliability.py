@@ -256,8 +256,13 @@ def test_a_continued_sequence_stops_and_reads_as_the_uninterrupted_one(
 def test_asample_takes_adapter_path_as_sample_does(
     tiny_llama: Path, chat_prompts: list[Trajectory], lora_dirs: dict[str, Path]
 ) -> None:
+    scored = {**_GREEDY, "logprobs": 0}
     with TorchSampler(tiny_llama, device="cpu") as s:
-        expected = s.sample(chat_prompts[0], _GREEDY, adapter_path=lora_dirs["b"])[0].sequences[0]
-        got = asyncio.run(s.asample(chat_prompts[0], _GREEDY, adapter_path=lora_dirs["b"]))[0].sequences[0]
+        expected = s.sample(chat_prompts[0], scored, adapter_path=lora_dirs["b"])[0].sequences[0]
+        got = asyncio.run(s.asample(chat_prompts[0], scored, adapter_path=lora_dirs["b"]))[0].sequences[0]
         assert got.adapter_name == expected.adapter_name == f"path:{lora_dirs['b'].resolve()}"
-        assert got.tokens == expected.tokens != s.sample(chat_prompts[0], _GREEDY)[0].sequences[0].tokens
+        assert (got.tokens, got.logprobs) == (expected.tokens, expected.logprobs)
+        # the adapter is what scored them: the base model's own log-probs of the same tokens differ
+        whole = InputFeature(input_ids=expected.training_feature.input_ids)
+        base = s.sample(whole, {"max_tokens": 0, "prompt_logprobs": 0})[0].prompt_logprobs
+        assert base[-len(got.tokens) :] != pytest.approx(got.logprobs, abs=1e-4)
