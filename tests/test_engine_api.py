@@ -25,10 +25,12 @@ from twinkle_core import InputFeature, NamedSampler, Sampler, SampleResponse, Sa
 from twinkle_core.engine import BatchEngine, EngineContext, EngineInfo
 from twinkle_core.errors import (
     ConfigError,
+    IncompleteUpdateError,
     InvalidInputError,
     InvalidSamplingParams,
     UnknownAdapterError,
     UnsupportedFeatureError,
+    WeightUpdateError,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -504,6 +506,91 @@ def test_an_engine_object_gets_the_same_checks_locking_and_state_as_a_subclass()
         s.set_template(Template(s.tokenizer))
         assert calls == ["update ['w'] -> v1", "template"]
     assert calls[-1] == "close" and s.closed
+
+
+class Weighed(BatchEngine):
+    """Generates the sum of its weights; applies an update tensor by tensor, and fails where it is told to."""
+
+    def __init__(self, context: EngineContext, *, streams: bool = False) -> None:
+        from twinkle_core.testing.tokenizers import CharTokenizer
+
+        super().__init__(context)
+        context.init_template(None, tokenizer=CharTokenizer())
+        self.info = EngineInfo(name="weighed", max_model_len=8, vocab_size=1000, streams_weights=streams)
+        self.weights = {"a": 1, "b": 2, "c": 3}
+        self.fail: tuple[str, BaseException] | None = None  # (before which name, what)
+
+    def generate(self, prompts, params, adapter_name):  # type: ignore[no-untyped-def]
+        total = sum(self.weights.values())
+        return [
+            SampleResponse(
+                prompt_token_ids=p.input_ids,
+                sequences=[self.context.make_sequence(p.input_ids, [total], stop_reason="length", adapter_name="")],
+            )
+            for p in prompts
+        ]
+
+    def update_weights(self, named_tensors, *, version):  # type: ignore[no-untyped-def]
+        for name, value in named_tensors:
+            if name not in self.weights:
+                raise WeightUpdateError(f"unknown tensor {name!r}; nothing was updated.")
+            if self.fail is not None and self.fail[0] == name:
+                raise self.fail[1]
+            self.weights[name] = int(value)
+
+
+def _total(s: Sampler) -> int:
+    return s.sample(InputFeature(input_ids=[1]), {"max_tokens": 1})[0].sequences[0].tokens[0]
+
+
+@pytest.mark.parametrize(
+    "failure", [RuntimeError("worker lost"), IncompleteUpdateError("2 of 3 applied"), KeyboardInterrupt()]
+)
+def test_an_update_an_engine_applies_part_way_refuses_sampling_until_its_tensors_come_again(
+    failure: BaseException,
+) -> None:
+    """Any engine: an update that fails after changing some tensors (the engine says so, or fails in a way that
+    is not a twinkle refusal) leaves weights no version names. The sampler refuses to sample on them."""
+    with Sampler(Weighed) as s:
+        assert _total(s) == 6
+        s.engine.fail = ("c", failure)
+        with pytest.raises(type(failure)):
+            s.update_weights({"a": torch.tensor(10), "b": torch.tensor(20), "c": torch.tensor(30)})
+        assert s.engine.weights == {"a": 10, "b": 20, "c": 3} and s.weights_version == 0
+        with pytest.raises(IncompleteUpdateError, match=r"version 1 failed part-way.*'a', 'b', 'c'"):
+            _total(s)
+        with pytest.raises(IncompleteUpdateError):  # submit refuses too, before anything runs
+            s.submit(InputFeature(input_ids=[1]), {"max_tokens": 1})
+        s.engine.fail = None
+        with pytest.raises(WeightUpdateError, match="unknown"):  # a refusal changes nothing, the doubt included
+            s.update_weights({"z": torch.tensor(0)})
+        s.update_weights({"a": torch.tensor(10), "b": torch.tensor(20)})
+        with pytest.raises(IncompleteUpdateError, match=r"'c'\.$"):
+            _total(s)
+        assert s.update_weights({"c": torch.tensor(30)}) == 2
+        assert _total(s) == 60
+        out = s.sample(InputFeature(input_ids=[1]), {"max_tokens": 1})[0].sequences[0]
+        assert out.weights_version == 2
+
+
+def test_an_update_streamed_to_an_engine_that_fails_doubts_only_what_it_read() -> None:
+    with Sampler(Weighed, streams=True) as s:
+        s.engine.fail = ("b", RuntimeError("stream broke"))
+        read: list[str] = []
+
+        def pairs():  # type: ignore[no-untyped-def]
+            for name, value in (("a", 7), ("b", 8), ("c", 9)):
+                read.append(name)
+                yield name, torch.tensor(value)
+
+        with pytest.raises(RuntimeError, match="stream broke"):
+            s.update_weights(pairs())
+        assert read == ["a", "b"]
+        with pytest.raises(IncompleteUpdateError, match=r": 'a', 'b'\.$"):
+            _total(s)
+        s.engine.fail = None
+        s.update_weights(iter([("b", torch.tensor(8)), ("a", torch.tensor(7))]))
+        assert _total(s) == 7 + 8 + 3
 
 
 # -- the plugin guide documents the contract it ships ----------------------------------------------

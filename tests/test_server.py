@@ -267,6 +267,25 @@ def test_n_choices_stream_as_each_finishes(client: Any) -> None:
         assert final.model_extra["token_ids"] == choice.model_extra["token_ids"]
 
 
+def test_an_update_that_failed_part_way_turns_requests_away_until_pushed_again(client: Any, sampler: Any) -> None:
+    """Weights no version names are never served: 503 ``weights_incomplete``, streamed or not, until a push."""
+    from twinkle_core.testing.faults import failing_when_copied
+
+    state = {k: v.clone() for k, v in sampler.model.state_dict().items()}
+    last = list(state)[-1]
+    with pytest.raises(RuntimeError, match="gather failed"):
+        sampler.update_weights({**state, last: failing_when_copied(state[last], RuntimeError("gather failed"))})
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    for stream in (False, True):
+        with pytest.raises(openai.APIStatusError) as info:
+            client.chat.completions.create(**ask, stream=stream)
+        assert info.value.status_code == 503 and info.value.code == "weights_incomplete"
+        assert "failed part-way (RuntimeError: gather failed)" in info.value.message
+    version = sampler.update_weights(state)
+    r = client.chat.completions.create(**ask)
+    assert r.choices[0].model_extra["weights_version"] == version
+
+
 def test_api_key(sampler: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     with start_server(sampler, api_key="s3cret") as srv:
         assert httpx.get(srv.url + "/health").status_code == 200

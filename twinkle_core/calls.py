@@ -28,7 +28,14 @@ from twinkle_core.data_format import (
     Trajectory,
 )
 from twinkle_core.data_format.params import resolve_params
-from twinkle_core.errors import EngineDeadError, InvalidInputError, TemplateError, TwinkleError, UnknownAdapterError
+from twinkle_core.errors import (
+    EngineDeadError,
+    IncompleteUpdateError,
+    InvalidInputError,
+    TemplateError,
+    TwinkleError,
+    UnknownAdapterError,
+)
 from twinkle_core.inputs import (
     OnInvalid,
     SampleInputs,
@@ -77,6 +84,7 @@ class Calls:
     ) -> tuple[CallFeed, Call | None]:
         """Check the arguments of a call; its feed, and the work (``None``: nothing to do)."""
         self._owner._check_open()
+        self._state.require_settled()
         if on_invalid not in ("raise", "skip"):
             raise InvalidInputError(f"on_invalid={on_invalid!r} is invalid: expected 'raise' or 'skip'.")
         params = resolve_params(sampling_params, num_samples)
@@ -138,11 +146,11 @@ class Calls:
             while feed.take_suspended():
                 try:
                     responses = self._continue(feed, responses, params, adapter)
-                except UnknownAdapterError:
-                    if not adapter or self._state.has_adapter(adapter):
+                except (UnknownAdapterError, IncompleteUpdateError) as exc:
+                    if isinstance(exc, UnknownAdapterError) and (not adapter or self._state.has_adapter(adapter)):
                         raise
-                    # its adapter was removed meanwhile (in_flight="keep"): nothing can continue it,
-                    # and what it generated stands, ended as an abort ends it
+                    # its adapter was removed meanwhile (in_flight="keep"), or the update it waited for failed
+                    # part-way: nothing can continue it, and what it generated stands, ended as an abort ends it
                     for i, response in enumerate(responses):  # streams get the sequences a suspension held back
                         for j, seq in enumerate(response.sequences):
                             if seq.stop_reason == "abort":
@@ -223,6 +231,7 @@ class Calls:
         try:
             with self._state.lock.read():
                 self._owner._check_open()
+                self._state.require_settled()
                 if adapter_name:
                     self._state.require_adapter(adapter_name)
                 return self._process(Call(items, params, adapter_name, on_invalid), indices, feed, spec)

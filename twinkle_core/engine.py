@@ -246,7 +246,13 @@ class Engine(ABC):
         raise UnsupportedFeatureError(f"The {self.info.name} engine has no LoRA support.")
 
     def update_weights(self, named_tensors: list[tuple[str, Any]], *, version: int) -> None:
-        """Validate (see :func:`check_update`) then apply new base weights, all or nothing. Lock held exclusively."""
+        """Validate (see :func:`check_update`) then apply new base weights, all or nothing. Lock held exclusively.
+
+        A twinkle error (``WeightUpdateError``...) says nothing changed. An
+        engine that fails after changing some tensors, and cannot put them back,
+        raises ``IncompleteUpdateError`` (any other error counts as such too):
+        the sampler then refuses to sample until those tensors are pushed again.
+        """
         raise UnsupportedFeatureError(f"The {self.info.name} engine cannot update weights.")
 
     def template_changed(self) -> None:

@@ -17,6 +17,7 @@ __all__ = [
     "DuplicateSamplerError",
     "EngineDeadError",
     "HubUnavailableError",
+    "IncompleteUpdateError",
     "InvalidInputError",
     "InvalidMeshError",
     "InvalidModelIdError",
@@ -157,6 +158,15 @@ class InvalidMeshError(TwinkleError, ValueError):
 
 class WeightUpdateError(TwinkleError, ValueError):
     """A weight update was rejected (unknown name, wrong shape or dtype, bad checksum)."""
+
+
+class IncompleteUpdateError(TwinkleError, RuntimeError):
+    """A weight update failed part-way (not refused: interrupted, or the engine failed while applying it).
+
+    The engine may hold some of its tensors and not others, a policy no
+    version names, so the sampler refuses to sample until an update that
+    pushes those tensors again succeeds.
+    """
 
 
 class WeightSyncTimeoutError(TwinkleError, TimeoutError):

@@ -38,6 +38,7 @@ from twinkle_core.engine import Engine, EngineContext, EngineInfo
 from twinkle_core.errors import (
     ConfigError,
     EngineDeadError,
+    IncompleteUpdateError,
     InvalidInputError,
     SamplerClosedError,
     TemplateError,
@@ -68,10 +69,13 @@ S = TypeVar("S", bound="Sampler")
 _SUBCLASS_MAY_SET = frozenset({"engine", "engine_name", "supported_params", "concurrent_samples"})
 
 
-def _checked_stream(pairs: Iterable[Any], check_finite: bool, into: str | None) -> Iterator[tuple[str, Any]]:
+def _checked_stream(
+    pairs: Iterable[Any], check_finite: bool, into: str | None, seen: list[str]
+) -> Iterator[tuple[str, Any]]:
     """``pairs`` read lazily, each checked as :meth:`Sampler.update_weights` checks a list; at least one.
 
-    ``into``: the engine's weights dtype (see :func:`find_non_finite`).
+    ``into``: the engine's weights dtype (see :func:`find_non_finite`). The
+    name of each pair handed on is appended to ``seen``.
     """
     count = 0
     for i, item in enumerate(pairs):
@@ -81,6 +85,7 @@ def _checked_stream(pairs: Iterable[Any], check_finite: bool, into: str | None) 
             if bad is not None:
                 raise WeightUpdateError(f"update_weights: {bad}; nothing was updated.")
         count += 1
+        seen.append(item[0])
         yield item
     if not count:
         raise WeightUpdateError("update_weights got no tensors.")
@@ -495,9 +500,16 @@ class Sampler:
 
         Raises:
             WeightUpdateError: a bad name, shape, dtype or value; nothing changed.
+            IncompleteUpdateError: the engine failed part-way through applying
+                the update. Any other error the engine raises while applying it
+                (an interrupt, a crash of its own) propagates as it is. Either
+                way the engine may hold some of the new values and not others,
+                so sampling is refused (``IncompleteUpdateError``) until an
+                update that pushes those tensors again succeeds.
         """
         self._check_open()
         items: Any
+        names: list[str] = []  # what the engine was handed (of a stream: what it read)
         if isinstance(named_tensors, Mapping):
             items = list(named_tensors.items())
         elif not isinstance(named_tensors, Iterable) or isinstance(named_tensors, (str, bytes)):
@@ -508,7 +520,7 @@ class Sampler:
         elif isinstance(named_tensors, (list, tuple)) or not self.engine.info.streams_weights:
             items = list(named_tensors)
         else:  # a stream the engine reads once, as it goes: each pair is checked as it comes
-            items = _checked_stream(named_tensors, check_finite, self.engine.info.weights_dtype)
+            items = _checked_stream(named_tensors, check_finite, self.engine.info.weights_dtype, names)
         if isinstance(items, list):
             for i, item in enumerate(items):
                 check_pair(i, item)
@@ -518,12 +530,25 @@ class Sampler:
                 bad = find_non_finite(items, self.engine.info.weights_dtype)
                 if bad is not None:
                     raise WeightUpdateError(f"update_weights: {bad}; nothing was updated.")
-        return self._state.change(
-            in_flight,
-            version,
-            lambda new_version: self._update_weights(items, version=new_version),
-            lambda _version, _result: None,
-        )
+            names = [name for name, _ in items]
+
+        def apply(new_version: int) -> None:
+            try:
+                self._update_weights(items, version=new_version)
+            except AppliedWithError:  # applied everywhere in the end
+                self._state.settle(names)
+                raise
+            except IncompleteUpdateError as exc:
+                self._state.doubt(new_version, names, exc)
+                raise
+            except TwinkleError:  # a refusal: the engine changed nothing (the contract)
+                raise
+            except BaseException as exc:  # an interrupt or the engine's own failure, maybe part-way
+                self._state.doubt(new_version, names, exc)
+                raise
+            self._state.settle(names)
+
+        return self._state.change(in_flight, version, apply, lambda _version, _result: None)
 
     # -- sampling ------------------------------------------------------------------------
     def encode(self, item: InputFeature | Trajectory) -> InputFeature:

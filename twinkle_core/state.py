@@ -16,7 +16,13 @@ from typing import Any
 
 import attrs
 
-from twinkle_core.errors import InvalidInputError, UnknownAdapterError, WeightUpdateError, did_you_mean
+from twinkle_core.errors import (
+    IncompleteUpdateError,
+    InvalidInputError,
+    UnknownAdapterError,
+    WeightUpdateError,
+    did_you_mean,
+)
 from twinkle_core.locks import ReadWriteLock
 from twinkle_core.requests import IN_FLIGHT_POLICIES, CallFeed
 
@@ -64,6 +70,9 @@ class PolicyState:
         self._version = 0
         self._live: set[CallFeed] = set()
         self._live_lock = threading.Lock()
+        #: Tensors a weight update that failed part-way may have changed, and what happened.
+        self._in_doubt: set[str] = set()
+        self._doubt_cause = ""
 
     # -- adapters ---------------------------------------------------------------------------
     @property
@@ -121,6 +130,27 @@ class PolicyState:
             raise WeightUpdateError(f"version={version!r} is invalid: expected an integer.")
         with self.lock.write():
             self._version = max(self._version, version)
+
+    # -- a weight update that failed part-way -------------------------------------------------
+    def doubt(self, version: int, names: list[str], error: BaseException) -> None:
+        """An update to ``version`` of ``names`` failed while the engine applied it: they are in doubt."""
+        self._in_doubt.update(names)
+        self._doubt_cause = f"update_weights to version {version} failed part-way ({type(error).__name__}: {error})"
+
+    def settle(self, names: list[str]) -> None:
+        """``names`` were pushed whole: no longer in doubt."""
+        self._in_doubt.difference_update(names)
+
+    def require_settled(self) -> None:
+        """Refuse to run while tensors are in doubt: the engine may run a mix no weights version names."""
+        if self._in_doubt:
+            doubtful = sorted(self._in_doubt)
+            more = f" and {len(doubtful) - 3} more" if len(doubtful) > 3 else ""
+            raise IncompleteUpdateError(
+                f"{self._doubt_cause}: the engine may hold some of its tensors' new values and not others, under"
+                f" weights_version {self._version}. Sampling is refused until update_weights(...) pushes them"
+                f" again: {', '.join(map(repr, doubtful[:3]))}{more}."
+            )
 
     # -- calls in flight --------------------------------------------------------------------
     def track(self, feed: CallFeed) -> None:

@@ -41,6 +41,7 @@ from twinkle_core.data_format import SamplingParams, Trajectory
 from twinkle_core.episode import Episode, OnTemplateMismatch, Turn, _extend, _prepare
 from twinkle_core.errors import (
     EngineDeadError,
+    IncompleteUpdateError,
     SamplerClosedError,
     TwinkleError,
     UnknownAdapterError,
@@ -79,6 +80,8 @@ def _twinkle_status(exc: TwinkleError, names: Mapping[str, str] | None = None) -
     """The answer to an error of twinkle's; a sampling field is named as the body names it (``names``)."""
     if isinstance(exc, (SamplerClosedError, EngineDeadError)):
         return ApiError(503, str(exc), kind="server_error", code="engine_unavailable")
+    if isinstance(exc, IncompleteUpdateError):  # until a weight push repairs it
+        return ApiError(503, str(exc), kind="server_error", code="weights_incomplete")
     if isinstance(exc, UnknownAdapterError):
         return ApiError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, LookupError):

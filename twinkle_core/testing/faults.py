@@ -25,7 +25,15 @@ from twinkle_core.data_format import InputFeature, SamplingParams, Trajectory
 from twinkle_core.errors import AdapterError, UnknownAdapterError, WeightUpdateError
 from twinkle_core.sampler import Sampler
 
-__all__ = ["SoakReport", "check_refused_changes", "kill_and_wait", "read_adapter_folder", "run_soak", "soak_seconds"]
+__all__ = [
+    "SoakReport",
+    "check_refused_changes",
+    "failing_when_copied",
+    "kill_and_wait",
+    "read_adapter_folder",
+    "run_soak",
+    "soak_seconds",
+]
 
 Prompts = Sequence[InputFeature | Trajectory]
 
@@ -59,6 +67,32 @@ def read_adapter_folder(folder: str | os.PathLike[str]) -> tuple[dict[str, Any],
     """A PEFT adapter folder as ``(config dict, {name: tensor})``, for in-memory loads."""
     adapter = read_adapter("", folder)
     return adapter.config, adapter.state_dict()
+
+
+@functools.cache
+def _fails_when_copied() -> type:
+    import torch
+
+    class FailsWhenCopied(torch.Tensor):
+        error: BaseException
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            if func is torch.Tensor.copy_ and len(args) > 1 and isinstance(args[1], FailsWhenCopied):
+                raise type(args[1]).error
+            return super().__torch_function__(func, types, args, kwargs or {})  # type: ignore[no-untyped-call]
+
+    return FailsWhenCopied
+
+
+def failing_when_copied(tensor: Any, error: BaseException) -> Any:
+    """A copy of ``tensor`` that raises ``error`` when copied into another tensor (an engine's weights).
+
+    An update holding it fails part-way, as one does when a trainer's shard
+    cannot be gathered or Ctrl-C lands mid-copy.
+    """
+    cls = type("FailsWhenCopied", (_fails_when_copied(),), {"error": error})
+    return tensor.detach().clone().as_subclass(cls)
 
 
 def _greedy(max_tokens: int) -> SamplingParams:

@@ -13,8 +13,14 @@ import torch
 from safetensors.torch import load_file
 
 from twinkle_core import InputFeature, SamplingParams, Trajectory
-from twinkle_core.errors import InvalidInputError, InvalidSamplingParams, TemplateError, WeightUpdateError
-from twinkle_core.testing.faults import check_refused_changes, run_soak, soak_seconds
+from twinkle_core.errors import (
+    IncompleteUpdateError,
+    InvalidInputError,
+    InvalidSamplingParams,
+    TemplateError,
+    WeightUpdateError,
+)
+from twinkle_core.testing.faults import check_refused_changes, failing_when_copied, run_soak, soak_seconds
 from twinkle_torch import TorchSampler
 from twinkle_torch.decoding import DecoderStats
 
@@ -266,3 +272,46 @@ def test_asample_takes_adapter_path_as_sample_does(
         whole = InputFeature(input_ids=expected.training_feature.input_ids)
         base = s.sample(whole, {"max_tokens": 0, "prompt_logprobs": 0})[0].prompt_logprobs
         assert base[-len(got.tokens) :] != pytest.approx(got.logprobs, abs=1e-4)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_an_update_that_fails_part_way_refuses_sampling_until_pushed_again(
+    tiny_llama: Path, chat_prompts: list[Trajectory], error: type[BaseException]
+) -> None:
+    """An update interrupted after some tensors were copied leaves a mix that no version names: no sample may
+    carry the old version's label over it. Calls in flight under ``keep`` keep what the old weights made."""
+    scored = {**_GREEDY, "logprobs": 0}
+    with TorchSampler(tiny_llama, device="cpu") as s:
+        original = {k: v.clone() for k, v in s.model.state_dict().items()}
+        generator = torch.Generator().manual_seed(0)
+        new = {k: v + 0.05 * torch.randn(v.shape, generator=generator) for k, v in original.items()}
+        last = list(new)[-1]
+        failing = {**new, last: failing_when_copied(new[last], error("interrupted while copying"))}
+        before = s.sample(chat_prompts[0], scored)[0].sequences[0]
+        version, stats = s.weights_version, s.engine._decoder.stats
+        start = stats.steps
+        handle = s.submit(chat_prompts[1], {**_LONG, "num_samples": 2})
+        deadline = time.monotonic() + 60
+        while stats.steps < start + 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(error, match="interrupted while copying"):
+            s.update_weights(failing, in_flight="keep")
+        assert s.weights_version == version
+        sequences = handle.result(timeout=60)[0].sequences
+        assert all(q.stop_reason == "abort" and q.tokens and q.weights_version == version for q in sequences)
+        why = rf"version {version + 1} failed part-way \({error.__name__}.*Sampling is refused"
+        with pytest.raises(IncompleteUpdateError, match=why):
+            s.sample(chat_prompts[0], scored)
+        # some of the tensors are not enough; all of them bring sampling back, on exactly the weights pushed
+        s.update_weights({last: new[last]})
+        with pytest.raises(IncompleteUpdateError, match=why):
+            s.sample(chat_prompts[0], scored)
+        s.update_weights(new)
+        recovered = s.sample(chat_prompts[0], scored)[0].sequences[0]
+        assert recovered.weights_version == s.weights_version
+        s.update_weights(original)
+        assert s.sample(chat_prompts[0], scored)[0].sequences[0].logprobs == before.logprobs
+        s.update_weights(new)
+        again = s.sample(chat_prompts[0], scored)[0].sequences[0]
+        assert (again.tokens, again.logprobs) == (recovered.tokens, recovered.logprobs)
+        assert again.logprobs != before.logprobs
