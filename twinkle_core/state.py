@@ -70,8 +70,9 @@ class PolicyState:
         self._version = 0
         self._live: set[CallFeed] = set()
         self._live_lock = threading.Lock()
-        #: Tensors a weight update that failed part-way may have changed, and what happened.
-        self._in_doubt: set[str] = set()
+        #: Tensors a weight update that failed part-way may have changed, and what happened (replaced
+        #: whole, never mutated: calls read it without the lock).
+        self._in_doubt: frozenset[str] = frozenset()
         self._doubt_cause = ""
 
     # -- adapters ---------------------------------------------------------------------------
@@ -134,20 +135,22 @@ class PolicyState:
     # -- a weight update that failed part-way -------------------------------------------------
     def doubt(self, version: int, names: list[str], error: BaseException) -> None:
         """An update to ``version`` of ``names`` failed while the engine applied it: they are in doubt."""
-        self._in_doubt.update(names)
-        self._doubt_cause = f"update_weights to version {version} failed part-way ({type(error).__name__}: {error})"
+        self._in_doubt = self._in_doubt | set(names)
+        detail = f"{type(error).__name__}: {error}"[:300] if str(error) else type(error).__name__
+        self._doubt_cause = f"update_weights to version {version} failed part-way ({detail})"
 
     def settle(self, names: list[str]) -> None:
         """``names`` were pushed whole: no longer in doubt."""
-        self._in_doubt.difference_update(names)
+        self._in_doubt = self._in_doubt - set(names)
 
     def require_settled(self) -> None:
         """Refuse to run while tensors are in doubt: the engine may run a mix no weights version names."""
-        if self._in_doubt:
-            doubtful = sorted(self._in_doubt)
+        in_doubt, cause = self._in_doubt, self._doubt_cause
+        if in_doubt:
+            doubtful = sorted(in_doubt)
             more = f" and {len(doubtful) - 3} more" if len(doubtful) > 3 else ""
             raise IncompleteUpdateError(
-                f"{self._doubt_cause}: the engine may hold some of its tensors' new values and not others, under"
+                f"{cause}: the engine may hold some of its tensors' new values and not others, under"
                 f" weights_version {self._version}. Sampling is refused until update_weights(...) pushes them"
                 f" again: {', '.join(map(repr, doubtful[:3]))}{more}."
             )
