@@ -83,6 +83,15 @@ def test_a_config_with_tensors_keeps_the_config_object_and_renames_in_model_name
         ({"r": 2}, {"x.lora_A.weight": [1.0]}, "'x.lora_A.weight' is a list, expected a torch.Tensor"),
         ({"r": 2}, {"x.lora_A.weight": "INT"}, "has dtype torch.int64; expected a floating-point tensor"),
         ({"r": 2}, {"x.lora_B.weight": "NAN"}, "'x.lora_B.weight' holds 1 non-finite value"),
+        # a scale PEFT would take, and the model turn into NaN; a rank that is not one
+        ({"r": 2, "lora_alpha": math.nan}, {"x.lora_A.weight": "OK"}, r"lora_alpha=nan is invalid: expected a finite"),
+        ({"r": 2, "lora_alpha": -math.inf}, {"x.lora_A.weight": "OK"}, r"lora_alpha=-inf is invalid"),
+        ({"r": 2, "lora_alpha": "4"}, {"x.lora_A.weight": "OK"}, r"lora_alpha='4' is invalid"),
+        ({"r": "4"}, {"x.lora_A.weight": "OK"}, r"r='4' is invalid: expected a positive integer"),
+        ({"r": 0}, {"x.lora_A.weight": "OK"}, r"r=0 is invalid"),
+        ({"r": 2, "rank_pattern": {"proj": 2.5}}, {"x.lora_A.weight": "OK"}, r"rank_pattern\['proj'\]=2.5 is invalid"),
+        ({"r": 2, "alpha_pattern": {"proj": math.inf}}, {"x.lora_A.weight": "OK"}, r"alpha_pattern\['proj'\]=inf"),
+        ({"r": 2, "alpha_pattern": [1]}, {"x.lora_A.weight": "OK"}, r"alpha_pattern=\[1\] is invalid"),
     ],
 )
 def test_bad_input_is_an_adapter_error_naming_it(folder: Path, config_or_dir: Any, weights: Any, match: str) -> None:
@@ -94,6 +103,8 @@ def test_bad_input_is_an_adapter_error_naming_it(folder: Path, config_or_dir: An
             weights = {key: torch.zeros(2, 2, dtype=torch.int64)}
         elif value == "NAN":
             weights = {key: torch.tensor([0.0, math.nan])}
+        elif value == "OK":
+            weights = {key: torch.zeros(2, 4)}
     with pytest.raises(AdapterError, match=match):
         read_adapter("bad", config_or_dir, weights)
 

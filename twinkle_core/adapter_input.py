@@ -17,6 +17,7 @@ Torch is imported only when an adapter is read (tensors cannot exist without it)
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Mapping
@@ -155,6 +156,7 @@ def _read(name: str, config_or_dir: Any, weights: Any, check_finite: bool, into:
         folder = Path(config_or_dir).expanduser()
         config, raw = _read_folder(folder)
         label = f"Adapter {name!r} from {str(folder)!r}"
+        _check_config(label, config)
         return _Read(config, _checked_tensors(label, raw, check_finite, into), folder, None)
     peft_config = config_or_dir if hasattr(config_or_dir, "to_dict") else None
     if peft_config is None and not isinstance(config_or_dir, Mapping):
@@ -168,6 +170,7 @@ def _read(name: str, config_or_dir: Any, weights: Any, check_finite: bool, into:
             " get_peft_model_state_dict returns) or an adapter folder."
         )
     config = _json_safe(config_or_dir.to_dict() if peft_config is not None else config_or_dir)
+    _check_config(f"Adapter {name!r}", config)
     return _Read(config, _checked_tensors(f"Adapter {name!r}", weights, check_finite, into), None, peft_config)
 
 
@@ -227,6 +230,36 @@ def _checked_tensors(label: str, weights: Any, check_finite: bool, into: str | N
     if bad is not None:
         raise AdapterError(f"{label}: {bad}; nothing was loaded.")
     return out
+
+
+def _check_config(label: str, config: Mapping[str, Any]) -> None:
+    """Refuse a rank that is not a positive integer and a scale (``lora_alpha``) that is not a finite number.
+
+    Both the defaults and their per-module patterns: PEFT would take a NaN
+    alpha and the model would compute NaN.
+    """
+
+    def check(key: str, value: Any, rule: str) -> None:
+        if rule == "rank":
+            ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+            want = "a positive integer"
+        else:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            want = "a finite number"
+        if not ok:
+            raise AdapterError(f"{label}: {key}={value!r:.60} is invalid: expected {want}.")
+
+    for key, rule in (("r", "rank"), ("lora_alpha", "scale")):
+        if key in config and config[key] is not None:
+            check(key, config[key], rule)
+    for key, rule in (("rank_pattern", "rank"), ("alpha_pattern", "scale")):
+        patterns = config.get(key)
+        if patterns is None:
+            continue
+        if not isinstance(patterns, Mapping):
+            raise AdapterError(f"{label}: {key}={patterns!r:.60} is invalid: expected a mapping of module patterns.")
+        for pattern, value in patterns.items():
+            check(f"{key}[{pattern!r}]", value, rule)
 
 
 def _json_safe(config: Mapping[str, Any]) -> dict[str, Any]:

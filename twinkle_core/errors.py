@@ -24,6 +24,7 @@ __all__ = [
     "InvalidSamplingParams",
     "MergedAdapterError",
     "ModelNotFoundError",
+    "NumericalError",
     "PluginLoadError",
     "PolicyMismatchError",
     "PromptTooLongError",
@@ -182,6 +183,14 @@ class WeightSyncTimeoutError(TwinkleError, TimeoutError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (_rebuild, (type(self), self.args[0], {"stage": self.stage}))
+
+
+class NumericalError(TwinkleError, ArithmeticError):
+    """The model computed NaN or infinity where a token was to be drawn.
+
+    Finite weights can still overflow in the forward (an update or adapter
+    with values too large): the call that hit it fails, and the engine goes on.
+    """
 
 
 class UnsupportedFeatureError(TwinkleError, NotImplementedError):

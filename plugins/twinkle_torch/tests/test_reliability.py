@@ -17,6 +17,7 @@ from twinkle_core.errors import (
     IncompleteUpdateError,
     InvalidInputError,
     InvalidSamplingParams,
+    NumericalError,
     TemplateError,
     WeightUpdateError,
 )
@@ -315,3 +316,29 @@ def test_an_update_that_fails_part_way_refuses_sampling_until_pushed_again(
         again = s.sample(chat_prompts[0], scored)[0].sequences[0]
         assert (again.tokens, again.logprobs) == (recovered.tokens, recovered.logprobs)
         assert again.logprobs != before.logprobs
+
+
+def test_weights_that_overflow_in_the_forward_fail_their_call_not_the_engine(
+    tiny_llama: Path, chat_prompts: list[Trajectory]
+) -> None:
+    """Finite weights may still overflow to NaN in the forward: the call gets a typed error (greedy used to
+    return token 0 with NaN log-probs; a sampled draw raised an IndexError), and the engine goes on."""
+    from twinkle_core.testing.policy import checkpoint_weights, random_lora
+
+    with TorchSampler(tiny_llama, device="cpu") as s:
+        base = s.sample(chat_prompts[0], {**_GREEDY, "logprobs": 0})[0].sequences[0]
+        config, weights = random_lora(checkpoint_weights(tiny_llama), ("q_proj", "v_proj"), seed=0)
+        s.add_adapter_to_model(
+            "huge", {**config, "lora_alpha": 1e30}, weights={k: v * 1e30 for k, v in weights.items()}
+        )
+        for params in ({**_GREEDY, "logprobs": 0}, {"max_tokens": 8}, {"max_tokens": 8, "top_p": 0.9, "top_k": 5}):
+            with pytest.raises(NumericalError, match="NaN or infinity with adapter 'huge'"):
+                s.sample(chat_prompts[0], params, adapter_name="huge")
+        again = s.sample(chat_prompts[0], {**_GREEDY, "logprobs": 0})[0].sequences[0]
+        assert (again.tokens, again.logprobs) == (base.tokens, base.logprobs)
+        norm = s.model.state_dict()["model.norm.weight"].clone()
+        s.update_weights({"model.norm.weight": torch.full_like(norm, 3e38)})
+        with pytest.raises(NumericalError, match="NaN or infinity:"):
+            s.sample(chat_prompts[:2], {"max_tokens": 8, "num_samples": 2})
+        s.update_weights({"model.norm.weight": norm})
+        assert s.sample(chat_prompts[0], _GREEDY)[0].sequences[0].tokens == base.tokens

@@ -49,7 +49,7 @@ import attrs
 import torch
 
 from twinkle_core.data_format import SamplingMask, SamplingParams
-from twinkle_core.errors import InvalidSamplingParams, SamplerClosedError
+from twinkle_core.errors import InvalidSamplingParams, NumericalError, SamplerClosedError
 from twinkle_torch.cache import PreallocatedLayer, gather_prefills, join_caches, joinable, make_cache, select_rows
 from twinkle_torch.constraints import LogitConstraints
 from twinkle_torch.sampling import RowRandomness, TokenSampler, Workspace, derive_seed
@@ -856,6 +856,7 @@ class Decoder:
         """Draw the next token of every live row and record it; returns the rows that end here (to finish)."""
         device = self.device
         assert batch.logits is not None
+        self._fail_non_finite(batch)
         groups: dict[Hashable, list[int]] = {}
         for i, row in enumerate(batch.rows):
             if not row.done:
@@ -929,6 +930,28 @@ class Decoder:
             batch.seen.scatter_(1, tokens_in.unsqueeze(1), True)
         batch.logits, batch.inputs = None, tokens_in
         return ended
+
+    def _fail_non_finite(self, batch: _Batch) -> None:
+        """Fail the runs whose rows' logits hold NaN or +inf (or only -inf): nothing can be drawn from them.
+
+        Weights that passed every check can still overflow in the forward; a
+        row of NaN would draw token 0 greedily, or break the draw. One
+        reduction over the logits (a few ms a step at 256 rows).
+        """
+        assert batch.logits is not None
+        finite = torch.isfinite(batch.logits.amax(dim=-1)).tolist()
+        bad = [row for row, ok in zip(batch.rows, finite) if not ok and not row.done]
+        for job in {id(r.job): r.job for r in bad}.values():
+            adapter = job.control.adapter
+            self._fail(
+                job,
+                NumericalError(
+                    "The model's logits hold NaN or infinity"
+                    + (f" with adapter {adapter!r}" if adapter else "")
+                    + ": its weights hold NaN, or values large enough to overflow in the forward (a weight update"
+                    " or adapter scaled too far). Nothing more was sampled for this call; the engine goes on."
+                ),
+            )
 
     def _forward(self, batch: _Batch) -> None:
         """One decode forward of every row of the batch (finished rows not yet pruned ride along)."""
