@@ -173,3 +173,25 @@ def test_input_ids_take_integer_scalars_of_numpy_and_torch():
     for bad in ([np.float32(3)], [np.bool_(True)], [torch.tensor([1, 2])], [torch.tensor(1.0)]):
         with pytest.raises(InvalidInputError, match="flat list of integers"):
             InputFeature(input_ids=bad)
+
+
+def test_extra_that_is_not_a_dict_and_unrenderable_json_are_input_errors() -> None:
+    from twinkle_core.inputs import normalize_inputs
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    with pytest.raises(InvalidInputError, match=r"Trajectory.extra=5 is invalid: expected a dict"):
+        Trajectory.from_dict({**chat, "extra": 5})
+    with pytest.raises(InvalidInputError, match=r"InputFeature.extra=\[1\] is invalid"):
+        InputFeature(input_ids=[1], extra=[1])  # type: ignore[arg-type]
+    skipped = normalize_inputs([{**chat, "extra": 5}, chat], on_invalid="skip")
+    assert isinstance(skipped[0], InvalidInputError) and isinstance(skipped[1], Trajectory)
+    deep: dict = {}
+    for _ in range(100):
+        deep = {"a": deep}
+    calls = [{"id": "c", "type": "function", "function": {"name": "f", "arguments": deep}}]
+    with pytest.raises(InvalidInputError, match="nests deeper than 64 levels"):
+        Message(role="assistant", tool_calls=calls)
+    with pytest.raises(InvalidInputError, match="lone surrogate"):
+        Message(role="assistant", tool_calls=[{"function": {"name": "f", "arguments": {"\ud800": 1}}}])
+    with pytest.raises(InvalidInputError, match="nests deeper"):
+        Tool(name="f", parameters=deep)

@@ -228,6 +228,27 @@ def test_malformed_tool_calls_are_reported_on_the_turn(echo: Any) -> None:
     assert '{"name": oops}' in turn.message.content
 
 
+def test_tool_calls_the_parser_refuses_leave_the_episode_usable(echo: Any) -> None:
+    text = '<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>'
+    ep = Episode(echo, {"messages": [{"role": "user", "content": text}]})
+    ep.sample(echo, SamplingParams(temperature=0.0, max_tokens=120))
+    assert ep.last_turn.tool_calls == [] and "lone surrogate" in ep.last_turn.tool_call_errors[0]  # type: ignore[union-attr]
+    ep.add_user("again")
+    assert ep.messages[-1].content == "again"
+
+
+def test_episodes_are_checked_before_anything_is_sampled(echo: Any) -> None:
+    ep = Episode(echo, {"messages": [{"role": "user", "content": "hi"}]})
+    for bad in (ep, None, 5):
+        with pytest.raises(InvalidInputError, match="expected a list of Episode"):
+            sample_episodes(echo, bad, GREEDY)  # type: ignore[arg-type]
+    with pytest.raises(InvalidInputError, match=r"episodes\[1\] is episodes\[0\]"):
+        sample_episodes(echo, [ep, ep], GREEDY)
+    assert ep.last_turn is None  # nothing was sampled into it
+    [[same]] = sample_episodes(echo, (ep,), GREEDY)
+    assert same is ep and ep.last_turn is not None
+
+
 def test_hermes_parser() -> None:
     parser = get_tool_parser("hermes")
     assert isinstance(parser, HermesToolParser)
@@ -247,6 +268,11 @@ def test_hermes_parser() -> None:
         ('<tool_call>{"name": "f", "arguments": "' + deep + '"}</tool_call>', "not a JSON object"),
         ('<tool_call>{"name": "f", "arguments": {"x": NaN}}</tool_call>', "NaN is not a JSON value"),
         ('<tool_call>{"name": "f", "arguments": {"x": 1e999}}</tool_call>', "beyond float range"),
+        # JSON the parser reads, but no template renders back: nesting past the renderer's recursion,
+        # and an escaped lone surrogate no tokenizer encodes (either used to break the episode for good)
+        ('<tool_call>{"name": "f", "arguments": ' + '{"a":' * 900 + "1" + "}" * 901 + "</tool_call>", "deeper than"),
+        ('<tool_call>{"name": "f", "arguments": {"a": "\\ud800"}}</tool_call>', "lone surrogate"),
+        ('<tool_call>{"name": "f\\udfff", "arguments": {}}</tool_call>', "lone surrogate"),
     ):
         bad = parser.parse(text)
         assert bad.tool_calls == [] and needle in bad.errors[0], bad.errors

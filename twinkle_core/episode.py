@@ -497,6 +497,14 @@ def _prepare(
 
     if not isinstance(episodes, (list, tuple)) or not all(isinstance(e, Episode) for e in episodes):
         raise InvalidInputError(f"episodes={episodes!r:.80} is invalid: expected a list of Episode.")
+    first: dict[int, int] = {}
+    for i, episode in enumerate(episodes):
+        j = first.setdefault(id(episode), i)
+        if j != i:  # its one next turn cannot be sampled twice (use num_samples, or fork() it)
+            raise InvalidInputError(
+                f"episodes[{i}] is episodes[{j}]: an episode takes one turn per call; pass num_samples=, or"
+                " episode.fork() for a second copy."
+            )
     params = _episode_params(sampler, resolve_params(sampling_params, num_samples))
     return [e.prompt() for e in episodes], params
 
@@ -524,7 +532,7 @@ def sample_episodes(
     Returns:
         Per episode, ``[episode, forks...]`` (``num_samples`` of them), each extended by one turn.
     """
-    prompts, params = _prepare(sampler, list(episodes), sampling_params, num_samples)
+    prompts, params = _prepare(sampler, episodes, sampling_params, num_samples)
     return _extend(list(episodes), _sample_turn(sampler, prompts, params, adapter_name))
 
 
@@ -537,6 +545,6 @@ async def asample_episodes(
     num_samples: int | None = None,
 ) -> list[list[Episode]]:
     """:func:`sample_episodes` for asyncio (the engine call runs in a worker thread)."""
-    prompts, params = _prepare(sampler, list(episodes), sampling_params, num_samples)
+    prompts, params = _prepare(sampler, episodes, sampling_params, num_samples)
     responses = await _asample_turn(sampler, prompts, params, adapter_name)
     return _extend(list(episodes), responses)

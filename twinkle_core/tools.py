@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 
 import attrs
 
+from twinkle_core.data_format.chat import json_data_problem
 from twinkle_core.errors import TwinkleError
 from twinkle_core.plugins.registry import PluginInfo, Registry
 
@@ -143,6 +144,9 @@ class HermesToolParser(ToolCallParser):
                 return None, f"{where} ({obj['name']}) has 'arguments' that are not a JSON object: {args[:200]!r}"
         if not isinstance(args, dict):
             return None, f"{where} ({obj['name']}) has 'arguments' that are not a JSON object: {args!r:.200}"
+        problem = json_data_problem(obj)
+        if problem is not None:  # the call could not be rendered back into the conversation
+            return None, f"{where} ({obj['name']!r:.80}) cannot go back into a prompt: {problem}: {body[:200]!r}"
         return {"id": new_call_id(), "type": "function", "function": {"name": obj["name"], "arguments": args}}, None
 
 

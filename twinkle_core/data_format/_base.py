@@ -67,3 +67,12 @@ def _serialise(_inst: Any, _field: Any, value: Any) -> Any:
     if isinstance(value, tuple):
         return list(value)
     return value
+
+
+def check_extra(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    """``extra`` (user data carried along) is a dict."""
+    if not isinstance(value, dict):
+        raise InvalidInputError(
+            f"{type(inst).__name__}.{attribute.name}={value!r:.80} is invalid: expected a dict (user data carried"
+            " along)."
+        )

@@ -7,12 +7,38 @@ from typing import Any
 
 import attrs
 
-from twinkle_core.data_format._base import Record
+from twinkle_core.data_format._base import Record, check_extra
 from twinkle_core.errors import InvalidInputError
 
-__all__ = ["ROLES", "Message", "Tool", "Trajectory"]
+__all__ = ["MAX_JSON_DEPTH", "ROLES", "Message", "Tool", "Trajectory", "json_data_problem"]
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+
+#: How deep JSON data in a conversation (tool-call arguments, tool schemas) may nest: templates render it
+#: recursively, and a model can write arguments nested far past Python's recursion limit.
+MAX_JSON_DEPTH = 64
+
+
+def json_data_problem(value: Any) -> str | None:
+    """Why ``value`` cannot be rendered into a prompt as JSON text (too deep, not encodable), or ``None``."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list, tuple)):
+            if depth >= MAX_JSON_DEPTH:
+                return f"it nests deeper than {MAX_JSON_DEPTH} levels"
+            if isinstance(item, dict):
+                stack.extend((k, depth + 1) for k in item if isinstance(k, str))
+                stack.extend((v, depth + 1) for v in item.values())
+            else:
+                stack.extend((v, depth + 1) for v in item)
+        elif isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                bad = item[exc.start]
+                return f"the string {item!r:.40} holds {bad!r}, which is not encodable text (a lone surrogate)"
+    return None
 
 
 def _check_role(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -65,6 +91,9 @@ def _check_list_of_dicts(inst: Any, attribute: attrs.Attribute[Any], value: Any)
         raise InvalidInputError(
             f"{type(inst).__name__}.{attribute.name}={value!r} is invalid: expected a list of dicts or None."
         )
+    problem = json_data_problem(value)
+    if problem is not None:
+        raise InvalidInputError(f"{type(inst).__name__}.{attribute.name}={value!r:.80} is invalid: {problem}.")
 
 
 @attrs.define(kw_only=True)
@@ -100,6 +129,9 @@ def _check_tool_field(name: str, value: Any, kind: type) -> None:
     if isinstance(value, str):
         _check_text(f"Tool.{name}", value)
     elif isinstance(value, dict):  # a JSON schema: the template renders it as JSON text
+        problem = json_data_problem(value)
+        if problem is not None:
+            raise InvalidInputError(f"Tool.{name}={value!r:.80} is invalid: {problem}.")
         try:
             text = json.dumps(value, ensure_ascii=False)
         except (TypeError, ValueError, RecursionError) as exc:
@@ -173,7 +205,7 @@ class Trajectory(Record):
 
     messages: list[Message] = attrs.field(converter=_to_messages, validator=_check_messages)
     tools: list[Tool] = attrs.field(factory=list, converter=_to_tools, validator=_check_tools)
-    extra: dict[str, Any] = attrs.field(factory=dict, validator=attrs.validators.instance_of(dict))
+    extra: dict[str, Any] = attrs.field(factory=dict, validator=check_extra)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:

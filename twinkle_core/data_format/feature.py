@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-from twinkle_core.data_format._base import Record
+from twinkle_core.data_format._base import Record, check_extra
 from twinkle_core.errors import InvalidInputError
 
 __all__ = ["IGNORE_INDEX", "InputFeature", "training_feature"]
@@ -58,7 +58,7 @@ class InputFeature(Record):
     input_ids: list[int] = attrs.field(converter=_to_int_list, validator=_check_ids)
     attention_mask: list[int] | None = attrs.field(default=None, converter=_to_int_list, validator=_check_ids)
     labels: list[int] | None = attrs.field(default=None, converter=_to_int_list, validator=_check_ids)
-    extra: dict[str, Any] = attrs.field(factory=dict, validator=attrs.validators.instance_of(dict))
+    extra: dict[str, Any] = attrs.field(factory=dict, validator=check_extra)
 
     def __attrs_post_init__(self) -> None:
         if self.attention_mask is None:
