@@ -20,6 +20,11 @@ def test_bad_mesh_sizes(kw):
         DeviceMesh.from_sizes(**kw)
 
 
+def test_unknown_mesh_sizes_are_named():
+    with pytest.raises(InvalidMeshError, match=r"unknown size\(s\) \['dp'\]: expected dp_size, tp_size"):
+        DeviceMesh.from_sizes(dp=2)
+
+
 def test_groups_and_fit():
     g = DeviceGroup(name="sampler", ranks=4, device_type="cpu")
     assert g.size == 4

@@ -179,6 +179,11 @@ def test_create_from_config_mapping_and_files(registered, tmp_path):
         create_sampler(str(bad))
     with pytest.raises(ConfigError, match="Cannot read"):
         create_sampler(str(tmp_path / "missing.yaml"))
+    bad.write_text("sampler: unit\n1: 2\n")
+    with pytest.raises(ConfigError, match="key 1 is not a name"):
+        create_sampler(str(bad))
+    with pytest.raises(ConfigError, match="key 1 is not a name"):
+        create_sampler({"sampler": "unit", 1: 2})
 
 
 def test_templates_registry():

@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-from twinkle_core.errors import InvalidMeshError
+from twinkle_core.errors import InvalidMeshError, did_you_mean
 
 __all__ = ["DEVICE_TYPES", "DeviceGroup", "DeviceMesh"]
 
@@ -33,13 +33,20 @@ class DeviceMesh:
     tp_size: int = attrs.field(default=1, validator=_positive)
 
     @classmethod
-    def from_sizes(cls, dp_size: int = 1, tp_size: int = 1) -> DeviceMesh:
-        """Build a mesh from its sizes.
+    def from_sizes(cls, **sizes: Any) -> DeviceMesh:
+        """Build a mesh from its sizes (``dp_size=``, ``tp_size=``; each 1 by default).
 
         Raises:
-            InvalidMeshError: a size is not an integer >= 1.
+            InvalidMeshError: an unknown size, or one that is not an integer >= 1.
         """
-        return cls(dp_size=dp_size, tp_size=tp_size)
+        known = [f.name for f in attrs.fields(cls)]
+        unknown = sorted(set(sizes) - set(known))
+        if unknown:
+            raise InvalidMeshError(
+                f"DeviceMesh got unknown size(s) {unknown}: expected {', '.join(known)}."
+                + did_you_mean(unknown[0], known)
+            )
+        return cls(**sizes)
 
     @property
     def world_size(self) -> int:

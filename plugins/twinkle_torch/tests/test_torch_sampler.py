@@ -460,6 +460,8 @@ def test_parallel_meshes_point_at_remote_execution(tiny_llama: Path) -> None:
         TorchSampler(tiny_llama, DeviceMesh.from_sizes(dp_size=2))
     with pytest.raises(InvalidMeshError, match="tensor parallelism"):
         TorchSampler(tiny_llama, DeviceMesh.from_sizes(tp_size=2))
+    with pytest.raises(InvalidMeshError, match=r"unknown size\(s\) \['dp'\]"):
+        TorchSampler(tiny_llama, {"dp": 2})  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
@@ -470,6 +472,10 @@ def test_parallel_meshes_point_at_remote_execution(tiny_llama: Path) -> None:
         ({"max_batch_tokens": 0}, "max_batch_tokens"),
         ({"linear_kernel": "fast"}, "linear_kernel='fast'.*'auto', 'onednn', 'torch'"),
         ({"attention_kernel": "flash"}, "attention_kernel='flash'.*'auto', 'native', 'sdpa'"),
+        ({"dtype": torch.int8}, "dtype=torch.int8 is invalid: expected a floating-point dtype"),
+        # an option neither the engine nor from_pretrained takes: named, with the engine's options
+        ({"max_batch_token": 100}, "max_batch_token=100 is unknown.*max_batch_tokens.*Did you mean 'max_batch_tokens'"),
+        ({"colour": "red"}, "colour='red' is unknown: the torch engine takes model_id, device_mesh"),
     ],
 )
 def test_bad_constructor_arguments(tiny_llama: Path, kwargs: dict[str, Any], message: str) -> None:

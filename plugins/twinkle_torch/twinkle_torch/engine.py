@@ -26,6 +26,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,7 +44,7 @@ from twinkle_core.engine import (
     check_merge_flag,
     lora_deltas,
 )
-from twinkle_core.errors import AdapterError, ConfigError, InvalidMeshError, WeightUpdateError
+from twinkle_core.errors import AdapterError, ConfigError, InvalidMeshError, WeightUpdateError, did_you_mean
 from twinkle_core.hub import resolve_model_id
 from twinkle_torch.adapters import AdapterSet
 from twinkle_torch.attention import ATTN_IMPLEMENTATION, NATIVE_ATTN_IMPLEMENTATION
@@ -93,7 +94,7 @@ def _check_mesh(device_mesh: Any) -> None:
     if device_mesh is None:
         return
     if isinstance(device_mesh, Mapping):
-        device_mesh = DeviceMesh.from_sizes(**dict(device_mesh))
+        device_mesh = DeviceMesh.from_sizes(**{str(k): v for k, v in device_mesh.items()})
     if not isinstance(device_mesh, DeviceMesh):
         raise InvalidMeshError(f"device_mesh={device_mesh!r} is invalid: expected a DeviceMesh, a dict or None.")
     if device_mesh.tp_size > 1:
@@ -124,6 +125,8 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
 
 def _resolve_dtype(dtype: str | torch.dtype, config: Any, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
+        if not dtype.is_floating_point:
+            raise ConfigError(f"dtype={dtype!r} is invalid: expected a floating-point dtype, e.g. {sorted(_DTYPES)}.")
         return dtype
     if not isinstance(dtype, str):
         raise ConfigError(f"dtype={dtype!r} is invalid: expected 'auto', a torch dtype or one of {sorted(_DTYPES)}.")
@@ -181,13 +184,28 @@ def _load_model(
         raise _recurrent(cls.__name__)
     if cls is not None and not getattr(cls, "_supports_attention_backend", False):
         attention = None
-    if attention is not None:
-        register_attention()
-        try:
-            return AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=attention, **kwargs)
-        except (ValueError, KeyError):  # an architecture without pluggable attention: its own default
-            pass
-    return AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    try:
+        if attention is not None:
+            register_attention()
+            try:
+                return AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=attention, **kwargs)
+            except (ValueError, KeyError):  # an architecture without pluggable attention: its own default
+                pass
+        return AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    except TypeError as exc:  # an option nobody takes: transformers hands unknown ones to the model class
+        unknown = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
+        if unknown is None or unknown.group(1) not in model_kwargs:
+            raise
+        name = unknown.group(1)
+        options = [n for n in inspect.signature(TorchEngine.__init__).parameters if n not in _NOT_OPTIONS]
+        raise ConfigError(
+            f"Option {name}={model_kwargs[name]!r:.60} is unknown: the torch engine takes {', '.join(options)},"
+            f" and passes others to transformers' from_pretrained, where nothing took it.{did_you_mean(name, options)}"
+        ) from None
+
+
+#: Parameters of ``TorchEngine.__init__`` that are not options a user names.
+_NOT_OPTIONS = frozenset({"self", "context", "model_kwargs"})
 
 
 def _recurrent(name: str) -> ConfigError:
