@@ -203,6 +203,43 @@ def test_sample_reads_jsonl_from_stdin_and_config_file(tiny, tmp_path):
     assert "it/s" in out.stderr or "seq/s" in out.stderr or "%" in out.stderr  # the progress bar
 
 
+def test_later_layers_win_whichever_name_they_use(tiny, tmp_path):
+    """Config, then --param, then flags: an alias (max_new_tokens, n) in one layer is the same field as the
+    canonical name in another, not a clash."""
+    cfg = tmp_path / "alias.yaml"
+    cfg.write_text(f"sampler: torch\nmodel_id: {tiny}\nsampling_params:\n  max_new_tokens: 5\n  n: 3\n")
+    out = run("sample", "-c", str(cfg), "-p", "hi", "-P", "num_samples=2", "--max-tokens", "2", "--ignore-eos")
+    assert out.returncode == 0, out.stderr
+    [record] = [json.loads(line) for line in out.stdout.splitlines()]
+    assert [len(q["tokens"]) for q in record["sequences"]] == [2, 2]
+    cfg.write_text(f"sampler: torch\nmodel_id: {tiny}\nsampling_params:\n  max_new_tokens: 5\n  max_tokens: 4\n")
+    out = run("sample", "-c", str(cfg), "-p", "hi")
+    assert out.returncode == 2 and "set max_tokens twice" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin", "message"),
+    [
+        (["sample", "-e", "torch", "-m", "TINY"], '{"prompt": null}', "'prompt' is None; expected the user message"),
+        (["sample", "-e", "torch", "-m", "TINY", "--max-batch-token", "9"], "", "No such option"),
+        (["serve", "TINY", "--port", "99999"], "", "99999 is not in the range 0<=x<=65535"),
+        (["serve", "TINY", "--max-tokens", "-5"], "", "-5 is not in the range x>=1"),
+    ],
+)
+def test_bad_command_lines_are_refused_before_any_work(tiny, args, stdin, message):
+    out = run(*[tiny if a == "TINY" else a for a in args], stdin=stdin)
+    assert out.returncode == 2 and message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_an_engine_option_from_a_config_that_nothing_takes_is_one_clear_line(tiny, tmp_path):
+    cfg = tmp_path / "typo.yaml"
+    cfg.write_text(f"sampler: torch\nmodel_id: {tiny}\nmax_batch_token: 100\n")
+    out = run("sample", "-c", str(cfg), "-p", "hi")
+    assert out.returncode != 0 and "Traceback" not in out.stderr
+    assert "max_batch_token=100 is unknown" in out.stderr and "Did you mean 'max_batch_tokens'" in out.stderr
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

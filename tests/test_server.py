@@ -286,6 +286,17 @@ def test_an_update_that_failed_part_way_turns_requests_away_until_pushed_again(c
     assert r.choices[0].model_extra["weights_version"] == version
 
 
+def test_bad_server_options_are_refused_before_it_listens(sampler: Any) -> None:
+    for options, message in (
+        ({"port": 99999}, "port=99999 is invalid: expected an integer from 0 to 65535"),
+        ({"port": "80"}, "port='80' is invalid"),
+        ({"default_max_tokens": -5}, "default_max_tokens=-5 is invalid: expected an integer >= 1"),
+        ({"default_max_tokens": 2.5}, "default_max_tokens=2.5 is invalid"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            start_server(sampler, **options)
+
+
 def test_api_key(sampler: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     with start_server(sampler, api_key="s3cret") as srv:
         assert httpx.get(srv.url + "/health").status_code == 200

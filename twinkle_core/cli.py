@@ -129,7 +129,11 @@ def _read_inputs(prompts: tuple[str, ...], input_file: TextIO | None, system: st
                     f"line {n} of {name}: unknown key(s) {extra} beside 'prompt' (a 'prompt' line holds only"
                     " the user message; use 'messages' for a whole conversation)."
                 )
-            out.append(chat(str(obj["prompt"])))
+            if not isinstance(obj["prompt"], str):
+                raise click.UsageError(
+                    f"line {n} of {name}: 'prompt' is {obj['prompt']!r:.60}; expected the user message as a string."
+                )
+            out.append(chat(obj["prompt"]))
         else:
             raise click.UsageError(
                 f"line {n} of {name}: a JSON line needs 'messages', 'input_ids' or 'prompt'; got keys {sorted(obj)}."
@@ -251,13 +255,20 @@ def _with_sampling_options(command: click.Command) -> click.Command:
 
 def _params_from(config_params: dict[str, Any], pairs: tuple[str, ...], flags: dict[str, Any]) -> SamplingParams:
     """Merge the config file's ``sampling_params``, ``--param`` pairs and the flags (later wins)."""
-    merged = dict(config_params)
+    aliases = SamplingParams._aliases  # n, max_new_tokens: each layer names a field its own way
+    merged: dict[str, Any] = {}
+    for key, value in config_params.items():
+        canonical = aliases.get(key, key)
+        if canonical in merged:
+            raise click.UsageError(f"The config's sampling_params set {canonical} twice (as {key} and its alias).")
+        merged[canonical] = value
     from_pairs: dict[str, str] = {}
     for pair in pairs:
         key, sep, text = pair.partition("=")
         key = key.strip().replace("-", "_")
         if not sep or not key:
             raise click.BadParameter(f"{pair!r} (expected KEY=VALUE, e.g. top_p=0.9)", param_hint="--param")
+        key = aliases.get(key, key)
         if key in from_pairs:
             raise click.BadParameter(f"{key!r} given twice ({from_pairs[key]!r} and {pair!r})", param_hint="--param")
         from_pairs[key] = pair
@@ -434,7 +445,7 @@ def sample(
 @click.option(
     "--host", default="127.0.0.1", show_default=True, help="Address to bind; anything but loopback needs an API key."
 )
-@click.option("--port", default=8000, show_default=True, type=int, help="TCP port.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="TCP port.")
 @click.option(
     "--api-key",
     default=None,
@@ -487,7 +498,7 @@ def sample(
     "default_max_tokens",
     default=256,
     show_default=True,
-    type=int,
+    type=click.IntRange(min=1),
     help="max_tokens when a request gives none.",
 )
 @click.option(

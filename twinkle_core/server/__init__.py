@@ -69,6 +69,8 @@ def create_app(sampler: Any, **kwargs: Any) -> Any:
 def _config(sampler: Any, host: str, port: int, api_key: str | None, log_level: str, kwargs: dict[str, Any]) -> Any:
     import uvicorn
 
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ConfigError(f"port={port!r} is invalid: expected an integer from 0 to 65535 (0: a free port).")
     app = create_app(sampler, api_key=_resolve_key(host, api_key), **kwargs)
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 

@@ -40,6 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from twinkle_core.data_format import SamplingParams, Trajectory
 from twinkle_core.episode import Episode, OnTemplateMismatch, Turn, _extend, _prepare
 from twinkle_core.errors import (
+    ConfigError,
     EngineDeadError,
     IncompleteUpdateError,
     SamplerClosedError,
@@ -124,6 +125,11 @@ class _Server:
         self.tool_parser = get_tool_parser(tool_parser)
         self.no_parser = get_tool_parser("none")
         self.on_template_mismatch = on_template_mismatch
+        if isinstance(default_max_tokens, bool) or not isinstance(default_max_tokens, int) or default_max_tokens < 1:
+            raise ConfigError(
+                f"default_max_tokens={default_max_tokens!r} is invalid: expected an integer >= 1 (max_tokens for a"
+                " request that gives none)."
+            )
         self.default_max_tokens = default_max_tokens
         self.sessions = sessions
         #: the calls in flight by request id (the server's own calls only)
