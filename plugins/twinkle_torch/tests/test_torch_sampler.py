@@ -483,6 +483,32 @@ def test_bad_constructor_arguments(tiny_llama: Path, kwargs: dict[str, Any], mes
         TorchSampler(tiny_llama, **kwargs)
 
 
+def test_a_folder_that_holds_no_loadable_model_is_a_config_error(tiny_llama: Path, tmp_path: Path) -> None:
+    """Each way a local folder can fail to be a model is named, not a traceback from transformers."""
+    import json
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    config_only = tmp_path / "config-only"
+    config_only.mkdir()
+    shutil.copy(tiny_llama / "config.json", config_only)
+    bad_value = tmp_path / "bad-value"
+    shutil.copytree(tiny_llama, bad_value)
+    config = json.loads((bad_value / "config.json").read_text())
+    (bad_value / "config.json").write_text(json.dumps({**config, "hidden_size": "x"}))
+    bad_weights = tmp_path / "bad-weights"
+    shutil.copytree(tiny_llama, bad_weights)
+    (bad_weights / "model.safetensors").write_bytes(b"not safetensors")
+    for folder, why in (
+        (empty, "can read: Unrecognized model"),
+        (config_only, "can load: .*no file named model.safetensors"),
+        (bad_value, "can read: .*hidden_size"),
+        (bad_weights, "can load: .*header"),
+    ):
+        with pytest.raises(ConfigError, match=f"{folder.name}' holds no model transformers {why}"):
+            TorchSampler(folder, device="cpu")
+
+
 def test_registered_as_torch(tiny_llama: Path) -> None:
     from twinkle_core import create_sampler
 

@@ -176,6 +176,7 @@ def _load_model(
     for it: they keep ``transformers``' default. A model with a recurrent state
     (Mamba, RWKV, hybrids) is refused: the decode loop's cache cannot carry it.
     """
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code, **model_kwargs}
@@ -192,6 +193,8 @@ def _load_model(
             except (ValueError, KeyError):  # an architecture without pluggable attention: its own default
                 pass
         return AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    except (OSError, SafetensorError) as exc:  # a config without weights, unreadable weights
+        raise ConfigError(f"{str(path)!r} holds no model transformers can load: {_brief(exc)}") from exc
     except TypeError as exc:  # an option nobody takes: transformers hands unknown ones to the model class
         unknown = re.search(r"unexpected keyword argument '(\w+)'", str(exc))
         if unknown is None or unknown.group(1) not in model_kwargs:
@@ -202,6 +205,11 @@ def _load_model(
             f"Option {name}={model_kwargs[name]!r:.60} is unknown: the torch engine takes {', '.join(options)},"
             f" and passes others to transformers' from_pretrained, where nothing took it.{did_you_mean(name, options)}"
         ) from None
+
+
+def _brief(exc: BaseException) -> str:
+    """An error's message on one line, at most 300 characters (transformers' run to many lines of advice)."""
+    return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())[:300] or type(exc).__name__
 
 
 #: Parameters of ``TorchEngine.__init__`` that are not options a user names.
@@ -419,7 +427,10 @@ class TorchEngine(Engine):
         self.model_path = path
         self.device = _resolve_device(device)
         attention = _attention_for(attention_kernel, self.device, model_kwargs)
-        config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        try:
+            config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+        except Exception as exc:  # no config, an unknown model type, values of the wrong type (transformers' own)
+            raise ConfigError(f"{str(path)!r} holds no model transformers can read: {_brief(exc)}") from exc
         self.dtype = _resolve_dtype(dtype, config, self.device)
         model = _load_model(path, config, self.dtype, trust_remote_code, model_kwargs, attention)
         self._model: torch.nn.Module = model.to(self.device).eval()
