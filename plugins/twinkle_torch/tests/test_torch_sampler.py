@@ -394,6 +394,11 @@ def test_adapter_from_config_and_weights_in_memory(
         assert same(outputs(adapted, chat_prompts, "b-mem"), expected)
         assert same(outputs(adapted, chat_prompts, "b-obj"), expected)
         assert adapted.adapters["b-mem"].source == "<memory>"
+        # a key this PEFT does not take would be dropped, and the adapter run as another: refused, named
+        for key, hint in (("lora_alph", "Did you mean 'lora_alpha'?"), ("use_shiny_lora", "install the peft")):
+            with pytest.raises(AdapterError, match=rf"key\(s\) \['{key}'\] that LoraConfig .*{hint}"):
+                adapted.add_adapter_to_model("b-typo", {**config, key: 3}, weights=weights)
+        assert "b-typo" not in adapted.adapters
     finally:
         adapted.remove_adapter("b-mem")
         adapted.remove_adapter("b-obj")

@@ -15,13 +15,14 @@ unwrapped and the model is back to its original modules.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from typing import Any
 
 import torch
 
 from twinkle_core.engine import AdapterInput
-from twinkle_core.errors import AdapterError
+from twinkle_core.errors import AdapterError, did_you_mean
 
 __all__ = ["AdapterSet"]
 
@@ -38,11 +39,26 @@ def _peft_config(adapter: AdapterInput) -> Any:
 
     if isinstance(adapter.peft_config, PeftConfig):
         return adapter.peft_config
+    where = f"Adapter folder {str(adapter.folder)!r}" if adapter.folder is not None else f"Adapter {adapter.name!r}"
     try:
-        return PeftConfig.from_peft_type(**PeftConfig.check_kwargs(**{"peft_type": "LORA", **adapter.config}))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # PEFT warns of unknown keys and drops them: refused below instead
+            config = PeftConfig.from_peft_type(**PeftConfig.check_kwargs(**{"peft_type": "LORA", **adapter.config}))
     except Exception as exc:
-        where = f"Adapter folder {str(adapter.folder)!r}" if adapter.folder is not None else f"Adapter {adapter.name!r}"
         raise AdapterError(f"{where}: the config {adapter.config!r:.300} is invalid: {exc}") from exc
+    # A key this PEFT does not know (a typo, or a feature of a newer PEFT such as a new LoRA variant) would be
+    # dropped, and the adapter run as something else than it is.
+    known = {f.name for f in dataclasses.fields(config)}
+    unknown = sorted(set(adapter.config) - known)
+    if unknown:
+        import peft
+
+        hint = did_you_mean(unknown[0], known)
+        raise AdapterError(
+            f"{where}: the config has key(s) {unknown} that {type(config).__name__} of the installed peft"
+            f" {peft.__version__} does not take.{hint} Remove them, or install the peft that wrote them."
+        )
+    return config
 
 
 class AdapterSet:
