@@ -197,7 +197,8 @@ def test_malformed_json_and_unknown_route(server: RunningServer) -> None:
     r = httpx.post(
         server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
     )
-    assert r.status_code == 400 and "error" in r.json()
+    assert r.status_code == 400 and r.json()["error"]["param"] is None
+    assert "the body is not valid JSON (Expecting property name" in r.json()["error"]["message"], r.text
     # JSON nested deeper than the parser goes: a 400, in the body and in a tool call's arguments
     deep = "[" * 100_000 + "]" * 100_000
     body = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "x": ' + deep + "}"

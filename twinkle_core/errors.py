@@ -192,6 +192,16 @@ class NumericalError(TwinkleError, ArithmeticError):
     with values too large): the call that hit it fails, and the engine goes on.
     """
 
+    @classmethod
+    def in_logits(cls, adapter: str = "") -> NumericalError:
+        """The error of a call whose logits (with ``adapter``, if any) hold NaN or infinity."""
+        return cls(
+            "The model's logits hold NaN or infinity"
+            + (f" with adapter {adapter!r}" if adapter else "")
+            + ": its weights hold NaN, or values large enough to overflow in the forward (a weight update or adapter"
+            " scaled too far). Nothing more was sampled for this call; the engine goes on."
+        )
+
 
 class UnsupportedFeatureError(TwinkleError, NotImplementedError):
     """The engine cannot honour a requested feature or parameter."""

@@ -406,6 +406,12 @@ def create_app(
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
         parts = []
         for e in exc.errors():
+            if e.get("type") == "json_invalid":  # its loc is a character position, not a field
+                where = e.get("loc", ("body", "?"))[-1]
+                why = (e.get("ctx") or {}).get("error", "")
+                return ApiError(
+                    400, f"Invalid request: the body is not valid JSON ({why or e.get('msg')}, at character {where})."
+                ).response()
             loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
             parts.append(f"{loc}: {e.get('msg')}" + (f" (got {brief(e['input'])})" if "input" in e else ""))
         first = exc.errors()[0].get("loc", ()) if exc.errors() else ()

@@ -942,16 +942,7 @@ class Decoder:
         finite = torch.isfinite(batch.logits.amax(dim=-1)).tolist()
         bad = [row for row, ok in zip(batch.rows, finite) if not ok and not row.done]
         for job in {id(r.job): r.job for r in bad}.values():
-            adapter = job.control.adapter
-            self._fail(
-                job,
-                NumericalError(
-                    "The model's logits hold NaN or infinity"
-                    + (f" with adapter {adapter!r}" if adapter else "")
-                    + ": its weights hold NaN, or values large enough to overflow in the forward (a weight update"
-                    " or adapter scaled too far). Nothing more was sampled for this call; the engine goes on."
-                ),
-            )
+            self._fail(job, NumericalError.in_logits(job.control.adapter))
 
     def _forward(self, batch: _Batch) -> None:
         """One decode forward of every row of the batch (finished rows not yet pruned ride along)."""

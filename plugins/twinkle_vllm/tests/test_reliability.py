@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from twinkle_core import InputFeature, SamplingParams, Trajectory
-from twinkle_core.errors import InvalidInputError, InvalidSamplingParams, UnknownAdapterError
+from twinkle_core.errors import InvalidInputError, InvalidSamplingParams, NumericalError, UnknownAdapterError
 from twinkle_core.testing import TINY_CHAT_PROMPTS
 from twinkle_core.testing.faults import check_refused_changes, run_soak, soak_seconds
 
@@ -113,6 +113,22 @@ def test_a_huge_max_tokens_within_bounds_stops_at_the_context(engine: Any) -> No
 
 
 @pytest.mark.soak
+def test_weights_that_overflow_in_the_forward_fail_calls_that_ask_for_log_probs(engine: Any, tiny_model: Path) -> None:
+    """vLLM draws token 0 from NaN logits; its log-prob (NaN) shows it, and the call gets a typed error."""
+    scored = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0)
+    base = engine.sample(PROMPTS[0], scored)[0].sequences[0]
+    norm = _states(tiny_model)[0]["model.norm.weight"]
+    engine.update_weights({"model.norm.weight": torch.full_like(norm, 3e38)})
+    try:
+        for params in (scored, scored.replace(temperature=1.0, top_p=0.9)):
+            with pytest.raises(NumericalError, match="NaN or infinity: its weights"):
+                engine.sample(PROMPTS[0], params)
+    finally:
+        engine.update_weights({"model.norm.weight": norm})
+    again = engine.sample(PROMPTS[0], scored)[0].sequences[0]
+    assert (again.tokens, again.logprobs) == (base.tokens, base.logprobs)
+
+
 def test_soak_every_sequence_matches_its_weights_and_adapter(
     engine: Any, tiny_model: Path, adapters: dict[str, Path]
 ) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 from twinkle_core.data_format import SampledSequence, SampleResponse, SamplingParams
 from twinkle_core.data_format.structured import no_token_left
 from twinkle_core.engine import EngineContext
-from twinkle_core.errors import InvalidSamplingParams, TwinkleError, UnsupportedFeatureError
+from twinkle_core.errors import InvalidSamplingParams, NumericalError, TwinkleError, UnsupportedFeatureError
 from twinkle_vllm._logits import EXTRA_ARG
 
 __all__ = ["SEED_MODULUS", "Plan", "flat_entries", "make_plan", "scoring_params", "to_response", "to_sequence"]
@@ -276,11 +276,13 @@ def to_sequence(
         want_top = params.logprobs > 0
         if plan.scoring:
             logprobs, top = [], ([] if want_top else None)
-        elif raw is not None:
-            positions = range(len(prompt_ids), len(prompt_ids) + len(tokens))
-            logprobs, top, _ = flat_entries(raw.prompt_logprobs, positions, want_top)
         else:
-            logprobs, top, _ = flat_entries(output.logprobs, range(len(tokens)), want_top)
+            flat = raw.prompt_logprobs if raw is not None else output.logprobs
+            positions = range(len(prompt_ids), len(prompt_ids) + len(tokens)) if raw is not None else range(len(tokens))
+            if any(math.isnan(flat.logprobs[flat.start_indices[i]]) for i in positions):
+                # a drawn token has a probability: NaN means the logits were NaN, and vLLM drew token 0 from them
+                raise NumericalError.in_logits(adapter)
+            logprobs, top, _ = flat_entries(flat, positions, want_top)
     return context.make_sequence(
         prompt_ids,
         tokens,
