@@ -147,6 +147,41 @@ def test_a_trainer_in_another_process_pushes_weights_into_the_server(server, loc
         assert served_tokens(server, local)[0] == local_tokens(local)
 
 
+def test_misuse_of_the_client_and_routes_leaves_the_group_working(server, local, model_dir):
+    """A dtype the wire does not carry, a refused re-init, one client pushing from two threads: each is refused
+    or serialised, and the trainer's group goes on working (a mismatched broadcast used to kill the server)."""
+    import threading
+
+    from safetensors.torch import load_file
+
+    original = load_file(os.path.join(model_dir, "model.safetensors"))
+    norm, first = "model.norm.weight", "model.layers.0.input_layernorm.weight"
+    with WeightClient(server, host="127.0.0.1", timeout_s=60) as client:
+        client.init_communicator()
+        for dtype in (torch.complex64, torch.float8_e4m3fn):
+            with pytest.raises(WeightUpdateError, match=str(dtype).removeprefix("torch.")):
+                client.update_weights({norm: original[norm].to(dtype)})
+        init = {"master_address": "127.0.0.1", "master_port": 99999, "world_size": 2}
+        r = httpx.post(server + "/init_weight_transfer_engine", json={"init_info": init}, timeout=30)
+        assert r.status_code == 400 and "master_port=99999 is invalid" in r.json()["error"]["message"]
+        versions: list[Any] = []
+
+        def push(name: str) -> None:
+            try:
+                versions.append(client.update_weights({name: original[name]}))
+            except Exception as exc:  # noqa: BLE001 - the test reports it
+                versions.append(exc)
+
+        threads = [threading.Thread(target=push, args=(name,)) for name in (norm, first)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert all(isinstance(v, int) for v in versions) and len(set(versions)) == 2, versions
+        local.update_weights(original)
+        assert served_tokens(server, local)[0] == local_tokens(local)
+
+
 def test_route_misuse_is_a_clear_error(server):
     def post(path: str, body: dict[str, Any]) -> httpx.Response:
         return httpx.post(server + path, json=body, timeout=30)
@@ -155,8 +190,13 @@ def test_route_misuse_is_a_clear_error(server):
     assert r.status_code == 400 and "/init_weight_transfer_engine first" in r.json()["error"]["message"]
     r = post("/init_weight_transfer_engine", {"init_info": {"master_port": 1}})
     assert r.status_code == 400 and "master_address" in r.json()["error"]["message"]
-    r = post("/finish_weight_update", {"weight_version": "v7"})
-    assert r.status_code == 400 and "integers" in r.json()["error"]["message"]
+    for version in ("v7", "2", 1.9, True):
+        r = post("/finish_weight_update", {"weight_version": version})
+        assert r.status_code == 400 and "integers" in r.json()["error"]["message"], r.text
+    for shape in ([-1], "ab", 5, None, [1.5]):
+        info = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [shape]}
+        r = post("/update_weights", {"update_info": info})
+        assert r.status_code == 400 and "a list of sizes (integers >= 0)" in r.json()["error"]["message"], r.text
 
 
 def test_a_server_without_the_option_says_how_to_turn_it_on(model_dir):

@@ -26,7 +26,7 @@ from typing import Any
 
 from twinkle_core.errors import ConfigError, WeightUpdateError
 from twinkle_core.transport.collective import local_address, open_group
-from twinkle_core.weights import check_tensor, tensor_checksum
+from twinkle_core.weights import TRANSFER_DTYPES, check_tensor, tensor_checksum
 
 __all__ = ["WeightClient"]
 
@@ -62,6 +62,7 @@ class WeightClient:
         self.timeout_s = float(timeout_s)
         self._store: Any = None
         self._group: Any = None
+        self._pushing = threading.Lock()
 
     def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
         r = self._http.post(path, json=body)
@@ -119,13 +120,24 @@ class WeightClient:
             WeightUpdateError: the server refused them (a bad name, shape or
                 dtype, a checksum): its weights and version are unchanged.
         """
-        import torch
 
         if self._group is None:
             raise WeightUpdateError("update_weights: call init_communicator() first.")
         items = list(named_tensors.items()) if isinstance(named_tensors, Mapping) else list(named_tensors)
         for name, tensor in items:
             check_tensor(name, tensor)
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            if dtype not in TRANSFER_DTYPES:  # the server would refuse it and never join the broadcast
+                raise WeightUpdateError(
+                    f"update_weights: {name!r} is {dtype}; the server takes {', '.join(TRANSFER_DTYPES)}. Cast it"
+                    " first (the server casts to the model's dtype); nothing was sent."
+                )
+        with self._pushing:  # one push at a time: two interleaved would mismatch the broadcasts
+            return self._push(items, version)
+
+    def _push(self, items: list[tuple[str, Any]], version: int | None) -> int:
+        import torch
+
         tensors = [(name, t.detach().to("cpu").contiguous()) for name, t in items]
         update_info = {
             "names": [n for n, _ in tensors],

@@ -22,6 +22,7 @@ import attrs
 from twinkle_core.errors import WeightUpdateError, did_you_mean
 
 __all__ = [
+    "TRANSFER_DTYPES",
     "TensorSpec",
     "block_checksum",
     "check_pair",
@@ -31,6 +32,10 @@ __all__ = [
     "find_not_floating",
     "tensor_checksum",
 ]
+
+
+#: The dtypes a tensor may have on the wire of the server's weight-transfer routes (gloo broadcasts).
+TRANSFER_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 
 
 @attrs.frozen

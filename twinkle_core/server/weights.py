@@ -38,6 +38,7 @@ from fastapi import Body, FastAPI
 
 from twinkle_core.errors import ConfigError
 from twinkle_core.server.protocol import ApiError
+from twinkle_core.weights import TRANSFER_DTYPES
 
 if TYPE_CHECKING:
     from twinkle_core.server.app import _Server
@@ -46,7 +47,6 @@ __all__ = ["BACKENDS", "add_weight_routes", "check_config"]
 
 #: The backends ``--weight-transfer-config`` accepts on this server.
 BACKENDS = ("gloo",)
-_DTYPES = ("float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")
 
 
 def check_config(config: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -101,6 +101,8 @@ class _Transfer:
             raise ApiError(400, "init_info.packed=true: the gloo backend moves tensors unpacked.", param="init_info")
         if not 1 <= rank < world:
             raise ApiError(400, f"rank_offset={rank} does not fit world_size={world}.", param="init_info")
+        if not 1 <= port <= 65535:  # checked before the group in use is dropped: a refused init changes nothing
+            raise ApiError(400, f"master_port={port} is invalid: expected 1 to 65535.", param="init_info")
         self.shutdown()
         self.store, self.group = open_group(
             host, port, rank=rank, world_size=world, backend=self.config["backend"], timeout_s=self.config["timeout_s"]
@@ -122,15 +124,26 @@ class _Transfer:
                 param="update_info",
             )
         for dtype in dtypes:
-            if dtype not in _DTYPES:
-                raise ApiError(400, f"dtype {dtype!r} is invalid: expected one of {', '.join(_DTYPES)}.")
+            if dtype not in TRANSFER_DTYPES:
+                raise ApiError(400, f"dtype {dtype!r} is invalid: expected one of {', '.join(TRANSFER_DTYPES)}.")
+        for name, shape in zip(names, shapes):
+            if not isinstance(name, str) or not (
+                isinstance(shape, list)
+                and all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in shape)
+            ):
+                raise ApiError(
+                    400,
+                    f"update_info entry {name!r:.80} with shape {shape!r:.80} is invalid: expected a string name and"
+                    " a list of sizes (integers >= 0).",
+                    param="update_info",
+                )
         if self.group is None:
             raise ApiError(400, "No weight-transfer group: call /init_weight_transfer_engine first.")
         if self.staged is None:
             raise ApiError(400, "No update in progress: call /start_weight_update first.")
         got = []
         for name, dtype, shape in zip(names, dtypes, shapes):
-            tensor = torch.empty([int(n) for n in shape], dtype=getattr(torch, dtype))
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
             self.group.broadcast(tensor, 0).wait()
             got.append((str(name), tensor))
         sums = torch.empty(len(got), dtype=torch.int64)
@@ -200,12 +213,9 @@ def add_weight_routes(app: FastAPI, state: _Server, config: dict[str, Any] | Non
         t = need()
         version: int | None = None
         if weight_version is not None:
-            try:
-                version = int(weight_version)
-            except (TypeError, ValueError):
-                raise ApiError(  # noqa: B904
-                    400, f"weight_version={weight_version!r} is invalid: twinkle versions are integers."
-                )
+            if isinstance(weight_version, bool) or not isinstance(weight_version, int):
+                raise ApiError(400, f"weight_version={weight_version!r} is invalid: twinkle versions are integers.")
+            version = weight_version
 
         def finish() -> int:
             staged, t.staged = t.staged, None
