@@ -169,7 +169,7 @@ def test_misuse_of_the_client_and_routes_leaves_the_group_working(server, local,
         def push(name: str) -> None:
             try:
                 versions.append(client.update_weights({name: original[name]}))
-            except Exception as exc:  # noqa: BLE001 - the test reports it
+            except Exception as exc:  # the test reports it
                 versions.append(exc)
 
         threads = [threading.Thread(target=push, args=(name,)) for name in (norm, first)]
