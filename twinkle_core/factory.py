@@ -205,10 +205,15 @@ def load_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         ) from exc
     if not isinstance(data, dict):
         raise ConfigError(f"Config file {str(p)!r} must hold a mapping, got {type(data).__name__}.")
-    odd = [k for k in data if not isinstance(k, str)]
-    if odd:
-        raise ConfigError(f"Config file {str(p)!r}: key {odd[0]!r} is not a name; keys are option names (strings).")
+    _check_names(data, f"Config file {str(p)!r}")
     return data
+
+
+def _check_names(config: dict[Any, Any], where: str) -> None:
+    """Refuse a key that is not a string: keys are option names (a YAML ``1: 2`` reads as an int key)."""
+    odd = [k for k in config if not isinstance(k, str)]
+    if odd:
+        raise ConfigError(f"{where}: key {odd[0]!r} is not a name; keys are option names (strings).")
 
 
 def _is_config_path(value: str) -> bool:
@@ -245,9 +250,7 @@ def create_sampler(
         name_or_config = load_config(name_or_config)
     if isinstance(name_or_config, dict):
         config = dict(name_or_config)
-        odd = [k for k in config if not isinstance(k, str)]
-        if odd:
-            raise ConfigError(f"Sampler config key {odd[0]!r} is not a name; keys are option names (strings).")
+        _check_names(config, "Sampler config")
         if "sampler" not in config:
             raise ConfigError(
                 f"Sampler config {sorted(config)} has no 'sampler' key: add e.g. sampler: vllm (one of"

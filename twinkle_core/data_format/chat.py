@@ -132,11 +132,10 @@ def _check_tool_field(name: str, value: Any, kind: type) -> None:
         problem = json_data_problem(value)
         if problem is not None:
             raise InvalidInputError(f"Tool.{name}={value!r:.80} is invalid: {problem}.")
-        try:
-            text = json.dumps(value, ensure_ascii=False)
-        except (TypeError, ValueError, RecursionError) as exc:
+        try:  # values JSON has no form for (sets, objects); depth and text were checked above
+            json.dumps(value, ensure_ascii=False)
+        except (TypeError, ValueError) as exc:
             raise InvalidInputError(f"Tool.{name}={value!r:.80} is invalid: expected JSON data ({exc}).") from None
-        _check_text(f"Tool.{name}", text)
 
 
 @attrs.define(kw_only=True)
