@@ -247,6 +247,23 @@ class MergedLoRA:
                 out.append((key, value))
         return MergePlan(out, self.name, base, dict(self._deltas))
 
+    def undo(self, plan: MergePlan) -> list[tuple[str, Any]]:
+        """The values the engine held before a merge or unmerge ``plan`` (not committed) began to be applied.
+
+        An engine whose copy of ``plan.tensors`` fails part-way (an interrupt,
+        a failing device copy) applies these to stand where it stood: merged
+        weights come back from the kept base values and deltas (computed as the
+        merge computed them, so to the same bits), weights the plan merges
+        first from the base values it read.
+        """
+        out = []
+        for key, _ in plan.tensors:
+            if key in self._base:
+                out.extend(self._combine({key: self._base[key]}, self._deltas))
+            else:
+                out.append((key, plan.base[key]))
+        return out
+
     def commit(self, plan: MergePlan) -> None:
         """Record ``plan`` as applied by the engine."""
         self.name, self._base, self._deltas = plan.name, plan.base, plan.deltas

@@ -257,3 +257,38 @@ def test_a_folder_adapter_with_nan_is_refused_both_ways(
     assert "bad" not in merging.adapters
     after = state(merging)
     assert all(torch.equal(after[k], weights[k]) for k in weights)
+
+
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_a_merge_that_fails_part_way_is_undone(
+    pair: tuple[TorchSampler, TorchSampler],
+    lora_dirs: dict[str, Path],
+    chat_prompts: list[Trajectory],
+    error: type[BaseException],
+) -> None:
+    """A merge whose copy into the weights fails after some layers were merged (Ctrl-C, a failing device copy)
+    puts back what was there: the base model, or the adapter merged before, to the bit."""
+    from safetensors.torch import load_file
+
+    from twinkle_core.testing.faults import failing_when_copied
+
+    _, merging = pair
+    config = json.loads((lora_dirs["b"] / "adapter_config.json").read_text())
+    tensors = dict(load_file(str(lora_dirs["b"] / "adapter_model.safetensors")))
+    last = [k for k in tensors if "lora_B" in k][-1]
+    failing = {**tensors, last: failing_when_copied(tensors[last], error("interrupted while merging"))}
+    for merged_before in (None, "a"):
+        if merged_before is not None:
+            merging.add_adapter_to_model("policy", lora_dirs[merged_before], merge=True)
+        adapter = "" if merged_before is None else "policy"
+        weights, before, version = state(merging), run(merging, chat_prompts, adapter), merging.weights_version
+        with pytest.raises(error, match="interrupted while merging"):
+            merging.add_adapter_to_model("policy", config, weights=failing, merge=True)
+        after = state(merging)
+        changed = sorted(k for k in weights if not torch.equal(after[k], weights[k]))
+        assert not changed, f"left part-merged: {changed[:3]}"
+        assert merging.weights_version == version
+        assert run(merging, chat_prompts, adapter) == before
+    # and the engine merges the same adapter whole afterwards
+    merging.add_adapter_to_model("policy", config, weights=tensors, merge=True)
+    assert_differ(run(merging, chat_prompts, "policy"), before)

@@ -41,6 +41,7 @@ from twinkle_core.engine import (
     EngineInfo,
     EngineRun,
     MergedLoRA,
+    MergePlan,
     check_merge_flag,
     lora_deltas,
 )
@@ -587,8 +588,7 @@ class TorchEngine(Engine):
                 pairs = self._weights.check(plan.tensors)
             except WeightUpdateError as exc:
                 raise AdapterError(f"Cannot merge adapter {name!r}: {exc}") from exc
-            self._weights.apply(pairs)
-            self._merged.commit(plan)
+            self._apply_plan(plan, pairs)
             self._adapter_set.remove(name)  # it was loaded unmerged before: that copy is stale now
             return adapter.source
         if merged is not None and merged != name:
@@ -603,7 +603,15 @@ class TorchEngine(Engine):
 
     def _unmerge(self) -> None:
         plan = self._merged.plan_unmerge()
-        self._weights.apply(self._weights.check(plan.tensors))
+        self._apply_plan(plan, self._weights.check(plan.tensors))
+
+    def _apply_plan(self, plan: MergePlan, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Apply a merge or unmerge whole, or not at all: a copy that fails part-way is undone, then re-raised."""
+        try:
+            self._weights.apply(pairs)
+        except BaseException:
+            self._weights.apply(self._weights.check(self._merged.undo(plan)))
+            raise
         self._merged.commit(plan)
 
     def remove_adapter(self, name: str) -> None:

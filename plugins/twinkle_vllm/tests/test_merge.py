@@ -100,6 +100,32 @@ def test_remerge_after_re_adding_serves_the_new_weights(clean: Any, adapters: di
         assert_close(run(sampler, "policy"), expected[step])
 
 
+@pytest.mark.parametrize("error", [KeyboardInterrupt, RuntimeError])
+def test_a_merge_that_fails_part_way_is_undone(
+    clean: Any, adapters: dict[str, Path], error: type[BaseException]
+) -> None:
+    """A merge whose push fails part-way puts back what was there: the adapter merged before. (Here the failure
+    comes after the workers applied every layer, while the engine kept its copies for a restart.)"""
+    from safetensors.torch import load_file
+
+    from twinkle_core.testing.faults import failing_when_copied
+
+    sampler = clean
+    config = json.loads((adapters["b"] / "adapter_config.json").read_text())
+    tensors = dict(load_file(str(adapters["b"] / "adapter_model.safetensors")))
+    last = [k for k in tensors if "lora_B" in k][-1]
+    failing = {**tensors, last: failing_when_copied(tensors[last], error("interrupted while merging"))}
+    sampler.add_adapter_to_model("policy", adapters["a"], merge=True)
+    before, version = run(sampler, "policy"), sampler.weights_version
+    with pytest.raises(error, match="interrupted while merging"):
+        sampler.add_adapter_to_model("policy", config, weights=failing, merge=True)
+    assert sampler.weights_version == version
+    assert run(sampler, "policy") == before
+    sampler.remove_adapter("policy")
+    sampler.add_adapter_to_model("policy", config, weights=tensors, merge=True)
+    assert run(sampler, "policy")[0] != before[0]
+
+
 def test_update_weights_while_merged_keeps_the_merge_right(
     clean: Any, tiny_model: Path, adapters: dict[str, Path]
 ) -> None:

@@ -48,6 +48,7 @@ from twinkle_core.engine import (
     EngineInfo,
     EngineRun,
     MergedLoRA,
+    MergePlan,
     check_merge_flag,
     lora_deltas,
 )
@@ -595,10 +596,9 @@ class vLLMEngine(Engine):
         self._check_lora(adapter)
         plan = self._merged.plan_merge(name, lora_deltas(name, config, tensors), self._read_base)
         try:
-            self._push_weights(self._push.spec.validate(plan.tensors))
+            self._apply_plan(plan)
         except WeightUpdateError as exc:
             raise AdapterError(f"Cannot merge adapter {name!r}: {exc}") from exc
-        self._merged.commit(plan)
         self._merge_id += 1
         request = self._loras.pop(name)  # loaded unmerged before: that copy is stale now
         if request is not None:
@@ -626,8 +626,32 @@ class vLLMEngine(Engine):
         return {name: value.clone() if value is self._replay.tensors.get(name) else value for name, value in held}
 
     def _unmerge(self) -> None:
-        plan = self._merged.plan_unmerge()
-        self._push_weights(self._push.spec.validate(plan.tensors))
+        self._apply_plan(self._merged.plan_unmerge())
+
+    def _apply_plan(self, plan: MergePlan) -> None:
+        """Push a merge or unmerge whole, or stand where the engine stood.
+
+        A push that fails (or is interrupted) may have changed some layers, or
+        all of them with its bookkeeping half done: the values from before the
+        plan are pushed again. If that fails too, sampling is refused until the
+        tensors are pushed again (as for a failed update).
+        """
+        try:
+            self._push_weights(self._push.spec.validate(plan.tensors))
+        except BaseException as exc:
+            if not self._recovery.engine_dead():
+                names = [name for name, _ in plan.tensors]
+                try:
+                    self._push_weights(self._push.spec.validate(self._merged.undo(plan)))
+                except Exception as undo_exc:
+                    self._replay.mark_lost(
+                        names,
+                        f"A merge failed part-way ({type(exc).__name__}: {exc}) and could not be undone"
+                        f" ({type(undo_exc).__name__}: {undo_exc}): the engine may hold a mix of merged and unmerged"
+                        f" values of {len(names)} tensors ({names[:3]}...). Sampling is refused until they are"
+                        " pushed again with update_weights(...).",
+                    )
+            raise
         self._merged.commit(plan)
 
     def _load_lora(self, adapter: AdapterInput) -> str:
