@@ -220,3 +220,23 @@ def test_a_server_without_the_option_says_how_to_turn_it_on(model_dir):
         timeout=120,
     )
     assert bad.returncode != 0 and "not supported by twinkle serve yet" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"base_url": "localhost:8000"}, r"base_url='localhost:8000' is invalid: expected the server's http://"),
+        ({"base_url": None}, r"base_url=None is invalid"),
+        ({"port": 99999}, r"port=99999 is invalid: expected an integer from 0 to 65535"),
+        ({"port": "8000"}, r"port='8000' is invalid"),
+        ({"port": True}, r"port=True is invalid"),
+        ({"timeout_s": 0}, r"timeout_s=0 is invalid: expected a number of seconds > 0"),
+        ({"timeout_s": float("nan")}, r"timeout_s=nan is invalid"),
+        ({"timeout_s": "30"}, r"timeout_s='30' is invalid"),
+        ({"host": ""}, r"host='' is invalid"),
+    ],
+)
+def test_client_options_are_checked_when_built(kwargs: dict[str, Any], match: str) -> None:
+    """A bad option fails when the client is made, not as a hang or a raw error at the first push."""
+    with pytest.raises(ConfigError, match=match):
+        WeightClient(**{"base_url": "http://127.0.0.1:9", **kwargs})

@@ -25,6 +25,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from twinkle_core.errors import ConfigError, WeightUpdateError
+from twinkle_core.net import check_port, check_timeout
 from twinkle_core.transport.collective import local_address, open_group
 from twinkle_core.weights import TRANSFER_DTYPES, check_tensor, tensor_checksum
 
@@ -54,6 +55,12 @@ class WeightClient:
     ) -> None:
         import httpx
 
+        if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
+            raise ConfigError(f"base_url={base_url!r} is invalid: expected the server's http:// or https:// address.")
+        if host is not None and (not isinstance(host, str) or not host):
+            raise ConfigError(f"host={host!r} is invalid: expected an address the server can reach, or None.")
+        check_port(port)
+        timeout_s = check_timeout(timeout_s)
         self.base_url = base_url.rstrip("/")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout_s)

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from twinkle_core.errors import ConfigError
-from twinkle_core.net import is_loopback
+from twinkle_core.net import check_port, is_loopback
 from twinkle_core.server.sessions import Session, SessionStore
 
 __all__ = [
@@ -69,8 +69,7 @@ def create_app(sampler: Any, **kwargs: Any) -> Any:
 def _config(sampler: Any, host: str, port: int, api_key: str | None, log_level: str, kwargs: dict[str, Any]) -> Any:
     import uvicorn
 
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-        raise ConfigError(f"port={port!r} is invalid: expected an integer from 0 to 65535 (0: a free port).")
+    check_port(port)
     app = create_app(sampler, api_key=_resolve_key(host, api_key), **kwargs)
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 

@@ -18,6 +18,7 @@ import os
 import attrs
 
 from twinkle_core.errors import ConfigError
+from twinkle_core.net import check_timeout
 
 __all__ = ["TIMEOUT_ENV", "TRANSPORTS", "TRANSPORT_ENV", "CollectiveOptions", "TransportSetting", "resolve_transport"]
 
@@ -35,10 +36,8 @@ def _positive_int(_inst: object, attribute: attrs.Attribute[int], value: int) ->
 
 
 def _timeout(_inst: object, _attribute: object, value: float | None) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ConfigError(f"CollectiveOptions.timeout_s={value!r} is invalid: expected a number of seconds > 0.")
+    if value is not None:
+        check_timeout(value, "CollectiveOptions.timeout_s")
 
 
 def _backend(_inst: object, _attribute: object, value: str) -> None:
