@@ -525,6 +525,28 @@ def test_pause_abort_and_abort_requests(server: RunningServer, sampler: Any) -> 
         assert len(reply["choices"][0]["token_ids"]) < 3000
 
 
+def test_an_aborted_chat_call_says_abort(server: RunningServer) -> None:
+    """A chat turn cut off by /abort_requests is not a natural end: an RL client must see "abort", not "stop"."""
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "Tell me a long story."}],
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "request_id": "chat-1",
+    }
+
+    async def run() -> dict[str, Any]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as h:
+            first = asyncio.ensure_future(h.post("/v1/chat/completions", json=body))
+            await _until_running(h, "chat-1")
+            await h.post("/abort_requests", json={"request_ids": ["chat-1"]})
+            reply: dict[str, Any] = (await first).json()
+            return reply
+
+    choice = asyncio.run(run())["choices"][0]
+    assert choice["finish_reason"] == "abort"
+
+
 def _metric(server: RunningServer, name: str) -> float:
     for line in httpx.get(server.url + "/metrics").text.splitlines():
         if line.startswith(name + "{"):

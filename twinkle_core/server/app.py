@@ -353,7 +353,8 @@ class _Call:
 def _finish(turn_or_seq: Any, has_calls: bool) -> str:
     if has_calls:
         return "tool_calls"
-    return "length" if turn_or_seq.stop_reason == "length" else "stop"
+    reason = turn_or_seq.stop_reason
+    return reason if reason in ("length", "abort") else "stop"
 
 
 def _sse(obj: Any) -> str:
