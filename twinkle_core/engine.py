@@ -52,7 +52,7 @@ import attrs
 from twinkle_core.adapter_input import AdapterInput
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingMask, SamplingParams
 from twinkle_core.errors import ConfigError, EngineDeadError, UnsupportedFeatureError
-from twinkle_core.merge import MergedLoRA, MergePlan, check_merge_flag, lora_deltas
+from twinkle_core.merge import MergedLoRA, check_merge_flag, lora_deltas
 from twinkle_core.mesh import DeviceMesh
 from twinkle_core.requests import EngineRun
 from twinkle_core.weights import TensorSpec, check_update
@@ -65,7 +65,6 @@ __all__ = [
     "EngineContext",
     "EngineInfo",
     "EngineRun",
-    "MergePlan",
     "MergedLoRA",
     "TensorSpec",
     "check_merge_flag",

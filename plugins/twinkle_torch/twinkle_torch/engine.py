@@ -41,7 +41,6 @@ from twinkle_core.engine import (
     EngineInfo,
     EngineRun,
     MergedLoRA,
-    MergePlan,
     check_merge_flag,
     lora_deltas,
 )
@@ -605,7 +604,7 @@ class TorchEngine(Engine):
         plan = self._merged.plan_unmerge()
         self._apply_plan(plan, self._weights.check(plan.tensors))
 
-    def _apply_plan(self, plan: MergePlan, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _apply_plan(self, plan: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Apply a merge or unmerge whole, or not at all: a copy that fails part-way is undone, then re-raised."""
         try:
             self._weights.apply(pairs)

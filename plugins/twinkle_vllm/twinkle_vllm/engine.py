@@ -48,7 +48,6 @@ from twinkle_core.engine import (
     EngineInfo,
     EngineRun,
     MergedLoRA,
-    MergePlan,
     check_merge_flag,
     lora_deltas,
 )
@@ -628,7 +627,7 @@ class vLLMEngine(Engine):
     def _unmerge(self) -> None:
         self._apply_plan(self._merged.plan_unmerge())
 
-    def _apply_plan(self, plan: MergePlan) -> None:
+    def _apply_plan(self, plan: Any) -> None:
         """Push a merge or unmerge whole, or stand where the engine stood.
 
         A push that fails (or is interrupted) may have changed some layers, or
