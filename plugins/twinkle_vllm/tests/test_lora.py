@@ -96,12 +96,19 @@ def test_prompt_logprobs_under_an_lm_head_adapter_are_refused_and_the_engine_liv
     sampler.add_adapter_to_model("head", folder)
     prompts = [InputFeature(input_ids=sampler.encode(p).input_ids) for p in PROMPTS]
     score = SamplingParams(max_tokens=0, prompt_logprobs=0)
+    # Raw log-probs of a completion are computed by scoring prompt + completion as a prompt: refused too.
+    raw = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=0, logprobs_mode="raw")
     for adapter in ("", "head"):
-        with pytest.raises(UnsupportedFeatureError, match=r"\['head'\] with lm_head LoRA"):
+        with pytest.raises(UnsupportedFeatureError, match=r"prompt_logprobs .*\['head'\] with lm_head LoRA"):
             sampler.sample(prompts, score, adapter_name=adapter)
+        with pytest.raises(UnsupportedFeatureError, match=r"logprobs_mode='raw' .*\['head'\] with lm_head LoRA"):
+            sampler.sample(prompts, raw, adapter_name=adapter)
     assert sampler.sample(PROMPTS[0], GREEDY, adapter_name="head")[0].sequences[0].tokens  # it still serves
+    processed = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=0)
+    assert len(sampler.sample(PROMPTS[0], processed, adapter_name="head")[0].sequences[0].logprobs) == 3
     sampler.remove_adapter("head")
     assert all(r.prompt_logprobs is not None for r in sampler.sample(prompts, score))  # back once it is gone
+    assert all(len(r.sequences[0].logprobs) == 3 for r in sampler.sample(prompts, raw))
 
 
 def test_folder_adapter_matches_transformers_and_peft(clean: Any, tiny_model: Path, adapters: dict[str, Path]) -> None:

@@ -414,7 +414,9 @@ class vLLMEngine(Engine):
             raise TwinkleError("The vLLM engine is asleep: call wake_up() before sampling.")
         self._replay.check_present()
         if params.prompt_logprobs is not None:
-            self._refuse_prompt_scores()
+            self._refuse_prompt_scores("SamplingParams.prompt_logprobs")
+        elif plan.rescore_raw:  # raw log-probs re-score prompt + completion as a prompt
+            self._refuse_prompt_scores("SamplingParams.logprobs_mode='raw'")
         generation = self._recovery.generation  # no restart runs while the base's lock is held shared
         merged = self._merged.name
         self._merged.check_request(adapter_name)
@@ -689,8 +691,8 @@ class vLLMEngine(Engine):
         self._replay.record_adapter(name, how)
         return source
 
-    def _refuse_prompt_scores(self) -> None:
-        """Refuse prompt log-probs where vLLM's CPU build would die computing them under lm_head LoRA.
+    def _refuse_prompt_scores(self, what: str) -> None:
+        """Refuse ``what`` (it scores prompts) where vLLM's CPU build would die doing so under lm_head LoRA.
 
         Prompt logits go through the LoRA logits op with one index per request
         of the step for one request's prompt rows; twinkle skips the op while
@@ -701,7 +703,7 @@ class vLLMEngine(Engine):
         heads = self._loras.lm_head_names()
         if heads and self._facts.device_type == "cpu":
             raise UnsupportedFeatureError(
-                f"SamplingParams.prompt_logprobs cannot be used while adapter(s) {heads} with lm_head LoRA are"
+                f"{what} cannot be used while adapter(s) {heads} with lm_head LoRA are"
                 " loaded on vLLM's CPU build: its LoRA logits op fails on prompt rows and ends the engine (vLLM"
                 " 0.32). Remove them first, load them with merge=True (no LoRA kernels), or score on the torch engine."
             )
