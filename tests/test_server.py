@@ -193,6 +193,31 @@ def test_bad_requests_get_openai_errors(server: RunningServer, body: dict[str, A
     assert "Traceback" not in r.text
 
 
+def test_log_prob_alternatives_are_capped_like_vllms_max_logprobs(server: RunningServer, sampler: Any) -> None:
+    # The torch engine returns as many alternatives as asked, up to the vocabulary: one short call could
+    # make a reply of hundreds of MB. The server caps them at vLLM's default, 20, per route and field.
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": True}
+    text = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    for route, body, param in (
+        ("/v1/chat/completions", {**chat, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/chat/completions", {**chat, "prompt_logprobs": 500}, "prompt_logprobs"),
+        ("/v1/completions", {**text, "logprobs": 21}, "logprobs"),
+        ("/v1/completions", {**text, "prompt_logprobs": 21}, "prompt_logprobs"),
+        ("/v1/completions", {**text, "echo": True, "logprobs": 21}, "logprobs"),
+    ):
+        r = httpx.post(server.url + route, json=body)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and f"{param}={body[param]} is more than this server allows" in err["message"]
+    ok = httpx.post(server.url + "/v1/chat/completions", json={**chat, "top_logprobs": 20, "temperature": 0})
+    assert ok.status_code == 200, ok.text
+    assert all(len(t["top_logprobs"]) == 20 for t in ok.json()["choices"][0]["logprobs"]["content"])
+    with start_server(sampler, model_name="tiny", max_logprobs=25) as wider:
+        r = httpx.post(wider.url + "/v1/completions", json={**text, "logprobs": 25, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert all(len(d) >= 25 for d in r.json()["choices"][0]["logprobs"]["top_logprobs"])
+
+
 def test_malformed_json_and_unknown_route(server: RunningServer) -> None:
     r = httpx.post(
         server.url + "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"}
@@ -293,6 +318,8 @@ def test_bad_server_options_are_refused_before_it_listens(sampler: Any) -> None:
         ({"port": "80"}, "port='80' is invalid"),
         ({"default_max_tokens": -5}, "default_max_tokens=-5 is invalid: expected an integer >= 1"),
         ({"default_max_tokens": 2.5}, "default_max_tokens=2.5 is invalid"),
+        ({"max_logprobs": -1}, "max_logprobs=-1 is invalid: expected an integer >= 0"),
+        ({"max_logprobs": True}, "max_logprobs=True is invalid"),
     ):
         with pytest.raises(ConfigError, match=message):
             start_server(sampler, **options)

@@ -502,6 +502,13 @@ def sample(
     help="max_tokens when a request gives none.",
 )
 @click.option(
+    "--max-logprobs",
+    default=20,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="The most log-prob alternatives a request may ask for per position.",
+)
+@click.option(
     "--weight-transfer-config",
     "weight_transfer",
     default=None,
@@ -528,6 +535,7 @@ def serve(
     tool_parser: str,
     on_template_mismatch: str,
     default_max_tokens: int,
+    max_logprobs: int,
     weight_transfer: str | None,
 ) -> None:
     """Serve a model over the OpenAI API (needs: pip install "twinkle-core[server]")."""
@@ -570,6 +578,7 @@ def serve(
             tool_parser=tool_parser,
             on_template_mismatch=on_template_mismatch,
             default_max_tokens=default_max_tokens,
+            max_logprobs=max_logprobs,
             weight_transfer=transfer,
         )
 

@@ -84,6 +84,7 @@ def serve(
     tool_parser: Any = "hermes",
     on_template_mismatch: str = "raise",
     default_max_tokens: int = 256,
+    max_logprobs: int = 20,
     sessions: SessionStore | None = None,
     log_level: str = "info",
     weight_transfer: Mapping[str, Any] | None = None,
@@ -105,6 +106,8 @@ def serve(
         tool_parser: how tool calls are read (a registered name or a parser).
         on_template_mismatch: ``"raise"`` or ``"keep_sampled"`` (see ``twinkle_core.episode``).
         default_max_tokens: ``max_tokens`` when a call gives none.
+        max_logprobs: the most log-prob alternatives a call may ask for per position
+            (``logprobs``, ``top_logprobs``, ``prompt_logprobs``); vLLM's default, 20.
         sessions: a store to record sessions in (the caller keeps a handle to it).
         log_level: uvicorn's log level.
         weight_transfer: ``{"backend": "gloo"}`` turns on vLLM's weight-transfer
@@ -121,6 +124,7 @@ def serve(
         "tool_parser": tool_parser,
         "on_template_mismatch": on_template_mismatch,
         "default_max_tokens": default_max_tokens,
+        "max_logprobs": max_logprobs,
         "sessions": sessions,
         "weight_transfer": weight_transfer,
     }

@@ -118,6 +118,7 @@ class _Server:
         tool_parser: Any,
         on_template_mismatch: OnTemplateMismatch,
         default_max_tokens: int,
+        max_logprobs: int,
         sessions: SessionStore,
     ) -> None:
         self.sampler = sampler
@@ -131,6 +132,12 @@ class _Server:
                 " request that gives none)."
             )
         self.default_max_tokens = default_max_tokens
+        if isinstance(max_logprobs, bool) or not isinstance(max_logprobs, int) or max_logprobs < 0:
+            raise ConfigError(
+                f"max_logprobs={max_logprobs!r} is invalid: expected an integer >= 0 (the most log-prob"
+                " alternatives a request may ask for per position)."
+            )
+        self.max_logprobs = max_logprobs
         self.sessions = sessions
         #: the calls in flight by request id (the server's own calls only)
         self.in_flight: dict[str, list[Pending]] = {}
@@ -172,6 +179,16 @@ class _Server:
                 " ask without stream.",
                 param="prompt_logprobs",
             )
+        for field, count in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+            # Each alternative is a row per position per choice of the reply: a client cannot ask for the vocabulary.
+            if count is not None and count > self.max_logprobs:
+                name = body_names(route).get(field, field)
+                raise ApiError(
+                    400,
+                    f"{name}={count} is more than this server allows: at most {self.max_logprobs} log-prob"
+                    f" alternatives per position (start it with --max-logprobs {count} for more).",
+                    param=name,
+                )
         if req.stream_options is not None and set(req.stream_options) - {"include_usage"}:
             raise ApiError(
                 400,
@@ -369,6 +386,7 @@ def create_app(
     tool_parser: Any = "hermes",
     on_template_mismatch: OnTemplateMismatch = "raise",
     default_max_tokens: int = 256,
+    max_logprobs: int = 20,
     sessions: SessionStore | None = None,
     max_workers: int = 64,
     weight_transfer: Mapping[str, Any] | None = None,
@@ -381,6 +399,7 @@ def create_app(
         tool_parser=tool_parser,
         on_template_mismatch=on_template_mismatch,
         default_max_tokens=default_max_tokens,
+        max_logprobs=max_logprobs,
         sessions=sessions if sessions is not None else SessionStore(),
     )
 
