@@ -766,3 +766,51 @@ def test_message_names_and_the_developer_role_reach_the_template(server: Running
         assert "name" in _post(server, "/v1/chat/completions", bad, status=400)["error"]["message"]
     finally:
         sampler.set_template(before)
+
+
+def _tool(name: str) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": {}}}}
+
+
+def test_a_session_continues_an_episode_only_under_the_same_tools(server: RunningServer, sampler: Any) -> None:
+    # The tools are rendered into the prompt: an episode continued under other tools would hold tokens
+    # (and export a tool list) that no call of this session was sampled from.
+    messages = [{"role": "user", "content": "Hi!"}]
+    body = {"model": "tiny", "messages": messages, "max_tokens": 3, "temperature": 0, "tools": [_tool("clock")]}
+    for sid, tools, episodes in (("same-tools", [_tool("clock")], 1), ("new-tools", [_tool("clock"), _tool("map")], 2)):
+        headers = {"X-Session-Id": sid}
+        first = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=60).json()
+        reply = {"role": "assistant", "content": first["choices"][0]["message"]["content"]}
+        follow = {**body, "messages": [*messages, reply, {"role": "user", "content": "More."}], "tools": tools}
+        r = httpx.post(server.url + "/v1/chat/completions", json=follow, headers=headers, timeout=60)
+        assert r.status_code == 200, r.text
+        session = httpx.get(server.url + f"/v1/sessions/{sid}").json()
+        assert session["episodes"] == episodes
+        last = session["data"][-1]
+        assert [t["function"]["name"] for t in last["tools"]] == [t["function"]["name"] for t in tools]
+        if episodes == 2:  # the new episode's prompt is the messages rendered with the new tools
+            want = sampler.template.encode({"messages": follow["messages"], "tools": tools}).input_ids
+            assert last["feature"]["input_ids"][: len(want)] == list(want)
+
+
+def test_session_ids_with_slashes_are_reachable_and_reserved_ids_refused(server: RunningServer) -> None:
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "Hi!"}], "max_tokens": 2, "temperature": 0}
+    sid = "run-3/episode-17"
+    assert httpx.post(server.url + "/v1/chat/completions", json={**body, "session_id": sid}, timeout=60).is_success
+    got = httpx.get(server.url + f"/v1/sessions/{sid}")
+    assert got.status_code == 200 and got.json()["id"] == sid and got.json()["episodes"] == 1
+    lines = httpx.get(server.url + f"/v1/sessions/{sid}/export").text.splitlines()
+    assert [json.loads(line)["session_id"] for line in lines] == [sid]
+    assert sid in [
+        json.loads(line)["session_id"] for line in httpx.get(server.url + "/v1/sessions/export").text.splitlines()
+    ]
+    assert httpx.delete(server.url + f"/v1/sessions/{sid}").json()["deleted"] is True
+    assert httpx.get(server.url + f"/v1/sessions/{sid}").status_code == 404
+    for where, extra, headers in (
+        ("session_id", {"session_id": "export"}, {}),
+        ("user", {"user": "run-3/export"}, {}),
+        ("X-Session-Id", {}, {"X-Session-Id": "a/export"}),
+    ):
+        r = httpx.post(server.url + "/v1/chat/completions", json={**body, **extra}, headers=headers, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == where, r.text
+    assert all(not s["id"].endswith("export") for s in httpx.get(server.url + "/v1/sessions").json()["data"])

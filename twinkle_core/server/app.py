@@ -498,7 +498,7 @@ def create_app(
         except TwinkleError as exc:
             raise ApiError(400, str(exc), param="tools") from None
         parser = state.no_parser if req.tool_choice == "none" else state.tool_parser
-        session_id = request.headers.get(SESSION_HEADER) or req.session_id or req.user
+        session_id = _session_id(request, req)
         template = state.template_with(req.chat_template_kwargs)
         await state.unpaused()
         fields = body_names("chat", req)
@@ -563,23 +563,47 @@ def create_app(
             raise ApiError(404, f"No session {session_id!r}.", param="session_id", code="not_found")
         return session
 
-    @app.get("/v1/sessions/{session_id}")
-    async def get_session(session_id: str) -> dict[str, Any]:
-        session = _session(session_id)
-        return {**session.summary(), "data": session.export()}
-
-    @app.get("/v1/sessions/{session_id}/export")
+    # Ids may hold "/" (say "run-3/episode-17"): the routes take the rest of the path, the export suffix first.
+    @app.get("/v1/sessions/{session_id:path}/export")
     async def export_session(session_id: str) -> PlainTextResponse:
         lines = [json.dumps(r) for r in _session(session_id).export()]
         return PlainTextResponse("".join(line + "\n" for line in lines), media_type="application/x-ndjson")
 
-    @app.delete("/v1/sessions/{session_id}")
+    @app.get("/v1/sessions/{session_id:path}")
+    async def get_session(session_id: str) -> dict[str, Any]:
+        session = _session(session_id)
+        return {**session.summary(), "data": session.export()}
+
+    @app.delete("/v1/sessions/{session_id:path}")
     async def delete_session(session_id: str) -> dict[str, Any]:
         _session(session_id)
         state.sessions.delete(session_id)
         return {"id": session_id, "object": "session", "deleted": True}
 
     return app
+
+
+def _session_id(request: Request, req: ChatRequest) -> str | None:
+    """The session a chat call joins: the header, else the body's ``session_id``, else its ``user``.
+
+    ``export`` and ids ending in ``/export`` are refused: the session routes
+    could not tell them from the export routes, so they could not be read back.
+    """
+    for where, value in (
+        (SESSION_HEADER, request.headers.get(SESSION_HEADER)),
+        ("session_id", req.session_id),
+        ("user", req.user),
+    ):
+        if value:
+            if value == "export" or value.endswith("/export"):
+                raise ApiError(
+                    400,
+                    f"{where}={value!r} cannot name a session: 'export' and ids ending in '/export' are the"
+                    " session export routes. Use another id.",
+                    param=where,
+                )
+            return value
+    return None
 
 
 async def _start(
@@ -605,8 +629,10 @@ async def _start(
     try:
         found = session.match(trajectory.messages) if session is not None else None
         options = template.options if template is not None else {}
-        if found is not None and found[0].template.options != options:
-            found = None
+        if found is not None and (
+            found[0].template.options != options or _tool_specs(found[0].tools) != _tool_specs(trajectory.tools)
+        ):
+            found = None  # rendered with other options or other tools: its tokens are not this call's prompt
         base: Episode | None = None
         if found is not None:
             base, new = found
@@ -627,6 +653,10 @@ async def _start(
         if isinstance(exc, TwinkleError):
             raise state.refusal(exc, names) from None
         raise
+
+
+def _tool_specs(tools: list[Any]) -> list[dict[str, Any]]:
+    return [t.to_hf() for t in tools]
 
 
 def _message(turn: Turn) -> dict[str, Any]:
