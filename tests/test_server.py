@@ -99,6 +99,24 @@ def test_streaming_gives_the_same_text(client: Any) -> None:
     assert chunks[-1].usage.completion_tokens == len(final.choices[0].model_extra["token_ids"])
 
 
+def test_reply_text_keeps_the_sampled_whitespace_whole_and_streamed(client: Any, sampler: Any) -> None:
+    # Without tool calls the text is what was sampled, as vLLM returns it: the whole reply and the
+    # stream agree, and neither strips it (an RL reward on formatting sees what the model wrote).
+    (space,) = sampler.template.tokenizer.encode("\n", add_special_tokens=False)
+    messages = [{"role": "user", "content": "Tell me a story about a duck."}]
+    ask = {"model": "tiny", "messages": messages, "temperature": 0, "max_tokens": 3}
+    extra = {"logit_bias": {str(space): 100}, "ignore_eos": True}
+    whole = client.chat.completions.create(**ask, extra_body=extra)
+    direct = sampler.sample({"messages": messages}, {"temperature": 0, "max_tokens": 3, **extra})[0].sequences[0]
+    assert direct.tokens == [space] * 3 and direct.text.strip() == ""
+    streamed = "".join(
+        c.choices[0].delta.content or ""
+        for c in client.chat.completions.create(**ask, extra_body=extra, stream=True)
+        if c.choices
+    )
+    assert whole.choices[0].message.content == streamed == direct.text
+
+
 def test_agent_loop_session_export_is_what_was_sampled(client: Any, server: RunningServer, sampler: Any) -> None:
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Rome?"}]
     # the call the engine itself makes in process for the first turn (whichever city the tiny model names)

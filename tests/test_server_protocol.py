@@ -625,7 +625,7 @@ def test_docs_route_table_is_every_route(server: RunningServer) -> None:
             documented.add((method, path.split("?")[0]))
     app = server._server.config.app
     served = {
-        (m, r.path)
+        (m, re.sub(r"\{(\w+):\w+\}", r"{\1}", r.path))  # a converter ({id:path}) is not the docs' business
         for r in app.routes
         for m in getattr(r, "methods", None) or ()
         if m != "HEAD" and r.path not in ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc")

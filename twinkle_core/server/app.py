@@ -663,7 +663,8 @@ def _message(turn: Turn) -> dict[str, Any]:
     calls = turn.tool_calls
     return {
         "role": "assistant",
-        "content": (turn.message.content or None) if calls else turn.message.content,
+        # without calls, the text as sampled (the stream sends the same; the parser may have trimmed it)
+        "content": (turn.message.content or None) if calls else turn.text,
         "tool_calls": _openai_calls(calls) if calls else None,
     }
 
