@@ -939,6 +939,25 @@ class SamplerContractTests:
                     assert isinstance(json.loads(seq.text)["ok"], bool)
         # a small model may pad JSON or numbers past 48 tokens: every token was still checked against the grammar
 
+    def test_structured_outputs_end_once_complete_even_with_ignore_eos(self, sampler: Sampler) -> None:
+        """A complete constraint allows only an end token, which ends the completion: ``ignore_eos``
+        cannot make a completion go on past its match."""
+        self._declares(sampler, "structured_outputs")
+        choices = ["yes", "no", "maybe so"]
+        for ignore_eos in (False, True):
+            params = SamplingParams(
+                max_tokens=24,
+                temperature=1.0,
+                seed=5,
+                num_samples=4,
+                ignore_eos=ignore_eos,
+                structured_outputs={"choice": choices},
+            )
+            for response in sampler.sample([_traj(0), _traj(1)], params):
+                for seq in response.sequences:
+                    assert seq.stop_reason == "stop" and seq.text in choices, (ignore_eos, seq.text, seq.stop_reason)
+                    assert self._grammar_accepts(sampler, params, seq).is_terminated()
+
     def test_structured_outputs_that_do_not_compile_are_refused_before_any_work(self, sampler: Sampler) -> None:
         self._declares(sampler, "structured_outputs")
         for bad in ({"regex": "([a-z"}, {"json": {"type": 5}}, {"grammar": "root ::= undefined_rule"}):

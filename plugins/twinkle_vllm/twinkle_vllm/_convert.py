@@ -125,7 +125,9 @@ def make_plan(
         "seed": None if params.seed is None else params.seed % SEED_MODULUS,
         "stop": list(params.stop),
         "stop_token_ids": list(params.stop_token_ids),
-        "ignore_eos": params.ignore_eos,
+        # Under a constraint an end token is allowed only once it is complete, and then ends the completion
+        # (twinkle's rule; vLLM with ignore_eos would sample on past it): ignore_eos changes nothing else.
+        "ignore_eos": params.ignore_eos and params.structured_outputs is None,
         "max_tokens": max(params.max_tokens, 1),
         # Raw log-probs come from re-scoring; the sampling request need not compute any.
         "logprobs": None if plan.rescore_raw else params.logprobs,
