@@ -488,6 +488,17 @@ class SamplerContractTests:
 
         assert run(1) != run(2)
 
+    def test_consecutive_seeds_share_no_samples(self, sampler: Sampler) -> None:
+        """An RL loop that seeds step ``t`` with ``t`` must not get step ``t``'s sample ``i`` again as
+        step ``t + 1``'s sample ``i - 1`` (as an engine seeding sample ``i`` with ``seed + i`` would)."""
+        runs = {}
+        for seed in (40, 41, 2**80, 2**80 + 1, -7):  # any integer is a seed
+            params = SamplingParams(temperature=1.5, max_tokens=12, ignore_eos=True, seed=seed, num_samples=4)
+            runs[seed] = [tuple(s.tokens) for s in sampler.sample(_traj(1), params)[0].sequences]
+        for seed in (40, 2**80):
+            shared = set(runs[seed]) & set(runs[seed + 1])
+            assert not shared, f"seeds {seed} and {seed + 1} gave the same sample(s): {sorted(shared)}"
+
     def test_samples_of_one_prompt_differ(self, sampler: Sampler) -> None:
         params = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True, seed=7)
         seqs = sampler.sample(_traj(1), params, num_samples=4)[0].sequences

@@ -142,12 +142,15 @@ def test_bad_constructor_arguments(kwargs: dict[str, object], match: str) -> Non
 
 
 # -- sampling options ----------------------------------------------------------------------
-def test_sample_i_uses_seed_plus_i(sampler: EchoSampler) -> None:
+def test_sample_i_has_its_own_seeded_stream(sampler: EchoSampler) -> None:
     params = SamplingParams(temperature=1.5, max_tokens=12, ignore_eos=True, seed=40)
     many = sampler.sample(chat("Tell me a story."), params, num_samples=3)[0].sequences
-    for i, seq in enumerate(many):
-        alone = sampler.sample(chat("Tell me a story."), params.replace(seed=40 + i))[0].sequences[0]
-        assert seq.tokens == alone.tokens
+    for i, seq in enumerate(many):  # the same stream alone and as one of several, and not seed 40 + i's first
+        again = sampler.sample([chat("Hi."), chat("Tell me a story.")], params, num_samples=3)[1].sequences[i]
+        assert seq.tokens == again.tokens
+        if i:
+            alone = sampler.sample(chat("Tell me a story."), params.replace(seed=40 + i))[0].sequences[0]
+            assert seq.tokens != alone.tokens
     negative = sampler.sample(chat("Tell me a story."), params.replace(seed=-40))[0].sequences[0]
     assert negative.tokens != many[0].tokens
 

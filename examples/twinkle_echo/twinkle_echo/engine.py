@@ -60,7 +60,8 @@ class EchoEngine(BatchEngine):
     Sampling follows twinkle's contract exactly (see ``SamplingParams``):
 
     * sample ``i`` of a request with ``seed=s`` draws from its own stream
-      seeded with ``s + i`` (vLLM's convention), whatever else is batched;
+      seeded with the pair ``(s, i)``, whatever else is batched (not ``s + i``:
+      then seeds ``s`` and ``s + 1`` would share samples);
     * stop strings are matched on the decoded completion after every token;
       ``text`` is cut before the match, ``tokens`` keep the token that
       completed it. EOS and ``stop_token_ids`` stay in ``tokens`` but not in
@@ -126,8 +127,8 @@ class EchoEngine(BatchEngine):
     # -- decoding ------------------------------------------------------------------------
     def _complete(self, prompt: list[int], params: SamplingParams, adapter_name: str, index: int) -> SampledSequence:
         """Decode one completion: sample ``index`` of its request."""
-        # A string seed: random.Random(int) would give seeds -s and s one stream.
-        rng = random.Random(f"{params.seed + index}") if params.seed is not None else random.Random()
+        # A string seed of the pair: random.Random(int) would give seeds -s and s one stream.
+        rng = random.Random(f"{params.seed}:{index}") if params.seed is not None else random.Random()
         template = self.context.template
         budget = min(params.max_tokens, self.info.max_model_len - len(prompt))
         eos = template.eos_token_id

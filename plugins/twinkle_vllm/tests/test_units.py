@@ -11,7 +11,7 @@ import torch
 
 from twinkle_core.data_format import SamplingParams
 from twinkle_core.errors import InvalidSamplingParams, UnsupportedFeatureError, WeightUpdateError
-from twinkle_vllm._convert import SEED_MODULUS, make_plan
+from twinkle_vllm._convert import make_plan, vllm_seed
 from twinkle_vllm._loop import LoopThread
 from twinkle_vllm._sync import plan_buckets
 from twinkle_vllm._weights import WeightSpec
@@ -136,7 +136,7 @@ def test_plan_maps_every_field() -> None:
     assert native["temperature"] == 0.7 and native["top_p"] == 0.9 and native["top_k"] == 5
     assert "extra_args" not in native
     kw = make_plan(params.replace(top_p=1.0), max_logprobs=20, vocab_size=100, temperature_processor=True).vllm
-    assert kw["min_p"] == 0.1 and kw["repetition_penalty"] == 1.2 and kw["seed"] == -3 % SEED_MODULUS
+    assert kw["min_p"] == 0.1 and kw["repetition_penalty"] == 1.2 and kw["seed"] == vllm_seed(-3)
     assert kw["stop"] == ["x"] and kw["stop_token_ids"] == [7] and kw["ignore_eos"] is True
     assert kw["logprobs"] == 2 and kw["prompt_logprobs"] == 1 and kw["max_tokens"] == 9 and kw["detokenize"]
     greedy = make_plan(params.replace(temperature=0.0), max_logprobs=20, vocab_size=100, temperature_processor=True)

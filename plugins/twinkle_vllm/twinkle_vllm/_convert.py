@@ -20,6 +20,7 @@ Every twinkle field is mapped; what vLLM cannot do natively is emulated here
 from __future__ import annotations
 
 import copy
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,10 +31,35 @@ from twinkle_core.engine import EngineContext
 from twinkle_core.errors import InvalidSamplingParams, NumericalError, TwinkleError, UnsupportedFeatureError
 from twinkle_vllm._logits import EXTRA_ARG
 
-__all__ = ["SEED_MODULUS", "Plan", "flat_entries", "make_plan", "scoring_params", "to_response", "to_sequence"]
+__all__ = [
+    "SEED_MODULUS",
+    "Plan",
+    "flat_entries",
+    "make_plan",
+    "scoring_params",
+    "to_response",
+    "to_sequence",
+    "vllm_seed",
+]
 
 #: vLLM gives the i-th of n samples ``seed + i``; keep that inside 64 bits.
 SEED_MODULUS = 1 << 62
+
+
+def vllm_seed(seed: int) -> int:
+    """The seed vLLM gets for twinkle's ``seed``: a hash of it, below :data:`SEED_MODULUS`.
+
+    vLLM seeds sample ``i`` with ``seed + i``, so passing the seed through
+    would give sample ``i`` of seed ``s`` the very draws of sample 0 of seed
+    ``s + i``: an RL loop seeding each step with its number would train on
+    repeated samples. Hashed, two seeds' runs of ``n`` overlap only by chance
+    (about ``n / 2**62``).
+    """
+    raw = seed.to_bytes(seed.bit_length() // 8 + 1, "little", signed=True)  # any integer, however wide
+    digest = hashlib.blake2b(raw, digest_size=8).digest()
+    return int.from_bytes(digest, "little") % SEED_MODULUS
+
+
 VLLM_MIN_TEMPERATURE = 0.01
 VLLM_MAX_TEMPERATURE = 2.0
 
@@ -122,7 +148,7 @@ def make_plan(
         "top_k": 0 if params.top_k == -1 else params.top_k,
         "min_p": params.min_p,
         "repetition_penalty": params.repetition_penalty,
-        "seed": None if params.seed is None else params.seed % SEED_MODULUS,
+        "seed": None if params.seed is None else vllm_seed(params.seed),
         "stop": list(params.stop),
         "stop_token_ids": list(params.stop_token_ids),
         # Under a constraint an end token is allowed only once it is complete, and then ends the completion
