@@ -846,6 +846,24 @@ class SamplerContractTests:
                 sampler.sample(_traj(0), _greedy(max_tokens=4, allowed_token_ids=held, min_tokens=2))
         self.assert_still_works(sampler)
 
+    def test_bad_words_over_the_sequence_limit_are_refused(self, sampler: Sampler) -> None:
+        """Words that pass ``SamplingParams`` (at most 128) but tokenize to more sequences than that
+        (a word and its leading-space form) are an ``InvalidSamplingParams`` on every engine."""
+        self._declares(sampler, "bad_words")
+        vocab = sampler.vocab_size or 0
+        words = None
+        for t in _spread_ids(vocab or 256, 60, 40):
+            word = sampler.template.decode([t]).strip()
+            if word and len(bad_word_token_ids(sampler.tokenizer, [word], vocab)) == 2:
+                words = [word] + [f"{word}{k}" for k in range(127)]  # 128 words, at least 129 sequences
+                break
+        if words is None:
+            pytest.skip("no word of this tokenizer has a distinct leading-space form")
+        with pytest.raises(InvalidSamplingParams, match=r"tokenizes to \d+ token sequences") as info:
+            sampler.sample(_traj(0), SamplingParams(max_tokens=4, bad_words=words))
+        assert info.value.field == "bad_words"
+        self.assert_still_works(sampler)
+
     def test_bad_words_are_never_completed(self, sampler: Sampler) -> None:
         self._declares(sampler, "bad_words")
         vocab = sampler.vocab_size or 0

@@ -405,7 +405,9 @@ class vLLMEngine(Engine):
         )
         if params.structured_outputs is not None:  # a schema that does not compile: refused before any work
             compiled_grammar(params.structured_outputs, self.context.tokenizer, self._facts.vocab_size)
-        if params.allowed_token_ids is not None:  # constraints that leave nothing: refused, never run
+        if params.bad_words or params.allowed_token_ids is not None:
+            # words vLLM would refuse once running (too many sequences, ids beyond the vocabulary), and
+            # constraints that leave nothing: refused, never run
             words = params.bad_words
             bad = bad_word_token_ids(self.context.tokenizer, words, self._facts.vocab_size) if words else []
             check_constraints(params, bad, sorted(set(self.eos_token_ids) | set(params.stop_token_ids)))
