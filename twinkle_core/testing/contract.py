@@ -488,6 +488,15 @@ class SamplerContractTests:
 
         assert run(1) != run(2)
 
+    def test_a_top_k_beyond_the_vocabulary_keeps_every_token(self, sampler: Sampler) -> None:
+        """``top_k`` of the vocabulary size or more (up to any integer) is the same as no top-k."""
+        params = SamplingParams(temperature=1.5, max_tokens=8, ignore_eos=True, seed=11, num_samples=2, logprobs=0)
+        off = sampler.sample([_traj(0), _traj(1)], params)
+        for top_k in (2**20, 2**64):  # wider than any vocabulary
+            wide = sampler.sample([_traj(0), _traj(1)], params.replace(top_k=top_k))
+            assert [[s.tokens for s in r.sequences] for r in wide] == [[s.tokens for s in r.sequences] for r in off]
+        self.assert_still_works(sampler)
+
     def test_consecutive_seeds_share_no_samples(self, sampler: Sampler) -> None:
         """An RL loop that seeds step ``t`` with ``t`` must not get step ``t``'s sample ``i`` again as
         step ``t + 1``'s sample ``i - 1`` (as an engine seeding sample ``i`` with ``seed + i`` would)."""

@@ -849,7 +849,10 @@ class Decoder:
             if len(self._samplers) > 256:  # parameters of runs long gone
                 self._samplers.clear()
             constraints = LogitConstraints.of(job.params, self._min_tokens_ids(job), self.tokenizer, self.vocab_size)
-            sampler = self._samplers[job.group] = TokenSampler(job.params, constraints, native=self.native_kernels)
+            params = job.params
+            if params.top_k >= self.vocab_size:  # keeps every token: no top-k (and no sort), as vLLM reads it
+                params = params.replace(top_k=-1)
+            sampler = self._samplers[job.group] = TokenSampler(params, constraints, native=self.native_kernels)
         return sampler
 
     def _sample(self, batch: _Batch) -> list[tuple[_Row, str, str | int | None]]:

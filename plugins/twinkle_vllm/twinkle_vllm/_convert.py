@@ -145,7 +145,8 @@ def make_plan(
     kw: dict[str, Any] = {
         "n": 1 if single else params.num_samples,
         "top_p": params.top_p,
-        "top_k": 0 if params.top_k == -1 else params.top_k,
+        # a top-k of the whole vocabulary or more keeps every token: off (vLLM overflows on 2**64)
+        "top_k": params.top_k if 0 < params.top_k < vocab_size else 0,
         "min_p": params.min_p,
         "repetition_penalty": params.repetition_penalty,
         "seed": None if params.seed is None else vllm_seed(params.seed),
@@ -183,8 +184,9 @@ def make_plan(
         kw["min_p"] = 0.0  # applied by the processor, after the real temperature
         kw["extra_args"] = {EXTRA_ARG: [temperature, params.min_p]}
         if reorder:  # top-k and top-p too, so that min-p comes after them
+            top_k = kw["top_k"]
             kw["top_k"], kw["top_p"] = 0, 1.0
-            kw["extra_args"][EXTRA_ARG] += [max(params.top_k, 0), params.top_p]
+            kw["extra_args"][EXTRA_ARG] += [top_k, params.top_p]
     elif in_range:  # only the order of min-p needs the processor
         raise UnsupportedFeatureError(
             f"SamplingParams.min_p={params.min_p!r} with top_p={params.top_p!r} needs twinkle's logits"
