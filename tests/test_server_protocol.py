@@ -814,3 +814,27 @@ def test_session_ids_with_slashes_are_reachable_and_reserved_ids_refused(server:
         r = httpx.post(server.url + "/v1/chat/completions", json={**body, **extra}, headers=headers, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == where, r.text
     assert all(not s["id"].endswith("export") for s in httpx.get(server.url + "/v1/sessions").json()["data"])
+
+
+def test_refused_prompts_and_options_are_named_as_the_body_sent_them(server: RunningServer, sampler: Any) -> None:
+    limit = sampler.max_model_len - 1
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi " * 600}], "max_tokens": 2}
+    err = _post(server, "/v1/chat/completions", chat, status=400)["error"]
+    assert err["param"] == "messages" and f"at most {limit} prompt tokens" in err["message"]
+    assert "on_invalid" not in err["message"] and "inputs[" not in err["message"]
+    text = {"model": "tiny", "max_tokens": 2}
+    for prompt, where, needle in (
+        ("hi " * 600, "prompt", "The prompt has"),
+        (["hi", "hi " * 600], "prompt", "The prompt[1] has"),
+        ([[5, 6], [5, 10**6]], "prompt", "prompt[1] has token id 1000000 outside the vocabulary"),
+    ):
+        err = _post(server, "/v1/completions", {**text, "prompt": prompt}, status=400)["error"]
+        assert err["param"] == where and needle in err["message"] and "inputs[" not in err["message"], err
+    for route, body in (
+        ("/v1/chat/completions", {**chat, "messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/completions", {**text, "prompt": "hi"}),
+    ):
+        err = _post(server, route, {**body, "stream_options": {"include_usage": True}}, status=400)["error"]
+        assert err["param"] == "stream_options" and "stream=true" in err["message"]
+        err = _post(server, route, {**body, "structured_outputs": {"rgx": "[a-z]+"}}, status=400)["error"]
+        assert err["param"] == "structured_outputs" and "'rgx'" in err["message"], err

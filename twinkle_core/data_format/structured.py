@@ -124,7 +124,15 @@ class StructuredOutputs(Record):
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, dict):
-            return cls.from_dict(value)
+            try:
+                return cls.from_dict(value)
+            except InvalidSamplingParams as exc:
+                if exc.field is not None:
+                    raise
+                # an unknown key: say where it was, so a server can name the field
+                raise InvalidSamplingParams(
+                    f"SamplingParams.structured_outputs: {exc}", field="structured_outputs"
+                ) from None
         raise _bad(value, "None, a StructuredOutputs or a mapping such as {'regex': '[0-9]+'}")
 
     @property

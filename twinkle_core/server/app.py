@@ -43,6 +43,8 @@ from twinkle_core.errors import (
     ConfigError,
     EngineDeadError,
     IncompleteUpdateError,
+    InvalidInputError,
+    PromptTooLongError,
     SamplerClosedError,
     TwinkleError,
     UnknownAdapterError,
@@ -59,6 +61,8 @@ from twinkle_core.server.protocol import (
     body_names,
     brief,
     in_body_terms,
+    input_index,
+    input_name,
     neutral_violation,
     openai_messages,
     openai_tools,
@@ -88,6 +92,20 @@ def _twinkle_status(exc: TwinkleError, names: Mapping[str, str] | None = None) -
     if isinstance(exc, LookupError):
         return ApiError(404, str(exc), code="not_found")
     names = body_names(None) if names is None else names
+    if isinstance(exc, PromptTooLongError):  # the engine's advice (on_invalid='skip') means nothing here
+        where = input_name(exc.index, names)
+        what = "messages render to" if where == "messages" else f"{where} has"
+        return ApiError(
+            400,
+            f"The {what} {exc.length} tokens, but this model takes at most {exc.limit} prompt tokens (its"
+            f" context, max_model_len, less one token to generate). Shorten {where}.",
+            param=where.split("[")[0],
+        )
+    if isinstance(exc, InvalidInputError) and not getattr(exc, "field", None):
+        index = input_index(str(exc))
+        if index is not None:  # a bad prompt (no tokens, a token id outside the vocabulary)
+            where = input_name(index, names)
+            return ApiError(400, in_body_terms(str(exc), names), param=where.split("[")[0])
     field = getattr(exc, "field", None)
     return ApiError(400, in_body_terms(str(exc), names), param=names.get(field, field) if field else None)
 
@@ -189,6 +207,8 @@ class _Server:
                     f" alternatives per position (start it with --max-logprobs {count} for more).",
                     param=name,
                 )
+        if req.stream_options is not None and not req.stream:
+            raise ApiError(400, "stream_options needs stream=true.", param="stream_options")
         if req.stream_options is not None and set(req.stream_options) - {"include_usage"}:
             raise ApiError(
                 400,

@@ -44,6 +44,8 @@ __all__ = [
     "brief",
     "fields_table",
     "in_body_terms",
+    "input_index",
+    "input_name",
     "neutral_violation",
     "openai_messages",
     "openai_tools",
@@ -112,6 +114,10 @@ def body_names(route: Route | None, req: Any = None) -> dict[str, str]:
     depend on which of two fields it used.
     """
     names = {"num_samples": "n"}
+    # where an engine's ``inputs[i]`` came from: chat's messages, or the completions prompt (i-th of a batch)
+    prompt = getattr(req, "prompt", None)
+    batched = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+    names["inputs"] = "messages" if route == "chat" else "prompt[]" if batched else "prompt"
     if route == "chat":
         names["logprobs"] = "top_logprobs"
         if getattr(req, "max_completion_tokens", None) is not None:
@@ -125,8 +131,24 @@ def body_names(route: Route | None, req: Any = None) -> dict[str, str]:
 _FIELD_REF = re.compile(r"\bSamplingParams\.(\w+)")
 
 
+_INPUT_REF = re.compile(r"\binputs\[(\d+)\]")
+
+
+def input_index(message: str) -> int | None:
+    """The ``i`` of the first ``inputs[i]`` an engine's message names (``None``: none)."""
+    found = _INPUT_REF.search(message)
+    return None if found is None else int(found.group(1))
+
+
+def input_name(index: int, names: Mapping[str, str]) -> str:
+    """The body's name for the engine's ``inputs[index]`` (``names``: :func:`body_names`)."""
+    where = names.get("inputs", "prompt")
+    return f"prompt[{index}]" if where == "prompt[]" else where
+
+
 def in_body_terms(message: str, names: Mapping[str, str]) -> str:
-    """An engine's message with each ``SamplingParams.<field>`` written as the body's field."""
+    """An engine's message with each ``SamplingParams.<field>`` and ``inputs[i]`` written as the body's field."""
+    message = _INPUT_REF.sub(lambda m: input_name(int(m.group(1)), names), message)
     return _FIELD_REF.sub(lambda m: names.get(m.group(1), m.group(1)), message)
 
 
