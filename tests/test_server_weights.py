@@ -197,6 +197,13 @@ def test_route_misuse_is_a_clear_error(server):
         info = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [shape]}
         r = post("/update_weights", {"update_info": info})
         assert r.status_code == 400 and "a list of sizes (integers >= 0)" in r.json()["error"]["message"], r.text
+    # a declared size the machine cannot hold is refused before anything is allocated (and the server lives)
+    for shape in ([2**40], [2**40, 2**40], [2**70]):
+        info = {"names": ["model.norm.weight"], "dtype_names": ["float32"], "shapes": [shape]}
+        r = post("/update_weights", {"update_info": info})
+        assert r.status_code == 400 and "more than this machine has free" in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "update_info"
+    assert httpx.get(server + "/health", timeout=30).status_code == 200
 
 
 def test_a_server_without_the_option_says_how_to_turn_it_on(model_dir):

@@ -15,6 +15,8 @@ vLLM's server does. The routes and bodies are vLLM's:
   "shapes"}}``: the server receives those tensors, in that order, each a
   broadcast from rank 0, then one more int64 tensor holding their checksums
   (:func:`~twinkle_core.weights.block_checksum`, as signed 64-bit); it stages them.
+  Tensors declared larger in all than the memory the machine has free are
+  refused (a 400) before anything is allocated.
 * ``POST /finish_weight_update {"weight_version": ...}``: the staged tensors
   go to ``Sampler.update_weights`` at once (validated, all or nothing; the
   version the optional ``weight_version`` names, else the next); the reply
@@ -30,6 +32,8 @@ message until it is built and verified on GPUs.
 from __future__ import annotations
 
 import asyncio
+import math
+import os
 import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -137,6 +141,17 @@ class _Transfer:
                     " a list of sizes (integers >= 0).",
                     param="update_info",
                 )
+        declared = sum(
+            math.prod(shape) * getattr(torch, dtype).itemsize for dtype, shape in zip(dtypes, shapes)
+        )  # Python integers: a shape of any size is counted, not overflowed
+        free = _available_memory()
+        if free is not None and declared > free * 0.9:
+            raise ApiError(
+                400,
+                f"update_info declares {declared:,} bytes of tensors, more than this machine has free"
+                f" ({free:,} bytes): nothing was staged. Push the weights in smaller updates.",
+                param="update_info",
+            )
         if self.group is None:
             raise ApiError(400, "No weight-transfer group: call /init_weight_transfer_engine first.")
         if self.staged is None:
@@ -158,6 +173,21 @@ class _Transfer:
     def shutdown(self) -> None:
         self.group = self.store = None
         self.staged = None
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory the machine can still give (Linux's MemAvailable; else free pages; else unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def add_weight_routes(app: FastAPI, state: _Server, config: dict[str, Any] | None) -> None:
