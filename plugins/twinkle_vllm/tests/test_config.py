@@ -84,7 +84,11 @@ def test_options_are_forwarded_explicitly_false_included(tiny_model: Path) -> No
     assert args.worker_extension_cls == "twinkle_vllm.extension.TwinkleWorkerExtension"
     assert args.logprobs_mode == "processed_logprobs"
     args = build_engine_args(tiny_model, 1, {"logits_processors": ["my.pkg:Proc"]})
-    assert args.logits_processors == ["twinkle_vllm._logits:TemperatureProcessor", "my.pkg:Proc"]
+    assert args.logits_processors == [
+        "twinkle_vllm._logits:TemperatureProcessor",
+        "twinkle_vllm._logits:GrammarProcessor",
+        "my.pkg:Proc",
+    ]
 
 
 def test_cpu_thread_binding_gives_each_worker_its_own_cores() -> None:

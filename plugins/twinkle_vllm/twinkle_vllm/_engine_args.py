@@ -40,6 +40,8 @@ DEFAULT_IPC_TIMEOUT_S = 300.0
 EXTENSION_CLS = "twinkle_vllm.extension.TwinkleWorkerExtension"
 #: Our logits processor: temperatures vLLM's own range does not reach.
 LOGITS_PROCESSOR = "twinkle_vllm._logits:TemperatureProcessor"
+#: Our logits processor for a constraint continued from earlier tokens (vLLM's restarts at the first).
+GRAMMAR_PROCESSOR = "twinkle_vllm._logits:GrammarProcessor"
 
 #: Options twinkle sets itself, and why a user cannot override them.
 RESERVED: dict[str, str] = {
@@ -201,7 +203,7 @@ def build_engine_args(model_dir: Path, tp_size: int, options: dict[str, Any]) ->
         )
     # vLLM refuses custom logits processors with speculative decoding; without ours,
     # temperatures outside [0.01, 2] are then refused per request instead.
-    ours = [] if options.get("speculative_config") else [LOGITS_PROCESSOR]
+    ours = [] if options.get("speculative_config") else [LOGITS_PROCESSOR, GRAMMAR_PROCESSOR]
     kwargs: dict[str, Any] = {
         "disable_log_stats": True,
         **platform_defaults(),

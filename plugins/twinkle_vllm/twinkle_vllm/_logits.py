@@ -1,4 +1,7 @@
-"""A vLLM logits processor for temperatures outside vLLM's own range.
+"""twinkle's vLLM logits processors: temperatures outside vLLM's own range, and continued constraints.
+
+(:class:`GrammarProcessor`, at the end, carries a ``structured_outputs``
+constraint over from a sequence's earlier tokens; the rest is about temperature.)
 
 vLLM's ``SamplingParams`` refuses ``temperature > 2`` and raises anything in
 ``(0, 0.01)`` to 0.01. twinkle accepts any temperature >= 0, so for those the
@@ -29,7 +32,7 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor, MoveDi
 if TYPE_CHECKING:  # pragma: no cover
     from vllm.config import VllmConfig
 
-__all__ = ["EXTRA_ARG", "TemperatureProcessor"]
+__all__ = ["EXTRA_ARG", "GRAMMAR_ARG", "GrammarProcessor", "TemperatureProcessor"]
 
 #: Key in ``SamplingParams.extra_args``: ``(temperature, min_p)``, or
 #: ``(temperature, min_p, top_k, top_p)`` to truncate here too (``top_k`` 0: off).
@@ -106,3 +109,90 @@ def _top_k_top_p(row: torch.Tensor, top_k: int, top_p: float) -> None:
         probs = torch.softmax(values, dim=-1)
         drop |= (probs.cumsum(dim=-1) - probs) >= top_p  # the mass ranked above it reached top_p
     row[ids[drop]] = float("-inf")
+
+
+#: Key in ``SamplingParams.extra_args``: ``{"spec": {kind: spec}, "done": [tokens], "stops": [ids], "vocab": n}``.
+GRAMMAR_ARG = "twinkle_grammar"
+
+
+class GrammarProcessor(LogitsProcessor):
+    """A ``structured_outputs`` constraint that goes on from tokens generated before (a continuation).
+
+    vLLM starts a request's grammar at its first generated token; a sequence
+    continued after an abort or a weight change is a new request whose prompt
+    ends with its earlier tokens, so vLLM's grammar would start over. Such a
+    request runs without vLLM's constraint, and this processor masks its logits
+    with a matcher that has taken those earlier tokens first: the same mask,
+    at the same place (before temperature), as the uninterrupted run.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, device: torch.device, is_pin_memory: bool) -> None:
+        self._config = vllm_config
+        self._tokenizer: Any = None
+        # batch row -> (matcher, the request's growing output token list, how many of them the matcher took)
+        self._rows: dict[int, list[Any]] = {}
+
+    @classmethod
+    def validate_params(cls, sampling_params: Any) -> None:
+        """Reject a malformed ``twinkle_grammar`` before it reaches the engine."""
+        value = (sampling_params.extra_args or {}).get(GRAMMAR_ARG)
+        if value is not None and not (isinstance(value, dict) and {"spec", "done", "stops", "vocab"} <= set(value)):
+            raise ValueError(f"extra_args[{GRAMMAR_ARG!r}] must hold spec, done, stops and vocab, got {value!r}")
+
+    def is_argmax_invariant(self) -> bool:
+        """A mask changes the argmax."""
+        return False
+
+    def _matcher(self, value: dict[str, Any]) -> Any:
+        from twinkle_core.data_format.structured import StructuredOutputs, compile_structured
+
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            model = self._config.model_config
+            self._tokenizer = AutoTokenizer.from_pretrained(model.tokenizer, trust_remote_code=model.trust_remote_code)
+        structured = StructuredOutputs.from_dict(value["spec"])
+        matcher = compile_structured(structured, self._tokenizer, int(value["vocab"]), value["stops"])
+        for token in value["done"]:
+            if not matcher.accept_token(int(token)):
+                break  # the engine checked these against the same grammar: not reached
+        return matcher
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        """Track the rows that continue a constraint, with their matchers."""
+        if batch_update is None:
+            return
+        rows = self._rows
+        for index in batch_update.removed:
+            rows.pop(index, None)
+        for index, params, _, output_ids in batch_update.added:
+            value = (params.extra_args or {}).get(GRAMMAR_ARG)
+            if value is None:
+                rows.pop(index, None)
+            else:
+                rows[index] = [self._matcher(value), output_ids, 0]
+        for a, b, direction in batch_update.moved:
+            entry_a, entry_b = rows.pop(a, None), rows.pop(b, None)
+            if entry_a is not None:
+                rows[b] = entry_a
+            if direction == MoveDirectionality.SWAP and entry_b is not None:
+                rows[a] = entry_b
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Feed each tracked row's new tokens to its matcher, then mask the row to what it allows."""
+        if not self._rows:
+            return logits
+        import xgrammar as xgr
+
+        for index, entry in self._rows.items():
+            matcher, output_ids, taken = entry
+            for token in output_ids[taken:]:
+                matcher.accept_token(int(token))
+            entry[2] = len(output_ids)
+            if matcher.is_terminated():
+                continue
+            bitmask = xgr.allocate_token_bitmask(1, logits.shape[-1])
+            matcher.fill_next_token_bitmask(bitmask, 0)
+            row = logits[index : index + 1]
+            xgr.apply_token_bitmask_inplace(row, bitmask.to(row.device), vocab_size=logits.shape[-1])
+        return logits

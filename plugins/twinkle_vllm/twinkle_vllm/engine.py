@@ -65,6 +65,7 @@ from twinkle_core.errors import (
 from twinkle_core.hub import resolve_model_id
 from twinkle_vllm._convert import Plan, make_plan, scoring_params, to_response, to_sequence
 from twinkle_vllm._engine_args import (
+    GRAMMAR_PROCESSOR,
     LOGITS_PROCESSOR,
     build_engine_args,
     environment,
@@ -72,6 +73,7 @@ from twinkle_vllm._engine_args import (
     read_ipc_timeout,
 )
 from twinkle_vllm._files import sweep_stale
+from twinkle_vllm._logits import GRAMMAR_ARG
 from twinkle_vllm._loop import LoopThread
 from twinkle_vllm._lora import LoraSlots, adapts_lm_head, cpu_tensors, lora_config
 from twinkle_vllm._push import WeightPush
@@ -277,6 +279,7 @@ class vLLMEngine(Engine):
         #: the devices of this engine (``/get_world_size`` of ``twinkle serve`` reads it)
         self.device_mesh = mesh
         self._temperature_processor = LOGITS_PROCESSOR in (engine_args_obj.logits_processors or [])
+        self._grammar_processor = GRAMMAR_PROCESSOR in (engine_args_obj.logits_processors or [])
         self.context.init_template(template, self.model_dir)
 
         self._loras = LoraSlots()
@@ -521,6 +524,8 @@ class vLLMEngine(Engine):
             return None, None
         if not plan.scoring and run.max_tokens[p] < kwargs["max_tokens"]:
             kwargs = {**kwargs, "max_tokens": run.max_tokens[p]}
+        if plan.params.structured_outputs is not None and run.generated[p]:
+            kwargs = self._continued_grammar(kwargs, ids[len(ids) - run.generated[p] :], plan.params)
         if plan.params.min_tokens:
             # a continuation's prompt ends with what it generated before: min_tokens counts those too
             left = max(0, plan.params.min_tokens - run.generated[p])
@@ -554,6 +559,28 @@ class vLLMEngine(Engine):
         ):
             rescored[o.index] = raw
         return final, [rescored[o.index] for o in final.outputs]
+
+    def _continued_grammar(self, kwargs: dict[str, Any], done: list[int], params: SamplingParams) -> dict[str, Any]:
+        """A continuation's request under its constraint: twinkle's processor, fed ``done`` first.
+
+        vLLM would start the grammar over at the continuation's first token
+        (``_logits.GrammarProcessor`` says why and how this differs).
+        """
+        assert params.structured_outputs is not None
+        if not self._grammar_processor:
+            raise UnsupportedFeatureError(
+                "SamplingParams.structured_outputs cannot be continued (resume(), or in_flight='keep') on this"
+                " engine: it needs twinkle's logits processor, which speculative decoding turns off."
+            )
+        stops = sorted(set(self.eos_token_ids) | set(params.stop_token_ids))
+        grammar = {
+            "spec": params.structured_outputs.to_dict(),
+            "done": done,
+            "stops": stops,
+            "vocab": self._facts.vocab_size,
+        }
+        extra = {**(kwargs.get("extra_args") or {}), GRAMMAR_ARG: grammar}
+        return {**kwargs, "structured_outputs": None, "extra_args": extra}
 
     # -- LoRA -----------------------------------------------------------------------------
     def load_adapter(self, adapter: AdapterInput, *, version: int, merge: bool = False, **kwargs: Any) -> str:
