@@ -117,6 +117,9 @@ def test_check_finite_false_lets_non_finite_values_through() -> None:
 def test_broken_folders_are_refused_with_what_is_missing(folder: Path, tmp_path: Path) -> None:
     with pytest.raises(AdapterError, match="does not exist"):
         read_adapter("f", tmp_path / "nowhere")
+    weights_file = folder / "adapter_model.safetensors"  # a common slip: the weights file, not its folder
+    with pytest.raises(AdapterError, match="is a file, not a folder"):
+        read_adapter("f", weights_file)
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(AdapterError, match=r"has no adapter_config\.json"):

@@ -176,8 +176,9 @@ def _read(name: str, config_or_dir: Any, weights: Any, check_finite: bool, into:
 
 def _read_folder(folder: Path) -> tuple[dict[str, Any], Any]:
     if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
         raise AdapterError(
-            f"Adapter folder {str(folder)!r} does not exist: pass a folder written by PEFT's save_pretrained"
+            f"Adapter folder {str(folder)!r} {what}: pass a folder written by PEFT's save_pretrained"
             " (adapter_config.json + adapter_model.safetensors), or a LoraConfig with weights=."
         )
     if not (folder / "adapter_config.json").is_file():
