@@ -41,6 +41,8 @@ from twinkle_core.errors import InvalidInputError, InvalidSamplingParams, Twinkl
         ("stop_token_ids", [-1], "token ids"),
         ("ignore_eos", "yes", "True or False"),
         ("logprobs_mode", "processed_logits", "'processed' or 'raw'"),
+        ("bad_words", ["\n"], "strings with text other than whitespace"),
+        ("bad_words", ["ok", ""], "strings with text other than whitespace"),
     ],
 )
 def test_sampling_params_reject_bad_values_naming_field_value_and_range(field, value, accepted):

@@ -144,7 +144,8 @@ def _allowed_ids(value: Any) -> tuple[int, ...] | None:
 
 
 def _bad_words(value: Any) -> tuple[str, ...]:
-    accepted = f"a list of at most {MAX_BAD_WORDS} non-empty strings (valid Unicode text)"
+    # a word of only whitespace is refused: its stripped form, the one every engine bans, is empty
+    accepted = f"a list of at most {MAX_BAD_WORDS} strings with text other than whitespace (valid Unicode text)"
     items = (value,) if isinstance(value, str) else value
     if items is None:
         return ()
