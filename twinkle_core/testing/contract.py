@@ -499,14 +499,18 @@ class SamplerContractTests:
 
     def test_consecutive_seeds_share_no_samples(self, sampler: Sampler) -> None:
         """An RL loop that seeds step ``t`` with ``t`` must not get step ``t``'s sample ``i`` again as
-        step ``t + 1``'s sample ``i - 1`` (as an engine seeding sample ``i`` with ``seed + i`` would)."""
+        step ``t + 1``'s sample ``i - 1`` (as an engine seeding sample ``i`` with ``seed + i`` would).
+
+        A peaked model may repeat a sample by chance; the fault repeats every one of them, shifted.
+        """
+        n = 6
         runs = {}
-        for seed in (40, 41, 2**80, 2**80 + 1, -7):  # any integer is a seed
-            params = SamplingParams(temperature=1.5, max_tokens=12, ignore_eos=True, seed=seed, num_samples=4)
+        for seed in (40, 41, 2**80, 2**80 + 1):  # any integer is a seed
+            params = SamplingParams(temperature=3.0, max_tokens=12, ignore_eos=True, seed=seed, num_samples=n)
             runs[seed] = [tuple(s.tokens) for s in sampler.sample(_traj(1), params)[0].sequences]
         for seed in (40, 2**80):
-            shared = set(runs[seed]) & set(runs[seed + 1])
-            assert not shared, f"seeds {seed} and {seed + 1} gave the same sample(s): {sorted(shared)}"
+            shifted = [runs[seed][i] == runs[seed + 1][i - 1] for i in range(1, n)]
+            assert not all(shifted), f"sample i of seed {seed} is sample i - 1 of seed {seed + 1}: {runs[seed]}"
 
     def test_samples_of_one_prompt_differ(self, sampler: Sampler) -> None:
         params = SamplingParams(temperature=1.5, max_tokens=16, ignore_eos=True, seed=7)
