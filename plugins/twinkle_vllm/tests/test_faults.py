@@ -41,12 +41,14 @@ NO_REPLAY_TIMEOUT_S = 5.0
 LONG = SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True, num_samples=8)
 
 
-def wait_for(condition: Callable[[], bool], what: str, deadline_s: float = 120.0) -> None:
-    """Poll ``condition`` until it holds; fail (not hang) if it never does."""
+def wait_for(
+    condition: Callable[[], bool], what: str, deadline_s: float = 120.0, detail: Callable[[], object] | None = None
+) -> None:
+    """Poll ``condition`` until it holds; fail (not hang) if it never does, with ``detail()`` if given."""
     end = time.monotonic() + deadline_s
     while not condition():
         if time.monotonic() > end:
-            pytest.fail(f"gave up waiting for {what}")
+            pytest.fail(f"gave up waiting for {what}" + (f": {detail()}" if detail else ""))
         time.sleep(0.05)
 
 
@@ -219,7 +221,7 @@ if __name__ == "__main__":
 """
 
 
-@pytest.mark.parametrize("reaper", ["alive", "killed too"])
+@pytest.mark.parametrize("reaper", ["alive", "late", "killed too"])
 def test_killed_driver_leaves_no_process_and_no_file(tiny_model: Path, tmp_path: Path, reaper: str) -> None:
     script = tmp_path / "driver.py"
     script.write_text(DRIVER)
@@ -248,16 +250,23 @@ def test_killed_driver_leaves_no_process_and_no_file(tiny_model: Path, tmp_path:
             watcher.kill()
             # Not psutil's wait(): the reaper is the driver's child, a zombie nobody reaps until the driver dies.
             wait_for(lambda: not alive(watcher), "the reaper to die")
+        if reaper == "late":
+            # A busy machine: the engine's own watch stops its processes before the reaper runs.
+            late = psutil.Process(report["reaper"])
+            late.suspend()
         driver.send_signal(signal.SIGKILL)
         driver.wait()
         wait_for(lambda: not any(alive(p) for p in procs), "the engine's processes to exit")
+        if reaper == "late":
+            late.resume()  # it must still know the files they held (their socket files before the fix)
         if reaper == "killed too":
             # No reaper removed the files; the next sampler's sweep finds twinkle's by their dead pid.
             from twinkle_vllm._files import sweep_stale
 
             sweep_stale()
             paths = [p for p in paths if os.path.basename(p).startswith(f"twinkle-vllm-{driver.pid}-")]
-        wait_for(lambda: not any(os.path.exists(p) for p in paths), "the engine's files to be removed")
+        left = lambda: [p for p in paths if os.path.exists(p)]  # noqa: E731
+        wait_for(lambda: not left(), "the engine's files to be removed", detail=left)
         assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"twinkle-vllm-{driver.pid}-")]
     finally:
         if driver.poll() is None:

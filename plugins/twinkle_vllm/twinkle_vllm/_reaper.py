@@ -14,8 +14,10 @@ So each engine gets a reaper, started right after the engine:
 * it waits on a pidfd of the driver (exact, immune to pid reuse) and on a
   pipe from it; ``close()`` writes ``stop`` on the pipe and the reaper exits
   doing nothing;
-* when the driver dies, it records the sockets and shared-memory files the
-  engine's processes hold, sends ``SIGTERM`` to ``EngineCore`` (vLLM's own
+* it records the sockets and shared-memory files the engine's processes hold
+  when it starts, from time to time while the driver lives, and again when the
+  driver dies (the engine's own watch, below, may have stopped them by then);
+  it then sends ``SIGTERM`` to ``EngineCore`` (vLLM's own
   handler then shuts the workers down and unlinks its segments), waits up to
   ``grace_s`` for every engine process to exit, kills what is left, and
   removes the files: the socket files vLLM's processes bound (ZMQ leaves them
@@ -47,6 +49,7 @@ import stat
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,21 +223,30 @@ def _alive(proc: Any) -> bool:
         return False
 
 
-def _wait_for_driver(driver: int) -> bool:
-    """Block until the driver dies (True) or says stop (False)."""
+#: While the driver lives, what the engine holds is recorded again after these many seconds
+#: (then every last one): it binds and maps more after it starts, and a scan can miss what changes under it.
+RECORD_AFTER_S = (1.0, 2.0, 4.0, 8.0, 16.0, 30.0)
+
+
+def _wait_for_driver(driver: int, record: Callable[[], None]) -> bool:
+    """Block until the driver dies (True) or says stop (False), calling ``record`` on the way."""
     stdin = sys.stdin.buffer
     try:
         pidfd: int | None = os.pidfd_open(driver)
     except (AttributeError, OSError):
         pidfd = None  # no pidfd (old kernel): poll instead
     readers: list[Any] = [stdin] + ([pidfd] if pidfd is not None else [])
+    waits = iter(RECORD_AFTER_S)
+    wait = next(waits)
+    due = time.monotonic() + wait
     while True:
         if pidfd is None:
             try:
                 os.kill(driver, 0)
             except ProcessLookupError:
                 return True
-        ready, _, _ = select.select(readers, [], [], None if pidfd is not None else 0.5)
+        timeout = max(0.0, due - time.monotonic())
+        ready, _, _ = select.select(readers, [], [], timeout if pidfd is not None else min(timeout, 0.5))
         if pidfd is not None and pidfd in ready:
             return True
         if stdin in ready:
@@ -243,14 +255,14 @@ def _wait_for_driver(driver: int) -> bool:
                 return False
             if not line:  # the pipe closed without a stop: only the pidfd decides now
                 readers.remove(stdin)
-                if pidfd is None:
-                    readers = []
+        if time.monotonic() >= due:
+            record()
+            wait = next(waits, wait)
+            due = time.monotonic() + wait
 
 
-def _reap(config: dict[str, Any]) -> None:
+def _engine_processes(config: dict[str, Any]) -> list[Any]:
     import psutil
-
-    from twinkle_vllm._files import driver_files, remove, shm_dir
 
     procs = []
     for pid, created in config["processes"]:
@@ -260,8 +272,16 @@ def _reap(config: dict[str, Any]) -> None:
                 procs.append(proc)
         except psutil.Error:
             pass
-    # What they hold, recorded while they are still there to ask.
-    paths: set[str] = set(config["paths"])
+    return procs
+
+
+def _held_paths(procs: list[Any]) -> set[str]:
+    """The socket files the processes bound and the shared-memory files they map."""
+    import psutil
+
+    from twinkle_vllm._files import shm_dir
+
+    paths: set[str] = set()
     shm = shm_dir()
     for proc in procs:
         paths |= _bound_sockets(proc)
@@ -269,6 +289,19 @@ def _reap(config: dict[str, Any]) -> None:
             paths |= {m.path for m in proc.memory_maps() if os.path.dirname(m.path) == shm}
         except psutil.Error:
             pass
+    return paths
+
+
+def _reap(config: dict[str, Any], procs: list[Any], held: set[str]) -> None:
+    """Stop the engine's processes, then remove the files they held (``held``: recorded while they ran)."""
+    import psutil
+
+    from twinkle_vllm._files import driver_files, remove, shm_dir
+
+    # What they hold now too, asked while they are still there: the engine's watch on the driver
+    # may already be stopping them, so what was recorded at start is the floor.
+    paths = set(config["paths"]) | held | _held_paths(procs)
+    shm = shm_dir()
     for proc in procs:
         if proc.pid in config["terminate"]:
             try:
@@ -307,5 +340,9 @@ def main() -> None:
     if not line:
         return
     config = json.loads(line)
-    if _wait_for_driver(int(config["driver"])):
-        _reap(config)
+    # Everything the reaping needs is imported and recorded while the engine runs: on a busy
+    # machine the engine's own watch may stop its processes before a late reaper could ask them.
+    procs = _engine_processes(config)
+    held = _held_paths(procs)
+    if _wait_for_driver(int(config["driver"]), lambda: held.update(_held_paths(procs))):
+        _reap(config, procs, held)
