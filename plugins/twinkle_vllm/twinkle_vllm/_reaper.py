@@ -299,7 +299,7 @@ def _reap(config: dict[str, Any], procs: list[Any], held: set[str]) -> None:
     from twinkle_vllm._files import driver_files, remove, shm_dir
 
     # What they hold now too, asked while they are still there: the engine's watch on the driver
-    # may already be stopping them, so what was recorded at start is the floor.
+    # may already be stopping them, so what was recorded while they ran is the floor.
     paths = set(config["paths"]) | held | _held_paths(procs)
     shm = shm_dir()
     for proc in procs:
