@@ -426,7 +426,7 @@ def test_a_replica_gives_back_what_each_update_brought_in(samplers, model_dir, t
                 wide.update_weights({n: t + i for n, t in full.items()}, check_finite=False)
                 resident.append(replica.memory_full_info().uss)
             sizes = (transport, [r >> 20 for r in resident])
-            # Past the first update (buffers, the kept copy) the memory may step up once by about
-            # a model (seen once in CI, at the third update, then flat), never by one per update:
-            # over these six, a quarter of a model per update already fails the bound.
+            # The first two updates bring in buffers and the kept copy. From the second to the
+            # last, the memory may step up once by about a model (seen once in CI, at the third
+            # update, then flat), never by one per update: a quarter model per update fails this.
             assert resident[-1] - resident[1] < 3 * model_bytes // 2, sizes
