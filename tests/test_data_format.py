@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import math
 
+import attrs
 import pytest
 
 from twinkle_core import InputFeature, Message, SampledSequence, SampleResponse, SamplingParams, Tool, Trajectory
+from twinkle_core.data_format.structured import StructuredOutputs
 from twinkle_core.errors import InvalidInputError, InvalidSamplingParams, TwinkleError
 
 
@@ -69,6 +71,47 @@ def test_sampling_params_from_dict_unknown_key_did_you_mean_and_alias():
         SamplingParams.from_dict({"max_new_tokens": 7, "max_tokens": 8})
     with pytest.raises(InvalidSamplingParams, match="expected a SamplingParams, a dict or None"):
         SamplingParams.coerce([1, 2])
+
+
+@pytest.mark.parametrize(
+    ("build", "error", "match"),
+    [
+        (
+            lambda: SamplingParams(temprature=0.5),
+            InvalidSamplingParams,
+            r"keyword 'temprature'\. Did you mean 'temperature'",
+        ),
+        (
+            lambda: SamplingParams(n=4),
+            InvalidSamplingParams,
+            r"'n' is accepted as a dict key.*the keyword is 'num_samples'",
+        ),
+        (lambda: StructuredOutputs(jsn={}), InvalidSamplingParams, r"keyword 'jsn'\. Did you mean 'json'"),
+        (lambda: Trajectory(mesages=[]), InvalidInputError, r"keyword 'mesages'\. Did you mean 'messages'"),
+        (
+            lambda: InputFeature(input_ids=[1], mask=[1]),
+            InvalidInputError,
+            r"keyword 'mask'.*Accepted keywords: input_ids,",
+        ),
+    ],
+)
+def test_an_unknown_keyword_names_what_is_accepted(build, error, match):
+    # a typed error (still a TypeError, as Python's own for an unexpected keyword), not a bare TypeError
+    with pytest.raises(error, match=match) as caught:
+        build()
+    assert isinstance(caught.value, TypeError)
+    assert "Accepted keywords:" in str(caught.value)
+
+
+def test_records_built_by_keyword_still_copy_pickle_and_evolve():
+    import copy
+    import pickle
+
+    p = SamplingParams(temperature=0.5, stop=["x"])
+    assert pickle.loads(pickle.dumps(p)) == p == copy.deepcopy(p)
+    assert attrs.evolve(p, top_p=0.5).top_p == 0.5
+    with pytest.raises(InvalidSamplingParams, match="'topp'"):
+        attrs.evolve(p, topp=0.5)
 
 
 def test_sampling_params_json_round_trip():

@@ -33,7 +33,9 @@ __all__ = [
     "TemplateError",
     "TwinkleError",
     "UnknownAdapterError",
+    "UnknownFieldError",
     "UnknownSamplerError",
+    "UnknownSamplingParamError",
     "UnknownTemplateError",
     "UnsupportedFeatureError",
     "WeightSyncTimeoutError",
@@ -83,6 +85,20 @@ class InvalidSamplingParams(TwinkleError, ValueError):
 
 class InvalidInputError(TwinkleError, ValueError):
     """An input to ``sample`` (trajectory, feature, message) is malformed."""
+
+
+class UnknownFieldError(InvalidInputError, TypeError):
+    """A data record (``Trajectory``, ``Message``, ...) was given a key it has no field for.
+
+    Also a ``TypeError``: what Python raises for an unexpected keyword argument.
+    """
+
+
+class UnknownSamplingParamError(InvalidSamplingParams, TypeError):
+    """``SamplingParams`` (or its ``structured_outputs``) was given a key it has no field for.
+
+    Also a ``TypeError``: what Python raises for an unexpected keyword argument.
+    """
 
 
 class PromptTooLongError(InvalidInputError):

@@ -6,7 +6,7 @@ from typing import Any, ClassVar, TypeVar
 
 import attrs
 
-from twinkle_core.errors import InvalidInputError, TwinkleError, did_you_mean
+from twinkle_core.errors import InvalidInputError, TwinkleError, UnknownFieldError, did_you_mean
 
 __all__ = ["Record"]
 
@@ -16,12 +16,40 @@ R = TypeVar("R", bound="Record")
 class Record:
     """Mixin for attrs classes that round-trip through plain (JSON) dicts.
 
-    Subclasses set ``_error`` to the error class raised for unknown keys and may
-    set ``_aliases`` (accepted alternative key -> field name).
+    Subclasses set ``_error`` to the error class of their bad values,
+    ``_unknown_error`` to that of unknown keys (a subclass of ``_error`` and of
+    ``TypeError``), and may set ``_aliases`` (accepted alternative key -> field
+    name, in :meth:`from_dict`). An unknown keyword to the constructor raises
+    ``_unknown_error`` naming the accepted ones, as :meth:`from_dict` does for
+    an unknown key, rather than Python's bare ``TypeError``.
     """
 
     _error: ClassVar[type[TwinkleError]] = InvalidInputError
+    _unknown_error: ClassVar[type[TwinkleError]] = UnknownFieldError
     _aliases: ClassVar[dict[str, str]] = {}
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        # attrs writes __init__; its keyword check would be a bare TypeError. Every
+        # construction passes through here first, so the names are checked here.
+        if kwargs:
+            names = cls._init_names()
+            for key in kwargs:
+                if key not in names:
+                    raise cls._unknown_error(cls._unknown_message(key, "keyword", names))
+        return super().__new__(cls)
+
+    @classmethod
+    def _init_names(cls) -> tuple[str, ...]:
+        return tuple(f.alias for f in attrs.fields(cls) if f.init)  # type: ignore[arg-type]
+
+    @classmethod
+    def _unknown_message(cls, key: object, what: str, names: tuple[str, ...] | list[str]) -> str:
+        field = cls._aliases.get(str(key))
+        if what == "keyword" and field is not None:  # an alias is a dict key only
+            hint = f" {key!r} is accepted as a dict key (from_dict) only; the keyword is {field!r}."
+        else:
+            hint = did_you_mean(str(key), list(names) + (list(cls._aliases) if what == "key" else []))
+        return f"Unknown {cls.__name__} {what} {key!r}.{hint} Accepted {what}s: {', '.join(names)}."
 
     def to_dict(self) -> dict[str, Any]:
         """Return a plain, JSON-serialisable dict of this record."""
@@ -40,10 +68,7 @@ class Record:
         for key, value in data.items():
             field = cls._aliases.get(key, key)
             if field not in names:
-                raise cls._error(
-                    f"Unknown {cls.__name__} key {key!r}.{did_you_mean(str(key), names + list(cls._aliases))}"
-                    f" Accepted keys: {', '.join(names)}."
-                )
+                raise cls._unknown_error(cls._unknown_message(key, "key", names))
             if field in out:
                 raise cls._error(f"{cls.__name__} key {field!r} given twice (as {key!r} and its alias).")
             out[field] = value

@@ -10,7 +10,7 @@ import attrs
 
 from twinkle_core.data_format._base import Record
 from twinkle_core.data_format.structured import StructuredOutputs
-from twinkle_core.errors import InvalidSamplingParams
+from twinkle_core.errors import InvalidSamplingParams, UnknownSamplingParamError
 
 __all__ = ["LogprobsMode", "SamplingParams", "bad_word_token_ids", "check_constraints", "resolve_params"]
 
@@ -263,6 +263,7 @@ class SamplingParams(Record):
     """
 
     _error = InvalidSamplingParams
+    _unknown_error = UnknownSamplingParamError
     _aliases: ClassVar[dict[str, str]] = {"max_new_tokens": "max_tokens", "n": "num_samples"}
 
     max_tokens: int = attrs.field(default=256, validator=_check_int(0, MAX_TOKENS_LIMIT))

@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 
 from twinkle_core.data_format._base import Record
-from twinkle_core.errors import InvalidSamplingParams, UnsupportedFeatureError
+from twinkle_core.errors import InvalidSamplingParams, UnknownSamplingParamError, UnsupportedFeatureError
 
 __all__ = ["MAX_SPEC_CHARS", "StructuredOutputs", "compile_structured", "no_token_left"]
 
@@ -95,6 +95,7 @@ class StructuredOutputs(Record):
     """
 
     _error = InvalidSamplingParams
+    _unknown_error = UnknownSamplingParamError
 
     json: str | None = attrs.field(default=None, converter=_schema)
     regex: str | None = attrs.field(default=None, converter=_regex)
