@@ -183,7 +183,19 @@ class IncompleteUpdateError(TwinkleError, RuntimeError):
     The engine may hold some of its tensors and not others, a policy no
     version names, so the sampler refuses to sample until an update that
     pushes those tensors again succeeds.
+
+    Attributes:
+        tensors: the weights an engine may have left part-changed, when it
+            names them (a merge or unmerge it could not undo); the sampler
+            refuses to sample until they are pushed again.
     """
+
+    def __init__(self, message: str, *, tensors: Iterable[str] = ()) -> None:
+        super().__init__(message)
+        self.tensors = tuple(tensors)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (type(self), self.args[0], {"tensors": self.tensors}))
 
 
 class WeightSyncTimeoutError(TwinkleError, TimeoutError):

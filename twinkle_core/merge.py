@@ -264,6 +264,22 @@ class MergedLoRA:
                 out.append((key, plan.base[key]))
         return out
 
+    @staticmethod
+    def undo_failed(plan: MergePlan, error: BaseException, undo_error: BaseException) -> str:
+        """What to say when applying ``plan`` failed part-way and putting back :meth:`undo`'s values failed too.
+
+        The engine may then hold a mix of merged and unmerged values: it names
+        the plan's tensors as in doubt, and sampling is refused until they are
+        pushed again.
+        """
+        names = [name for name, _ in plan.tensors]
+        return (
+            f"A merge failed part-way ({type(error).__name__}: {error}) and could not be undone"
+            f" ({type(undo_error).__name__}: {undo_error}): the engine may hold a mix of merged and unmerged"
+            f" values of {len(names)} tensors ({names[:3]}...). Sampling is refused until they are"
+            " pushed again with update_weights(...)."
+        )
+
     def commit(self, plan: MergePlan) -> None:
         """Record ``plan`` as applied by the engine."""
         self.name, self._base, self._deltas = plan.name, plan.base, plan.deltas

@@ -430,12 +430,11 @@ class Sampler:
         def record(new_version: int, source: Any) -> None:
             self._state.record_adapter(adapter_name, new_version, adapter.source if source is None else source)
 
-        return self._state.change(
-            in_flight,
-            version,
-            lambda new_version: self._load_adapter(adapter, version=new_version, **kwargs),
-            record,
-        )
+        def load(new_version: int) -> str:
+            with self._doubting(new_version, f"add_adapter_to_model({adapter_name!r})"):
+                return self._load_adapter(adapter, version=new_version, **kwargs)
+
+        return self._state.change(in_flight, version, load, record)
 
     def remove_adapter(self, adapter_name: str, *, in_flight: str = "wait") -> None:
         """Unload an adapter (after the samples in flight finish, or as ``in_flight`` says).
@@ -449,11 +448,26 @@ class Sampler:
         """
         self._check_open()
 
-        def remove(_version: int) -> None:
+        def remove(version: int) -> None:
             self._state.require_adapter(adapter_name)
-            self._remove_adapter(adapter_name)
+            with self._doubting(version, f"remove_adapter({adapter_name!r})"):
+                self._remove_adapter(adapter_name)
 
         self._state.change(in_flight, None, remove, lambda _v, _r: self._state.drop_adapter(adapter_name), bump=False)
+
+    @contextmanager
+    def _doubting(self, version: int, change: str) -> Iterator[None]:
+        """An adapter change the engine could not apply whole, nor undo (a merge interrupted twice).
+
+        The engine names the weights it may have left part-changed in an
+        ``IncompleteUpdateError``; sampling is refused until they are pushed again.
+        """
+        try:
+            yield
+        except IncompleteUpdateError as exc:
+            if exc.tensors:
+                self._state.doubt(version, list(exc.tensors), exc, change=change)
+            raise
 
     # -- weights -------------------------------------------------------------------------
     @property

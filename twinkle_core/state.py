@@ -133,11 +133,11 @@ class PolicyState:
             self._version = max(self._version, version)
 
     # -- a weight update that failed part-way -------------------------------------------------
-    def doubt(self, version: int, names: list[str], error: BaseException) -> None:
-        """An update to ``version`` of ``names`` failed while the engine applied it: they are in doubt."""
+    def doubt(self, version: int, names: list[str], error: BaseException, *, change: str = "update_weights") -> None:
+        """A ``change`` to ``version`` of ``names`` failed while the engine applied it: they are in doubt."""
         self._in_doubt = self._in_doubt | set(names)
         detail = f"{type(error).__name__}: {error}"[:300] if str(error) else type(error).__name__
-        self._doubt_cause = f"update_weights to version {version} failed part-way ({detail})"
+        self._doubt_cause = f"{change} to version {version} failed part-way ({detail})"
 
     def settle(self, names: list[str]) -> None:
         """``names`` were pushed whole: no longer in doubt."""

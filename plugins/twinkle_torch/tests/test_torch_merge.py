@@ -292,3 +292,46 @@ def test_a_merge_that_fails_part_way_is_undone(
     # and the engine merges the same adapter whole afterwards
     merging.add_adapter_to_model("policy", config, weights=tensors, merge=True)
     assert_differ(run(merging, chat_prompts, "policy"), before)
+
+
+class _CopiesFail(torch.overrides.TorchFunctionMode):
+    """Copies into tensors fail from the ``first``-th on, ``times`` times: a fault, then another while undoing it."""
+
+    def __init__(self, first: int, errors: list[BaseException]) -> None:
+        super().__init__()
+        self.count, self.first, self.errors = 0, first, errors
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.Tensor.copy_:
+            self.count += 1
+            if self.count >= self.first and self.errors:
+                raise self.errors.pop(0)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_merge_whose_undo_fails_too_refuses_to_sample_until_the_weights_are_pushed(
+    pair: tuple[TorchSampler, TorchSampler], lora_dirs: dict[str, Path], chat_prompts: list[Trajectory]
+) -> None:
+    """A merge that fails part-way, and whose undo is interrupted too, leaves a mix of merged and base
+    weights that no version names: sampling is refused, naming them, until update_weights pushes them."""
+    from twinkle_core.errors import IncompleteUpdateError
+
+    _, merging = pair
+    weights, before, version = state(merging), run(merging, chat_prompts), merging.weights_version
+    errors: list[BaseException] = [RuntimeError("copy failed"), KeyboardInterrupt()]
+    undone = pytest.raises(IncompleteUpdateError, match=r"could not be undone \(KeyboardInterrupt")
+    with undone as caught, _CopiesFail(3, errors):
+        merging.add_adapter_to_model("policy", lora_dirs["a"], merge=True)
+    assert not errors, "both faults were hit"
+    in_doubt = caught.value.tensors
+    assert in_doubt and all(name in weights for name in in_doubt)
+    changed = [k for k in weights if not torch.equal(merging.model.state_dict()[k], weights[k])]
+    assert changed and set(changed) <= set(in_doubt), "the first copies merged, and the undo did not run"
+    assert "policy" not in merging.adapters and merging.weights_version == version
+    with pytest.raises(IncompleteUpdateError, match=r"add_adapter_to_model\('policy'\).*pushes them again"):
+        merging.sample(chat_prompts, GREEDY)
+    # pushing the named tensors back settles it: the base model again, to the bit
+    merging.update_weights({name: weights[name] for name in in_doubt})
+    assert run(merging, chat_prompts) == before
+    merging.add_adapter_to_model("policy", lora_dirs["a"], merge=True)
+    assert_differ(run(merging, chat_prompts, "policy"), before)

@@ -44,7 +44,14 @@ from twinkle_core.engine import (
     check_merge_flag,
     lora_deltas,
 )
-from twinkle_core.errors import AdapterError, ConfigError, InvalidMeshError, WeightUpdateError, did_you_mean
+from twinkle_core.errors import (
+    AdapterError,
+    ConfigError,
+    IncompleteUpdateError,
+    InvalidMeshError,
+    WeightUpdateError,
+    did_you_mean,
+)
 from twinkle_core.hub import resolve_model_id
 from twinkle_torch.adapters import AdapterSet
 from twinkle_torch.attention import ATTN_IMPLEMENTATION, NATIVE_ATTN_IMPLEMENTATION
@@ -605,11 +612,21 @@ class TorchEngine(Engine):
         self._apply_plan(plan, self._weights.check(plan.tensors))
 
     def _apply_plan(self, plan: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Apply a merge or unmerge whole, or not at all: a copy that fails part-way is undone, then re-raised."""
+        """Apply a merge or unmerge whole, or not at all: a copy that fails part-way is undone, then re-raised.
+
+        If the undo fails too (a second interrupt), the weights may be a mix of
+        merged and unmerged values: an ``IncompleteUpdateError`` names them, and
+        the sampler refuses to sample until they are pushed again.
+        """
         try:
             self._weights.apply(pairs)
-        except BaseException:
-            self._weights.apply(self._weights.check(self._merged.undo(plan)))
+        except BaseException as exc:
+            try:
+                self._weights.apply(self._weights.check(self._merged.undo(plan)))
+            except BaseException as undo_exc:
+                raise IncompleteUpdateError(
+                    self._merged.undo_failed(plan, exc, undo_exc), tensors=[name for name, _ in plan.tensors]
+                ) from undo_exc
             raise
         self._merged.commit(plan)
 

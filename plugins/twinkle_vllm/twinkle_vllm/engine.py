@@ -674,13 +674,7 @@ class vLLMEngine(Engine):
                 try:
                     self._push_weights(self._push.spec.validate(self._merged.undo(plan)))
                 except Exception as undo_exc:
-                    self._replay.mark_lost(
-                        names,
-                        f"A merge failed part-way ({type(exc).__name__}: {exc}) and could not be undone"
-                        f" ({type(undo_exc).__name__}: {undo_exc}): the engine may hold a mix of merged and unmerged"
-                        f" values of {len(names)} tensors ({names[:3]}...). Sampling is refused until they are"
-                        " pushed again with update_weights(...).",
-                    )
+                    self._replay.mark_lost(names, self._merged.undo_failed(plan, exc, undo_exc))
             raise
         self._merged.commit(plan)
 
