@@ -145,25 +145,29 @@ class AsyncContractTests:
     def test_asyncio_does_not_block_the_loop(self, sampler: Sampler) -> None:
         trajs = [Trajectory(messages=m) for m in CONTRACT_PROMPTS]
 
-        async def main() -> tuple[list[Any], list[Any], int]:
+        async def main() -> tuple[list[Any], list[Any], int, int]:
             ticks = 0
             done = asyncio.Event()
 
             async def ticker() -> None:
+                # After the first ticks, a short sleep rather than sleep(0): a loop spinning on
+                # sleep(0) holds the GIL, and slowed a Python decode thread 100-fold here.
                 nonlocal ticks
                 while not done.is_set():
                     ticks += 1
-                    await asyncio.sleep(0)
+                    await asyncio.sleep(0 if ticks < 20 else 0.002)
 
             task = asyncio.create_task(ticker())
             result = await sampler.asample(trajs, _greedy(max_tokens=24))
+            during = ticks
             streamed = [item async for item in sampler.submit(trajs, _greedy(max_tokens=8))]
             done.set()
             await task
-            return result, streamed, ticks
+            return result, streamed, during, ticks
 
-        result, streamed, ticks = asyncio.run(main())
+        result, streamed, during, ticks = asyncio.run(main())
         assert len(result) == 4 and len(streamed) == 4
+        assert during > 0, "the event loop was blocked while asample ran"
         assert ticks > 10, "the event loop was blocked while sampling"
 
     def test_abort_keeps_an_exact_prefix(self, sampler: Sampler) -> None:
