@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
 from typing import Any, ClassVar, TypeVar
 
 import attrs
@@ -39,11 +41,13 @@ class Record:
         return super().__new__(cls)
 
     @classmethod
-    def _init_names(cls) -> tuple[str, ...]:
-        return tuple(f.alias for f in attrs.fields(cls) if f.init)  # type: ignore[arg-type]
+    @functools.cache
+    def _init_names(cls) -> dict[str, None]:
+        """The constructor's keywords, in order (a dict: one lookup per keyword); once per class."""
+        return dict.fromkeys(f.alias for f in attrs.fields(cls) if f.init)  # type: ignore[arg-type]
 
     @classmethod
-    def _unknown_message(cls, key: object, what: str, names: tuple[str, ...] | list[str]) -> str:
+    def _unknown_message(cls, key: object, what: str, names: Iterable[str]) -> str:
         field = cls._aliases.get(str(key))
         if what == "keyword" and field is not None:  # an alias is a dict key only
             hint = f" {key!r} is accepted as a dict key (from_dict) only; the keyword is {field!r}."
