@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,33 @@ def tiny_model() -> Path:
     from twinkle_core.testing import build_tiny_model
 
     return build_tiny_model("llama")
+
+
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
+
+
+def engine_sockets(sampler: Any) -> set[str]:
+    """The Unix socket files vLLM's code bound (named by a UUID) in the processes of ``sampler``'s engine."""
+    import psutil
+
+    paths: set[str] = set()
+    for pid in sampler.engine._reaper.pids:
+        try:
+            connections = psutil.Process(pid).net_connections(kind="unix")
+            paths |= {c.laddr for c in connections if isinstance(c.laddr, str) and c.laddr}
+        except psutil.Error:
+            pass
+    return {p for p in paths if is_vllm_socket(p)}
+
+
+def is_vllm_socket(path: str) -> bool:
+    """Whether ``path`` is named as vLLM names its ZMQ socket files (a UUID)."""
+    return _UUID.fullmatch(os.path.basename(path)) is not None
+
+
+def in_a_session_folder(path: str) -> bool:
+    """Whether ``path`` lies in one of this process's private engine folders (removed with the engine)."""
+    return os.path.basename(os.path.dirname(path)).startswith(f"twinkle-vllm-{os.getpid()}-")
 
 
 def make_sampler(model: Path, sampler_options: dict[str, Any] | None = None, **engine_args: Any) -> Any:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from twinkle_core.errors import (
 from twinkle_core.sampler import Sampler
 from twinkle_core.testing import SamplerContractTests
 
-from .conftest import TEST_ENGINE_ARGS, make_sampler
+from .conftest import TEST_ENGINE_ARGS, engine_sockets, in_a_session_folder, make_sampler
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +173,12 @@ def test_exit_without_close_does_not_hang(tiny_model: Path, tmp_path: Path) -> N
 # Keep last: it closes the module's shared engine.
 def test_close_is_final_and_idempotent(engine: Any) -> None:
     assert len(engine.sample(PROMPTS[0], {"max_tokens": 2})[0].sequences) == 1
+    # vLLM's socket files (seven a start, left in the temporary folder before) live in a folder of the engine's...
+    sockets = engine_sockets(engine)
+    assert sockets and all(in_a_session_folder(p) for p in sockets), sockets
     engine.close()
+    # ... and go with it.
+    assert not [p for p in sockets if os.path.exists(p) or os.path.exists(os.path.dirname(p))]
     engine.close()
     assert engine.closed
     with pytest.raises(SamplerClosedError):

@@ -26,7 +26,14 @@ from twinkle_core.data_format import SamplingParams, Trajectory
 from twinkle_core.errors import EngineDeadError
 from twinkle_vllm import IPC_TIMEOUT_ENV
 
-from .conftest import TEST_ENGINE_ARGS, make_sampler, perturbed_state
+from .conftest import (
+    TEST_ENGINE_ARGS,
+    engine_sockets,
+    in_a_session_folder,
+    is_vllm_socket,
+    make_sampler,
+    perturbed_state,
+)
 
 #: Small, so a stuck sync fails fast; large enough for a sync on a busy CI machine.
 TIMEOUT_S = 20.0
@@ -244,6 +251,9 @@ def test_killed_driver_leaves_no_process_and_no_file(tiny_model: Path, tmp_path:
         assert any("EngineCore" in p.name() for p in procs) and any("Worker" in p.name() for p in procs)
         assert any(os.path.basename(p).startswith(f"twinkle-vllm-{driver.pid}-") for p in paths)  # the staging file
         assert any(os.path.basename(p).startswith("psm_") for p in paths)  # vLLM's own segments
+        ours = f"/twinkle-vllm-{driver.pid}-"
+        # vLLM's sockets too are in the driver's folders: a sweep finds them by the dead pid.
+        assert all(ours in p for p in paths if is_vllm_socket(p)) and any(is_vllm_socket(p) for p in paths)
         if reaper == "killed too":
             # Then the engine's own watch on the driver must still stop it.
             watcher = psutil.Process(report["reaper"])
@@ -258,7 +268,7 @@ def test_killed_driver_leaves_no_process_and_no_file(tiny_model: Path, tmp_path:
             from twinkle_vllm._files import sweep_stale
 
             sweep_stale()
-            paths = [p for p in paths if os.path.basename(p).startswith(f"twinkle-vllm-{driver.pid}-")]
+            paths = [p for p in paths if ours in p]
         left = lambda: [p for p in paths if os.path.exists(p)]  # noqa: E731
         wait_for(lambda: not left(), "the engine's files to be removed", detail=left)
         assert not [p for p in os.listdir("/dev/shm") if p.startswith(f"twinkle-vllm-{driver.pid}-")]
@@ -355,6 +365,8 @@ def test_without_auto_restart_or_weight_replay_the_user_restarts_and_repushes(
     s.update_weights(new)
     updated = greedy(s)
     assert updated != before
+    sockets = engine_sockets(s)
+    assert sockets and all(in_a_session_folder(p) for p in sockets), sockets
     for proc in engine_processes(os.getpid()):
         if proc.pid in s.engine._reaper.pids:
             proc.send_signal(signal.SIGKILL)
@@ -364,6 +376,11 @@ def test_without_auto_restart_or_weight_replay_the_user_restarts_and_repushes(
     assert s.restarts == 0  # auto_restart=False: nothing restarted behind the user's back
     s.restart()
     assert s.restarts == 1
+    # The dead engine's socket files went with it; the new engine's are in a folder of their own.
+    folders = {os.path.dirname(p) for p in sockets}
+    assert not [p for p in [*sockets, *folders] if os.path.exists(p)]
+    renewed = engine_sockets(s)
+    assert renewed and all(in_a_session_folder(p) and os.path.dirname(p) not in folders for p in renewed)
     # The new engine runs the checkpoint's weights: no sample may carry the version until they are pushed again.
     with pytest.raises(EngineDeadError, match="update_weights"):
         s.sample(PROMPTS, GREEDY)

@@ -4,7 +4,10 @@ Two kinds of files belong to a sampler process (the *driver*):
 
 * the weight-sync staging buffer, ``/dev/shm/twinkle-vllm-<driver pid>-<random>``;
 * one private folder (mode 0700) per sync session, holding the ZMQ ``ipc://``
-  sockets, ``<session root>/twinkle-vllm-<driver pid>-<random>``.
+  sockets, ``<session root>/twinkle-vllm-<driver pid>-<random>``;
+* one such folder per engine start, where vLLM's own processes bind their ZMQ
+  sockets (``VLLM_RPC_BASE_PATH``): vLLM names them by a UUID in the temporary
+  folder and leaves them there when the engine stops, seven files a start.
 
 The driver's pid in every name is what lets anyone clean up after a driver that
 died without closing (``kill -9``, the OOM killer): the driver's reaper
@@ -37,6 +40,7 @@ __all__ = [
     "SOCKET_PATH_MAX",
     "driver_files",
     "remove",
+    "session_folder",
     "session_root",
     "shm_dir",
     "staging_name",
@@ -47,8 +51,10 @@ __all__ = [
 PREFIX = "twinkle-vllm-"
 #: The longest socket path the kernel takes (``sizeof(sun_path)`` is 108 on Linux, with the NUL).
 SOCKET_PATH_MAX = 107
-#: The longest session folder we accept: room for ``/<prefix><pid>-<8 random>/w<rank>.sock``.
-_ROOT_MAX = SOCKET_PATH_MAX - len(f"/{PREFIX}4194304-abcdefgh/w9999.sock")
+#: The longest socket name in a session folder: vLLM's, a UUID (ours are ``w<rank>.sock``).
+_LEAF_MAX = 36
+#: The longest session root we accept: room for ``/<prefix><pid>-<8 random>/<leaf>``.
+_ROOT_MAX = SOCKET_PATH_MAX - len(f"/{PREFIX}4194304-abcdefgh/") - _LEAF_MAX
 _OWNED = re.compile(re.escape(PREFIX) + r"(\d+)-")
 
 
@@ -77,6 +83,15 @@ def session_root() -> str:
         f" {_ROOT_MAX} characters (socket paths are limited to {SOCKET_PATH_MAX} bytes) and neither /tmp nor /dev/shm"
         " is writable. Set TMPDIR to a short writable folder."
     )
+
+
+def session_folder() -> str:
+    """Create a private (0700) session folder of this process under :func:`session_root`; return its path.
+
+    Raises:
+        ConfigError: no candidate root is short enough and writable.
+    """
+    return tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=session_root())
 
 
 def driver_files(pid: int) -> list[str]:

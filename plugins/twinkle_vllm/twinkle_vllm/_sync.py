@@ -16,7 +16,6 @@ import concurrent.futures
 import math
 import os
 import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import Callable
@@ -28,7 +27,7 @@ import zmq
 
 from twinkle_core.errors import WeightSyncTimeoutError, WeightUpdateError
 from twinkle_vllm import IPC_TIMEOUT_ENV
-from twinkle_vllm._files import PREFIX, session_root, staging_name
+from twinkle_vllm._files import session_folder, staging_name
 from twinkle_vllm._wire import (
     ALIGN,
     CANCEL_FILE,
@@ -169,7 +168,7 @@ class SyncChannel:
         slot = max((it.offset + it.nbytes for b in buckets for it in b), default=ALIGN)
         slot = -(-slot // ALIGN) * ALIGN
         # 0700: nobody else can talk to our sockets; a short root: socket paths are limited (see _files).
-        folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=session_root())
+        folder = session_folder()
         session_id = uuid.uuid4().hex
         sockets: list[zmq.Socket[bytes]] = []
         rpc: concurrent.futures.Future[list[Any]] | None = None

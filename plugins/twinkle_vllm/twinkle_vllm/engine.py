@@ -72,7 +72,7 @@ from twinkle_vllm._engine_args import (
     platform_environment,
     read_ipc_timeout,
 )
-from twinkle_vllm._files import sweep_stale
+from twinkle_vllm._files import PREFIX, remove, session_folder, sweep_stale
 from twinkle_vllm._logits import GRAMMAR_ARG
 from twinkle_vllm._loop import LoopThread
 from twinkle_vllm._lora import LoraSlots, adapts_lm_head, cpu_tensors, lora_config
@@ -100,6 +100,8 @@ SUPPORTED_PARAMS = frozenset(
 #: vLLM's default (5 s) is shorter than a CPU worker takes to exit, which made
 #: every close end in a force-kill.
 _SHUTDOWN_GRACE_S = 30.0
+#: Where vLLM's processes bind their ZMQ sockets (vLLM reads it; the user's setting wins).
+_SOCKET_DIR_ENV = "VLLM_RPC_BASE_PATH"
 
 
 def _resolve_model(model_id: str | os.PathLike[str]) -> Path:
@@ -227,6 +229,8 @@ class vLLMEngine(Engine):
         self._loop: LoopThread | None = None
         self._channel: SyncChannel | None = None
         self._reaper: Reaper | None = None
+        #: where this engine's processes bind vLLM's ZMQ sockets (None: the user set VLLM_RPC_BASE_PATH)
+        self._socket_dir: str | None = None
         for flag, value in (("auto_restart", auto_restart), ("replay_weights", replay_weights)):
             if not isinstance(value, bool):
                 raise ConfigError(f"{flag}={value!r} is invalid: expected True or False.")
@@ -329,9 +333,19 @@ class vLLMEngine(Engine):
         # Files of samplers whose process was killed before they could remove them.
         sweep_stale()
         before = process_snapshot()
-        # A copy: vLLM may fill in the arguments it is given, and a restart needs them as they were.
-        with environment(self._spawn_env):
-            self._engine = self._loop.run(self._start_engine(copy.deepcopy(self._engine_args_obj)))
+        env = dict(self._spawn_env)
+        # (another engine of this process may be starting with its own folder set: not the user's)
+        if os.path.basename(os.environ.get(_SOCKET_DIR_ENV, PREFIX)).startswith(PREFIX):
+            # vLLM binds its sockets in the temporary folder and leaves them there when it stops;
+            # in a folder of ours they go with the engine (and with the reaper's or sweep's cleanup).
+            self._socket_dir = env[_SOCKET_DIR_ENV] = session_folder()
+        try:
+            # A copy: vLLM may fill in the arguments it is given, and a restart needs them as they were.
+            with environment(env):
+                self._engine = self._loop.run(self._start_engine(copy.deepcopy(self._engine_args_obj)))
+        except BaseException:
+            self._remove_socket_dir()
+            raise
         # If this process is killed, the reaper stops the engine's processes and removes their files.
         self._reaper = Reaper.start(before)
         self._facts = _Facts.read(self._engine.vllm_config)
@@ -910,6 +924,12 @@ class vLLMEngine(Engine):
         if self._reaper is not None:
             self._reaper.stop()
             self._reaper = None
+        self._remove_socket_dir()
+
+    def _remove_socket_dir(self) -> None:
+        folder, self._socket_dir = self._socket_dir, None
+        if folder is not None:
+            remove(folder)
 
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:
