@@ -219,7 +219,7 @@ def main():
         paths |= {c.laddr for c in p.net_connections(kind="unix") if isinstance(c.laddr, str) and c.laddr}
         paths |= {m.path for m in p.memory_maps() if m.path.startswith("/dev/shm/")}
     report = {"pids": [[p.pid, p.create_time()] for p in procs if p.pid != sampler.engine._reaper.pid],
-              "paths": sorted(paths), "reaper": sampler.engine._reaper.pid}
+              "paths": sorted(paths), "reaper": sampler.engine._reaper.pid, "files": sampler.engine._engine_files}
     print("REPORT", json.dumps(report), flush=True)
     time.sleep(3600)
 
@@ -252,6 +252,9 @@ def test_killed_driver_leaves_no_process_and_no_file(tiny_model: Path, tmp_path:
         assert any(os.path.basename(p).startswith(f"twinkle-vllm-{driver.pid}-") for p in paths)  # the staging file
         assert any(os.path.basename(p).startswith("psm_") for p in paths)  # vLLM's own segments
         ours = f"/twinkle-vllm-{driver.pid}-"
+        # vLLM's rendezvous file, which only a clean shutdown removes: the reaper's to remove.
+        assert report["files"] and all(os.path.isfile(f) for f in report["files"])
+        paths += report["files"]
         # vLLM's sockets too are in the driver's folders: a sweep finds them by the dead pid.
         assert all(ours in p for p in paths if is_vllm_socket(p)) and any(is_vllm_socket(p) for p in paths)
         if reaper == "killed too":
@@ -367,6 +370,8 @@ def test_without_auto_restart_or_weight_replay_the_user_restarts_and_repushes(
     assert updated != before
     sockets = engine_sockets(s)
     assert sockets and all(in_a_session_folder(p) for p in sockets), sockets
+    rendezvous = list(s.engine._engine_files)
+    assert rendezvous and all(os.path.isfile(f) for f in rendezvous)
     for proc in engine_processes(os.getpid()):
         if proc.pid in s.engine._reaper.pids:
             proc.send_signal(signal.SIGKILL)
@@ -376,9 +381,9 @@ def test_without_auto_restart_or_weight_replay_the_user_restarts_and_repushes(
     assert s.restarts == 0  # auto_restart=False: nothing restarted behind the user's back
     s.restart()
     assert s.restarts == 1
-    # The dead engine's socket files went with it; the new engine's are in a folder of their own.
+    # The dead engine's socket files and rendezvous file went with it; the new engine's are in a folder of their own.
     folders = {os.path.dirname(p) for p in sockets}
-    assert not [p for p in [*sockets, *folders] if os.path.exists(p)]
+    assert not [p for p in [*sockets, *folders, *rendezvous] if os.path.exists(p)]
     renewed = engine_sockets(s)
     assert renewed and all(in_a_session_folder(p) and os.path.dirname(p) not in folders for p in renewed)
     # The new engine runs the checkpoint's weights: no sample may carry the version until they are pushed again.

@@ -40,6 +40,7 @@ __all__ = [
     "SOCKET_PATH_MAX",
     "driver_files",
     "remove",
+    "remove_file",
     "session_folder",
     "session_root",
     "shm_dir",
@@ -130,6 +131,16 @@ def remove(path: str) -> None:
             os.unlink(path)
     except OSError:
         pass
+
+
+def remove_file(path: str) -> None:
+    """Remove a plain file of ours (one this user owns); nothing else."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return
+    if stat.S_ISREG(info.st_mode):
+        remove(path)
 
 
 def _running(pid: int) -> bool:

@@ -21,7 +21,8 @@ So each engine gets a reaper, started right after the engine:
   handler then shuts the workers down and unlinks its segments), waits up to
   ``grace_s`` for every engine process to exit, kills what is left, and
   removes the files: the socket files vLLM's processes bound (ZMQ leaves them
-  behind), segments that are left, and twinkle's own staging buffer and
+  behind), segments that are left, the rendezvous file of vLLM's workers
+  (which only a clean shutdown removes), and twinkle's own staging buffer and
   session folders of that driver (see :mod:`twinkle_vllm._files`).
 
 A second, independent line: every worker also watches the driver
@@ -49,7 +50,7 @@ import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -99,8 +100,8 @@ class Reaper:
         self.pids = pids
 
     @classmethod
-    def start(cls, before: Snapshot, *, grace_s: float = DEFAULT_GRACE_S) -> Reaper | None:
-        """Start a reaper for the processes and sockets that appeared since ``before``.
+    def start(cls, before: Snapshot, *, files: Sequence[str] = (), grace_s: float = DEFAULT_GRACE_S) -> Reaper | None:
+        """Start a reaper for the processes and sockets that appeared since ``before``, and plain ``files``.
 
         Returns:
             The handle, or ``None`` where no reaper can run (no new process, or no psutil);
@@ -122,6 +123,7 @@ class Reaper:
                 "processes": processes,
                 "terminate": leaders,
                 "paths": sorted(_bound_sockets(me) - before.sockets),
+                "files": sorted(files),
                 "grace_s": grace_s,
             }
             # Import the reaper from where this process found twinkle, whatever PYTHONPATH says.
@@ -296,7 +298,7 @@ def _reap(config: dict[str, Any], procs: list[Any], held: set[str]) -> None:
     """Stop the engine's processes, then remove the files they held (``held``: recorded while they ran)."""
     import psutil
 
-    from twinkle_vllm._files import driver_files, remove, shm_dir
+    from twinkle_vllm._files import driver_files, remove, remove_file, shm_dir
 
     # What they hold now too, asked while they are still there: the engine's watch on the driver
     # may already be stopping them, so what was recorded while they ran is the floor.
@@ -328,6 +330,8 @@ def _reap(config: dict[str, Any], procs: list[Any], held: set[str]) -> None:
             continue
         if stat.S_ISSOCK(mode) or (os.path.dirname(path) == shm and name.startswith(_SHM_NAMES)):
             remove(path)
+    for path in config.get("files", []):
+        remove_file(path)
     for path in driver_files(int(config["driver"])):
         remove(path)
 

@@ -72,7 +72,7 @@ from twinkle_vllm._engine_args import (
     platform_environment,
     read_ipc_timeout,
 )
-from twinkle_vllm._files import PREFIX, remove, session_folder, sweep_stale
+from twinkle_vllm._files import PREFIX, remove, remove_file, session_folder, sweep_stale
 from twinkle_vllm._logits import GRAMMAR_ARG
 from twinkle_vllm._loop import LoopThread
 from twinkle_vllm._lora import LoraSlots, adapts_lm_head, cpu_tensors, lora_config
@@ -231,6 +231,8 @@ class vLLMEngine(Engine):
         self._reaper: Reaper | None = None
         #: where this engine's processes bind vLLM's ZMQ sockets (None: the user set VLLM_RPC_BASE_PATH)
         self._socket_dir: str | None = None
+        #: files of the engine's that vLLM leaves behind when it is killed (its rendezvous file)
+        self._engine_files: list[str] = []
         for flag, value in (("auto_restart", auto_restart), ("replay_weights", replay_weights)):
             if not isinstance(value, bool):
                 raise ConfigError(f"{flag}={value!r} is invalid: expected True or False.")
@@ -346,12 +348,14 @@ class vLLMEngine(Engine):
         except BaseException:
             self._remove_socket_dir()
             raise
-        # If this process is killed, the reaper stops the engine's processes and removes their files.
-        self._reaper = Reaper.start(before)
         self._facts = _Facts.read(self._engine.vllm_config)
         if self._replay.overlap is None:  # copies overlap the push on GPUs, not on CPU workers (see ReplayStore)
             self._replay.overlap = self._facts.device_type != "cpu"
         self._workers = self._rpc("twinkle_describe")
+        # Files vLLM removes on a clean shutdown only: ours to remove after a killed engine, the reaper's if we die.
+        self._engine_files = sorted({w["rendezvous"] for w in self._workers if w.get("rendezvous")})
+        # If this process is killed, the reaper stops the engine's processes and removes their files.
+        self._reaper = Reaper.start(before, files=self._engine_files)
         # A second line behind the reaper: the workers stop the engine if this process dies.
         self._rpc("twinkle_watch_driver", os.getpid())
 
@@ -925,6 +929,9 @@ class vLLMEngine(Engine):
             self._reaper.stop()
             self._reaper = None
         self._remove_socket_dir()
+        for path in self._engine_files:
+            remove_file(path)
+        self._engine_files = []
 
     def _remove_socket_dir(self) -> None:
         folder, self._socket_dir = self._socket_dir, None

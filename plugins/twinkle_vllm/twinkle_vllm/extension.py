@@ -125,7 +125,7 @@ class TwinkleWorkerExtension:
 
     # -- description ----------------------------------------------------------------------
     def twinkle_describe(self) -> dict[str, Any]:
-        """What the driver needs to validate updates: fused-module names, dtype, rank.
+        """What the driver needs to validate updates (fused-module names, dtype, rank) and to clean up after the engine.
 
         Called once right after the engine starts, before any request; it also
         installs the CPU LoRA ops (see :func:`twinkle_vllm._cpu_lora_ops.install`).
@@ -134,7 +134,10 @@ class TwinkleWorkerExtension:
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
         lora_manager = getattr(self.model_runner, "lora_manager", None)  # type: ignore[attr-defined]
+        # A file:// rendezvous is a file vLLM leaves behind when the engine is killed: the driver removes it then.
+        init = str(getattr(self, "distributed_init_method", "") or "")
         return {
+            "rendezvous": init.removeprefix("file://") if init.startswith("file://") else None,
             "rank": int(self.rank),  # type: ignore[attr-defined]
             "device": str(self.device),  # type: ignore[attr-defined]
             "dtype": str(self.vllm_config.model_config.dtype).removeprefix("torch."),  # type: ignore[attr-defined]
