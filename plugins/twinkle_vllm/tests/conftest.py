@@ -38,11 +38,12 @@ def engine_sockets(sampler: Any) -> set[str]:
     """The Unix socket files vLLM's code bound (named by a UUID) in the processes of ``sampler``'s engine."""
     import psutil
 
+    from twinkle_vllm._reaper import _bound_sockets
+
     paths: set[str] = set()
     for pid in sampler.engine._reaper.pids:
         try:
-            connections = psutil.Process(pid).net_connections(kind="unix")
-            paths |= {c.laddr for c in connections if isinstance(c.laddr, str) and c.laddr}
+            paths |= _bound_sockets(psutil.Process(pid))
         except psutil.Error:
             pass
     return {p for p in paths if is_vllm_socket(p)}
@@ -55,7 +56,9 @@ def is_vllm_socket(path: str) -> bool:
 
 def in_a_session_folder(path: str) -> bool:
     """Whether ``path`` lies in one of this process's private engine folders (removed with the engine)."""
-    return os.path.basename(os.path.dirname(path)).startswith(f"twinkle-vllm-{os.getpid()}-")
+    from twinkle_vllm._files import PREFIX
+
+    return os.path.basename(os.path.dirname(path)).startswith(f"{PREFIX}{os.getpid()}-")
 
 
 def make_sampler(model: Path, sampler_options: dict[str, Any] | None = None, **engine_args: Any) -> Any:

@@ -40,7 +40,6 @@ __all__ = [
     "SOCKET_PATH_MAX",
     "driver_files",
     "remove",
-    "remove_file",
     "session_folder",
     "session_root",
     "shm_dir",
@@ -116,13 +115,17 @@ def _entries() -> Iterator[tuple[str, str]]:
             yield folder, name
 
 
-def remove(path: str) -> None:
-    """Remove a file or folder of ours (one this user owns); never follow a link."""
+def remove(path: str, *, plain_file: bool = False) -> None:
+    """Remove a file or folder of ours (one this user owns); never follow a link.
+
+    Args:
+        plain_file: remove ``path`` only if it is a plain file (a path another process named).
+    """
     try:
         info = os.lstat(path)
     except OSError:
         return
-    if info.st_uid != os.getuid():
+    if info.st_uid != os.getuid() or (plain_file and not stat.S_ISREG(info.st_mode)):
         return
     try:
         if stat.S_ISDIR(info.st_mode):
@@ -131,16 +134,6 @@ def remove(path: str) -> None:
             os.unlink(path)
     except OSError:
         pass
-
-
-def remove_file(path: str) -> None:
-    """Remove a plain file of ours (one this user owns); nothing else."""
-    try:
-        info = os.lstat(path)
-    except OSError:
-        return
-    if stat.S_ISREG(info.st_mode):
-        remove(path)
 
 
 def _running(pid: int) -> bool:

@@ -298,7 +298,7 @@ def _reap(config: dict[str, Any], procs: list[Any], held: set[str]) -> None:
     """Stop the engine's processes, then remove the files they held (``held``: recorded while they ran)."""
     import psutil
 
-    from twinkle_vllm._files import driver_files, remove, remove_file, shm_dir
+    from twinkle_vllm._files import driver_files, remove, shm_dir
 
     # What they hold now too, asked while they are still there: the engine's watch on the driver
     # may already be stopping them, so what was recorded while they ran is the floor.
@@ -331,7 +331,7 @@ def _reap(config: dict[str, Any], procs: list[Any], held: set[str]) -> None:
         if stat.S_ISSOCK(mode) or (os.path.dirname(path) == shm and name.startswith(_SHM_NAMES)):
             remove(path)
     for path in config.get("files", []):
-        remove_file(path)
+        remove(path, plain_file=True)
     for path in driver_files(int(config["driver"])):
         remove(path)
 

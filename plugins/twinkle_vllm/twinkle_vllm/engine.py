@@ -72,7 +72,7 @@ from twinkle_vllm._engine_args import (
     platform_environment,
     read_ipc_timeout,
 )
-from twinkle_vllm._files import PREFIX, remove, remove_file, session_folder, sweep_stale
+from twinkle_vllm._files import PREFIX, remove, session_folder, sweep_stale
 from twinkle_vllm._logits import GRAMMAR_ARG
 from twinkle_vllm._loop import LoopThread
 from twinkle_vllm._lora import LoraSlots, adapts_lm_head, cpu_tensors, lora_config
@@ -930,7 +930,7 @@ class vLLMEngine(Engine):
             self._reaper = None
         self._remove_socket_dir()
         for path in self._engine_files:
-            remove_file(path)
+            remove(path, plain_file=True)
         self._engine_files = []
 
     def _remove_socket_dir(self) -> None:
