@@ -503,7 +503,8 @@ def test_pause_holds_new_calls_until_resume(server: RunningServer) -> None:
 
 def test_pause_abort_and_abort_requests(server: RunningServer, sampler: Any) -> None:
     ids = _ids(sampler, "Tell me a long story.")
-    body = {"model": "tiny", "prompt": ids, "max_tokens": 3000, "ignore_eos": True}
+    longest = sampler.max_model_len - len(ids)
+    body = {"model": "tiny", "prompt": ids, "max_tokens": longest, "ignore_eos": True}
 
     async def run() -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
         async with httpx.AsyncClient(base_url=server.url, timeout=120) as h:
@@ -522,15 +523,15 @@ def test_pause_abort_and_abort_requests(server: RunningServer, sampler: Any) -> 
     assert aborted == {"status": "aborted", "aborted": 1}
     for reply, rid in ((one, "long-1"), (two, "long-2")):
         assert reply["id"] == rid and reply["choices"][0]["finish_reason"] == "abort"
-        assert len(reply["choices"][0]["token_ids"]) < 3000
+        assert len(reply["choices"][0]["token_ids"]) < longest
 
 
-def test_an_aborted_chat_call_says_abort(server: RunningServer) -> None:
+def test_an_aborted_chat_call_says_abort(server: RunningServer, sampler: Any) -> None:
     """A chat turn cut off by /abort_requests is not a natural end: an RL client must see "abort", not "stop"."""
     body = {
         "model": "tiny",
         "messages": [{"role": "user", "content": "Tell me a long story."}],
-        "max_tokens": 3000,
+        "max_tokens": sampler.max_model_len,  # cut to what the prompt leaves of the context
         "ignore_eos": True,
         "request_id": "chat-1",
     }
@@ -814,6 +815,30 @@ def test_session_ids_with_slashes_are_reachable_and_reserved_ids_refused(server:
         r = httpx.post(server.url + "/v1/chat/completions", json={**body, **extra}, headers=headers, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == where, r.text
     assert all(not s["id"].endswith("export") for s in httpx.get(server.url + "/v1/sessions").json()["data"])
+
+
+def test_a_budget_beyond_the_context_is_refused_and_one_within_it_is_cut(server: RunningServer, sampler: Any) -> None:
+    """As vLLM's server: max_tokens over max_model_len is a 400 naming it; up to it, the reply ends at the context."""
+    context = sampler.max_model_len
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi!"}], "ignore_eos": True, "temperature": 0}
+    text = {"model": "tiny", "prompt": _ids(sampler, "Hi!"), "ignore_eos": True, "temperature": 0}
+    for route, body, name in (
+        ("/v1/chat/completions", {**chat, "max_tokens": context + 1}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {**chat, "max_tokens": 4, "max_completion_tokens": context + 1},
+            "max_completion_tokens",
+        ),
+        ("/v1/completions", {**text, "max_tokens": 10**9}, "max_tokens"),
+    ):
+        err = _post(server, route, body, status=400)["error"]
+        asked = body.get("max_completion_tokens", body["max_tokens"])
+        assert err["param"] == name and f"{name}={asked}" in err["message"] and f"{context} tokens" in err["message"]
+    reply = _post(server, "/v1/completions", {**text, "max_tokens": context})
+    choice, usage = reply["choices"][0], reply["usage"]
+    assert choice["finish_reason"] == "length" and usage["prompt_tokens"] + usage["completion_tokens"] == context
+    # the server went on serving
+    assert _post(server, "/v1/chat/completions", {**chat, "max_tokens": 3})["usage"]["completion_tokens"] == 3
 
 
 def test_refused_prompts_and_options_are_named_as_the_body_sent_them(server: RunningServer, sampler: Any) -> None:

@@ -185,11 +185,26 @@ class _Server:
         max_tokens: int | None,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        default_max_tokens: int | None = None,
     ) -> SamplingParams:
-        """The engine's ``SamplingParams`` for a body (a 400 naming the field it cannot honour)."""
+        """The engine's ``SamplingParams`` for a body (a 400 naming the field it cannot honour).
+
+        ``max_tokens``: the body's (``None`` when it gives none: ``default_max_tokens``,
+        else the server's ``--max-tokens``, is used then).
+        """
         bad = neutral_violation(route, req.model_dump(exclude_unset=True))
         if bad is not None:
             raise ApiError(400, bad, param=bad.split("=", 1)[0])
+        limit = self.sampler.max_model_len
+        if max_tokens is not None and max_tokens > limit:
+            # As vLLM's server answers. A budget within the context is cut to what the prompt leaves.
+            name = body_names(route, req).get("max_tokens", "max_tokens")
+            raise ApiError(
+                400,
+                f"{name}={max_tokens} is more than this model's context of {limit} tokens (max_model_len, the"
+                f" prompt included): ask for at most {limit}; a reply ends where the context does.",
+                param=name,
+            )
         if req.stream and req.prompt_logprobs is not None:
             raise ApiError(
                 400,
@@ -217,7 +232,7 @@ class _Server:
             )
         fields: dict[str, Any] = {
             "num_samples": req.n,
-            "max_tokens": self.default_max_tokens if max_tokens is None else max_tokens,
+            "max_tokens": max_tokens if max_tokens is not None else default_max_tokens or self.default_max_tokens,
             # the sampled token's log-prob always comes back (as sampled_logprobs)
             "logprobs": logprobs if logprobs is not None else 0,
             "prompt_logprobs": prompt_logprobs,

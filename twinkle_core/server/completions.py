@@ -142,7 +142,8 @@ async def complete(state: _Server, req: CompletionRequest, request: Request) -> 
     params = state.params(
         req,
         "completions",
-        max_tokens=16 if req.max_tokens is None else req.max_tokens,
+        max_tokens=req.max_tokens,
+        default_max_tokens=16,  # the completions API's own default
         logprobs=req.logprobs,
         prompt_logprobs=max(wanted) if wanted else None,
     )

@@ -226,7 +226,12 @@ FIELDS: tuple[FieldRule, ...] = (
     FieldRule("stop", BOTH, "implemented", note="a string or a list; the text is cut before it"),
     FieldRule("stop_token_ids", BOTH, "implemented"),
     FieldRule("ignore_eos", BOTH, "implemented"),
-    FieldRule("max_tokens", BOTH, "implemented", note="completions default 16; 0 scores the prompt only"),
+    FieldRule(
+        "max_tokens",
+        BOTH,
+        "implemented",
+        note="completions default 16; 0 scores the prompt only; over max_model_len: 400, as vLLM",
+    ),
     FieldRule("include_stop_str_in_output", COMPLETIONS, "implemented", note="the matched stop string ends the text"),
     FieldRule("include_stop_str_in_output", CHAT, "neutral", (False,), note="a turn's content is parsed text"),
     FieldRule("skip_special_tokens", COMPLETIONS, "implemented", note="text only; tokens are the same"),
