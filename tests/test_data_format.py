@@ -103,6 +103,17 @@ def test_an_unknown_keyword_names_what_is_accepted(build, error, match):
     assert "Accepted keywords:" in str(caught.value)
 
 
+def test_json_object_false_alone_is_refused_by_name():
+    # False asks for no constraint: the error says so and names it (it used to read "structured_outputs={}")
+    with pytest.raises(InvalidSamplingParams, match=r"\{'json_object': False\}.*json_object true when it is") as e:
+        SamplingParams(structured_outputs={"json_object": False})
+    assert e.value.field == "structured_outputs"
+    assert SamplingParams(structured_outputs={"json_object": True}).structured_outputs.kind == "json_object"
+    # beside another constraint it is that constraint's record, as to_dict() writes it
+    params = SamplingParams(structured_outputs={"regex": "[0-9]+", "json_object": False})
+    assert params.structured_outputs.kind == "regex" and SamplingParams.from_dict(params.to_dict()) == params
+
+
 def test_records_built_by_keyword_still_copy_pickle_and_evolve():
     import copy
     import pickle

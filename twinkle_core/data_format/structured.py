@@ -125,6 +125,9 @@ class StructuredOutputs(Record):
         if value is None or isinstance(value, cls):
             return value
         if isinstance(value, dict):
+            if value.get("json_object") is False and all(value.get(k) is None for k in _KINDS if k != "json_object"):
+                # named, not reported as {}: False asks for no constraint (a record's to_dict() writes it beside one)
+                raise _bad(value, "json_object true when it is the constraint (leave structured_outputs out for none)")
             try:
                 return cls.from_dict(value)
             except InvalidSamplingParams as exc:
