@@ -26,6 +26,8 @@ __all__ = ["AsyncContractTests"]
 
 #: Tokens of the long sequence: enough that an abort sent when the short one finishes lands mid-flight.
 LONG = 400
+#: The earliest token of the short continuation the stop token may end it at (its index).
+SHORT_STOP_AT = 5
 
 
 def _greedy(**kw: Any) -> SamplingParams:
@@ -71,8 +73,9 @@ class AsyncContractTests:
             for b in range(len(feats))
             if a != b
             for k, tok in enumerate(outs[a][: params.max_tokens // 4])
-            # k >= 2 and not earlier in the short one: it ends after a few tokens, not one
-            if k >= 2 and tok not in outs[b] and tok not in outs[a][:k]
+            # not earlier in the short one, and late enough that the long one, whose request may join the batch a
+            # step or two after the short one's, has a few tokens when the short one ends (k >= 2 left it 2 tokens)
+            if k >= SHORT_STOP_AT and tok not in outs[b] and tok not in outs[a][:k]
         )
         for _, (a, b, k, tok) in zip(range(3), candidates):
             got = sampler.sample([feats[a], feats[b]], params.replace(stop_token_ids=[tok]))
