@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
 import time
 from pathlib import Path
@@ -322,7 +323,8 @@ def test_weights_that_overflow_in_the_forward_fail_their_call_not_the_engine(
     tiny_llama: Path, chat_prompts: list[Trajectory]
 ) -> None:
     """Finite weights may still overflow to NaN in the forward: the call gets a typed error (greedy used to
-    return token 0 with NaN log-probs; a sampled draw raised an IndexError), and the engine goes on."""
+    return token 0 with NaN log-probs; a sampled draw raised an IndexError; scoring returned NaN prompt
+    log-probs), and the engine goes on."""
     from twinkle_core.testing.policy import checkpoint_weights, random_lora
 
     with TorchSampler(tiny_llama, device="cpu") as s:
@@ -331,14 +333,19 @@ def test_weights_that_overflow_in_the_forward_fail_their_call_not_the_engine(
         s.add_adapter_to_model(
             "huge", {**config, "lora_alpha": 1e30}, weights={k: v * 1e30 for k, v in weights.items()}
         )
-        for params in ({**_GREEDY, "logprobs": 0}, {"max_tokens": 8}, {"max_tokens": 8, "top_p": 0.9, "top_k": 5}):
+        scoring = {"max_tokens": 0, "prompt_logprobs": 1}
+        sampled = ({**_GREEDY, "logprobs": 0}, {"max_tokens": 8}, {"max_tokens": 8, "top_p": 0.9, "top_k": 5})
+        for params in (*sampled, scoring):
             with pytest.raises(NumericalError, match="NaN or infinity with adapter 'huge'"):
                 s.sample(chat_prompts[0], params, adapter_name="huge")
         again = s.sample(chat_prompts[0], {**_GREEDY, "logprobs": 0})[0].sequences[0]
         assert (again.tokens, again.logprobs) == (base.tokens, base.logprobs)
         norm = s.model.state_dict()["model.norm.weight"].clone()
         s.update_weights({"model.norm.weight": torch.full_like(norm, 3e38)})
-        with pytest.raises(NumericalError, match="NaN or infinity:"):
-            s.sample(chat_prompts[:2], {"max_tokens": 8, "num_samples": 2})
+        for params in ({"max_tokens": 8, "num_samples": 2}, scoring):
+            with pytest.raises(NumericalError, match="NaN or infinity:"):
+                s.sample(chat_prompts[:2], params)
         s.update_weights({"model.norm.weight": norm})
         assert s.sample(chat_prompts[0], _GREEDY)[0].sequences[0].tokens == base.tokens
+        scored = s.sample(chat_prompts[0], scoring)[0].prompt_logprobs
+        assert scored is not None and all(math.isfinite(v) for v in scored[1:])

@@ -40,6 +40,7 @@ generated, and continue where they were). A single row that does not fit fails i
 from __future__ import annotations
 
 import atexit
+import math
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Sequence
@@ -691,11 +692,15 @@ class Decoder:
                 last[b] = ends[i]
                 if scoring[b]:
                     job = members[b][0].job
-                    job.scores[members[b][0].prompt] = self._prompt_scores(
+                    scores = self._prompt_scores(
                         logits[i, chunk_width - lengths[b] :],
                         torch.tensor(ids[i], dtype=torch.long, device=device),
                         job.params.prompt_logprobs or 0,
                     )
+                    if any(v is not None and math.isnan(v) for v in scores.logprobs):
+                        # NaN logits: a call that only scores never reaches the decode step's check
+                        self._fail(job, NumericalError.in_logits(job.control.adapter))
+                    job.scores[members[b][0].prompt] = scores
             taken = [i for i, b in enumerate(chunk) for _ in range(counts[b])]  # chunk rows, once per sample
             placed = [offsets[b] + j for b in chunk for j in range(counts[b])]  # where they go in the batch
             return cache, torch.tensor(taken, dtype=torch.long, device=device), torch.tensor(placed, device=device)

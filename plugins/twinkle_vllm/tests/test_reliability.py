@@ -5,6 +5,7 @@ One LoRA-enabled engine for the module.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -113,20 +114,33 @@ def test_a_huge_max_tokens_within_bounds_stops_at_the_context(engine: Any) -> No
 
 
 @pytest.mark.soak
-def test_weights_that_overflow_in_the_forward_fail_calls_that_ask_for_log_probs(engine: Any, tiny_model: Path) -> None:
-    """vLLM draws token 0 from NaN logits; its log-prob (NaN) shows it, and the call gets a typed error."""
+def test_weights_that_overflow_in_the_forward_fail_the_call_with_or_without_log_probs(
+    engine: Any, tiny_model: Path
+) -> None:
+    """vLLM draws token 0 from NaN logits; its log-prob (NaN) shows it, asked for or not, and the call gets a
+    typed error. Calls without log-probs used to get token 0 over and over; scoring, -inf prompt log-probs."""
     scored = SamplingParams(temperature=0.0, max_tokens=4, logprobs=0)
+    scoring = SamplingParams(max_tokens=0, prompt_logprobs=1)
     base = engine.sample(PROMPTS[0], scored)[0].sequences[0]
     norm = _states(tiny_model)[0]["model.norm.weight"]
     engine.update_weights({"model.norm.weight": torch.full_like(norm, 3e38)})
     try:
-        for params in (scored, scored.replace(temperature=1.0, top_p=0.9)):
+        for params in (
+            scored,
+            scored.replace(temperature=1.0, top_p=0.9),
+            SamplingParams(temperature=0.0, max_tokens=4),
+            SamplingParams(max_tokens=4, num_samples=2),
+            scored.replace(logprobs_mode="raw"),
+            scoring,
+        ):
             with pytest.raises(NumericalError, match="NaN or infinity: its weights"):
                 engine.sample(PROMPTS[0], params)
     finally:
         engine.update_weights({"model.norm.weight": norm})
     again = engine.sample(PROMPTS[0], scored)[0].sequences[0]
     assert (again.tokens, again.logprobs) == (base.tokens, base.logprobs)
+    prompt = engine.sample(PROMPTS[0], scoring)[0].prompt_logprobs
+    assert prompt is not None and all(math.isfinite(v) for v in prompt[1:])
 
 
 def test_soak_every_sequence_matches_its_weights_and_adapter(

@@ -148,7 +148,7 @@ def test_plan_maps_every_field() -> None:
     )
     assert scoring.vllm["n"] == 1 and scoring.copies == 3
     raw = make_plan(params.replace(logprobs_mode="raw"), max_logprobs=20, vocab_size=100, temperature_processor=True)
-    assert raw.rescore_raw and raw.vllm["logprobs"] is None
+    assert raw.rescore_raw and raw.vllm["logprobs"] == 0  # the drawn tokens', to catch NaN logits
     assert raw.for_prompt(500, 512) == {**raw.vllm, "max_tokens": 9}
     assert raw.for_prompt(505, 512)["max_tokens"] == 6
     assert raw.for_prompt(511, 512) is None

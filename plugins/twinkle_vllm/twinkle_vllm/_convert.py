@@ -156,8 +156,9 @@ def make_plan(
         # (twinkle's rule; vLLM with ignore_eos would sample on past it): ignore_eos changes nothing else.
         "ignore_eos": params.ignore_eos and params.structured_outputs is None,
         "max_tokens": max(params.max_tokens, 1),
-        # Raw log-probs come from re-scoring; the sampling request need not compute any.
-        "logprobs": None if plan.rescore_raw else params.logprobs,
+        # Always the drawn token's at least: from NaN logits vLLM draws token 0, and only its NaN log-prob tells.
+        # Raw log-probs come from re-scoring; the sampling request needs no more than that one.
+        "logprobs": 0 if plan.rescore_raw or params.logprobs is None else params.logprobs,
         "prompt_logprobs": params.prompt_logprobs,
         "flat_logprobs": True,
         # Text is decoded once by the template; vLLM needs it only to match stop strings.
@@ -235,12 +236,17 @@ def flat_entries(
     tokens: list[int] = []
     for i in positions:
         s, e = starts[i], ends[i]
-        value = values[s]
-        chosen.append(value if not math.isnan(value) else -math.inf)
+        chosen.append(values[s])
         tokens.append(ids[s])
         if want_top:
             tops.append([(ids[j], values[j]) for j in range(s + 1, e)])
     return chosen, (tops if want_top else None), tokens
+
+
+def _drawn_nan(flat: Any, positions: range) -> bool:
+    """Whether the chosen token's log-prob is NaN at any of ``positions`` of a vLLM ``FlatLogprobs``."""
+    values, starts = flat.logprobs, flat.start_indices
+    return any(math.isnan(values[starts[i]]) for i in positions)
 
 
 # -- vLLM outputs -> twinkle sequences ------------------------------------------------------
@@ -265,6 +271,8 @@ def to_response(
             for _ in range(params.num_samples)
         ]
         return SampleResponse(prompt_token_ids=list(prompt_ids), sequences=empty)
+    if final.prompt_logprobs is not None and _drawn_nan(final.prompt_logprobs, range(1, len(prompt_ids))):
+        raise NumericalError.in_logits(adapter)  # a prompt token's NaN log-prob: NaN logits, as for a drawn token
     sequences: list[SampledSequence] = []
     for index, output in enumerate(final.outputs):
         raw = rescored[index] if rescored is not None else None
@@ -299,6 +307,11 @@ def to_sequence(
     if reason == "stop":
         # vLLM reports None for the model's own EOS; name the token instead.
         stop = output.stop_reason if output.stop_reason is not None else (tokens[-1] if tokens else None)
+    # A drawn token has a probability: a NaN log-prob means the logits were NaN, and vLLM drew token 0 from them.
+    # Every request asks for the drawn tokens' (make_plan), so this holds whether or not the call wants log-probs,
+    # and for the token a scoring request draws and drops.
+    if output.logprobs is not None and _drawn_nan(output.logprobs, range(len(output.token_ids))):
+        raise NumericalError.in_logits(adapter)
     text = context.template.completion_text(tokens, params, stop)
     logprobs: list[float] | None = None
     top: list[list[tuple[int, float]]] | None = None
@@ -309,9 +322,6 @@ def to_sequence(
         else:
             flat = raw.prompt_logprobs if raw is not None else output.logprobs
             positions = range(len(prompt_ids), len(prompt_ids) + len(tokens)) if raw is not None else range(len(tokens))
-            if any(math.isnan(flat.logprobs[flat.start_indices[i]]) for i in positions):
-                # a drawn token has a probability: NaN means the logits were NaN, and vLLM drew token 0 from them
-                raise NumericalError.in_logits(adapter)
             logprobs, top, _ = flat_entries(flat, positions, want_top)
     return context.make_sequence(
         prompt_ids,
