@@ -330,6 +330,27 @@ def test_an_update_that_failed_part_way_turns_requests_away_until_pushed_again(c
     assert r.choices[0].model_extra["weights_version"] == version
 
 
+def test_weights_that_overflow_are_a_server_error_not_a_bad_request(client: Any, sampler: Any) -> None:
+    """NaN logits are the served weights' fault: 500 ``numerical_error``, streamed or not; the server goes on."""
+    import torch
+
+    norm = sampler.model.state_dict()["model.norm.weight"].clone()
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+    sampler.update_weights({"model.norm.weight": torch.full_like(norm, 3e38)})
+    try:
+        with pytest.raises(openai.APIStatusError) as info:
+            client.chat.completions.create(**ask)
+        assert info.value.status_code == 500 and info.value.code == "numerical_error"
+        with pytest.raises(openai.APIError) as streamed:  # after the stream's 200: the error body as its last event
+            list(client.chat.completions.create(**ask, stream=True))
+        assert streamed.value.code == "numerical_error"
+        for error in (info.value, streamed.value):
+            assert error.type == "server_error" and "NaN or infinity" in error.message
+    finally:
+        sampler.update_weights({"model.norm.weight": norm})
+    assert client.chat.completions.create(**ask).choices[0].finish_reason in ("stop", "length")
+
+
 def test_bad_server_options_are_refused_before_it_listens(sampler: Any) -> None:
     for options, message in (
         ({"port": 99999}, "port=99999 is invalid: expected an integer from 0 to 65535"),

@@ -44,6 +44,7 @@ from twinkle_core.errors import (
     EngineDeadError,
     IncompleteUpdateError,
     InvalidInputError,
+    NumericalError,
     PromptTooLongError,
     SamplerClosedError,
     TwinkleError,
@@ -87,6 +88,8 @@ def _twinkle_status(exc: TwinkleError, names: Mapping[str, str] | None = None) -
         return ApiError(503, str(exc), kind="server_error", code="engine_unavailable")
     if isinstance(exc, IncompleteUpdateError):  # until a weight push repairs it
         return ApiError(503, str(exc), kind="server_error", code="weights_incomplete")
+    if isinstance(exc, NumericalError):  # the served weights overflow: not the request's fault, nor one to retry
+        return ApiError(500, str(exc), kind="server_error", code="numerical_error")
     if isinstance(exc, UnknownAdapterError):
         return ApiError(404, str(exc), param="model", code="model_not_found")
     if isinstance(exc, LookupError):
