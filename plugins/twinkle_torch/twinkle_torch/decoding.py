@@ -53,6 +53,7 @@ from twinkle_core.data_format import SamplingMask, SamplingParams
 from twinkle_core.errors import InvalidSamplingParams, NumericalError, SamplerClosedError
 from twinkle_torch.cache import PreallocatedLayer, gather_prefills, join_caches, joinable, make_cache, select_rows
 from twinkle_torch.constraints import LogitConstraints
+from twinkle_torch.openmp import release_idle_workers
 from twinkle_torch.sampling import RowRandomness, TokenSampler, Workspace, derive_seed
 from twinkle_torch.stopping import StopStringMatcher
 
@@ -104,6 +105,12 @@ def _give_back_freed_memory() -> None:
     """
     if _LIBC is not None:
         _LIBC.malloc_trim(0)
+
+
+def _name_this_thread(name: bytes) -> None:
+    """Give the calling thread a kernel name (Linux), which ``top -H`` shows and its OpenMP workers inherit."""
+    if _LIBC is not None and hasattr(_LIBC, "prctl"):
+        _LIBC.prctl(15, name, 0, 0, 0)  # PR_SET_NAME; at most 15 bytes
 
 
 OutOfMemoryError: type[BaseException] = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
@@ -404,6 +411,8 @@ class Decoder:
                 rows.append(row)
         if rows:
             job.pending = len(rows)
+            if threading.current_thread() is not self._thread:
+                release_idle_workers()  # this thread waits now: its idle OpenMP pool would slow the loop's
             with self._cond:
                 if self._closed:
                     raise SamplerClosedError("The torch engine is closed: its decode loop takes no new runs.")
@@ -454,6 +463,7 @@ class Decoder:
 
     # -- the loop -----------------------------------------------------------------------------
     def _loop(self) -> None:
+        _name_this_thread(b"twinkle-decode")
         with torch.inference_mode():
             while True:
                 with self._cond:

@@ -40,6 +40,8 @@ from pathlib import Path
 
 import torch
 
+from twinkle_torch import openmp
+
 __all__ = ["KernelUnavailable", "decode_attention", "load", "nucleus"]
 
 _SOURCES = tuple(Path(__file__).with_name(name) for name in ("decode_attention.cpp", "nucleus.cpp"))
@@ -140,6 +142,7 @@ def load() -> ctypes.CDLL:
                 nucleus_function.argtypes += [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
                 nucleus_function.restype = ctypes.c_int
                 _loaded = library
+                openmp.rescan()  # built with -fopenmp: it may have brought an OpenMP runtime of its own
         if isinstance(_loaded, KernelUnavailable):
             raise KernelUnavailable(str(_loaded))
         return _loaded
