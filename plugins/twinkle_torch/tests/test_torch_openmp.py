@@ -127,3 +127,33 @@ def test_a_thread_that_waits_for_its_sample_leaves_no_idle_workers_behind(
     assert before == 1 + workers
     assert after == 1  # the call gave the idle workers back
     assert [s.tokens for r in out for s in r.sequences] == [s.tokens for r in reference for s in r.sequences]
+
+
+def test_building_the_engine_and_pushing_weights_leave_no_idle_workers_on_the_callers_thread(
+    tiny_llama: Path, chat_prompts: list[Trajectory]
+) -> None:
+    """Calls handed to a thread of their own (asample, submit, the server) wait there: the pool that the
+    thread which loaded the model or pushed weights made must not outlive that work."""
+    workers = torch.get_num_threads() - 1
+    params = SamplingParams(max_tokens=4, seed=5)
+
+    def owner() -> tuple[list[int], Any, Any]:
+        counts = []
+        _parallel_work()
+        counts.append(_named("twk-omp-owner"))
+        built = TorchSampler(tiny_llama, device="cpu", dtype="float32")
+        try:
+            counts.append(_named("twk-omp-owner"))
+            before = built.sample(chat_prompts[:2], params)
+            weights = [(name, value.detach().clone()) for name, value in built.model.state_dict().items()]
+            _parallel_work()
+            counts.append(_named("twk-omp-owner"))
+            built.update_weights(weights, version=1)
+            counts.append(_named("twk-omp-owner"))
+            return counts, before, built.sample(chat_prompts[:2], params)
+        finally:
+            built.close()
+
+    counts, before, after = _in_named_thread("twk-omp-owner", owner)
+    assert counts == [1 + workers, 1, 1 + workers, 1]
+    assert [s.tokens for r in after for s in r.sequences] == [s.tokens for r in before for s in r.sequences]

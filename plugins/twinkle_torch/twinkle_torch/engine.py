@@ -62,6 +62,7 @@ from twinkle_torch.linear import available as onednn_available
 from twinkle_torch.linear import use_onednn
 from twinkle_torch.native import KernelUnavailable
 from twinkle_torch.native import load as load_native_kernel
+from twinkle_torch.openmp import release_idle_workers, releasing
 from twinkle_torch.weights import WeightTable
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "SUPPORTED_PARAMS", "TorchEngine"]
@@ -490,6 +491,7 @@ class TorchEngine(Engine):
             vocab_size=self.info.vocab_size,
             native_kernels=attention == NATIVE_ATTN_IMPLEMENTATION,
         )
+        release_idle_workers()  # loading ran parallel work on this thread: its idle pool would slow the loop
 
     @property
     def max_batch_tokens(self) -> int:
@@ -566,6 +568,7 @@ class TorchEngine(Engine):
             for p, (seqs, score) in enumerate(zip(sequences, scores))
         ]
 
+    @releasing
     def load_adapter(self, adapter: AdapterInput, *, version: int, merge: bool = False, **kwargs: Any) -> str:
         """Load (or replace) ``adapter``; with ``merge=True``, merge it into the weights.
 
@@ -630,12 +633,14 @@ class TorchEngine(Engine):
             raise
         self._merged.commit(plan)
 
+    @releasing
     def remove_adapter(self, name: str) -> None:
         if self._merged.name == name:
             self._unmerge()
         else:
             self._adapter_set.remove(name)
 
+    @releasing
     def update_weights(self, named_tensors: list[tuple[str, Any]], *, version: int) -> None:
         pairs = self._weights.check(named_tensors)
         if self._merged.name is None:

@@ -1,4 +1,4 @@
-"""Hand back a caller thread's idle OpenMP workers before the decode loop runs.
+"""Hand back a caller thread's idle OpenMP workers, which would slow the decode loop.
 
 PyTorch's CPU kernels (and oneDNN's matmuls) run their parallel loops on GNU
 OpenMP (``libgomp``) on Linux, which keeps a pool of worker threads for every
@@ -19,20 +19,30 @@ on a 2-core machine an elementwise op on ``[64, 576]`` after a matmul took
 5.0's ``omp_pause_resource_all``, which ``libgomp`` implements for the
 calling thread's pool only). The thread gets a new pool the next time it
 runs a parallel loop, at the cost of starting its workers again (tens of
-microseconds). The decoder calls it on the caller's thread before that
-thread waits for its run. It does nothing where the runtime is not
-``libgomp`` (LLVM's ``libomp`` pauses the whole runtime, so it is left
-alone) or where no OpenMP runtime is loaded.
+microseconds). The engine calls it on the caller's thread wherever that
+thread has just run its own parallel work or is about to wait: at the end
+of the engine's construction (loading the model) and of every weight or
+adapter change (:func:`releasing`), and in ``Decoder.run`` before the
+caller waits for its rows. A call handed to a background thread
+(``submit()``, ``asample()``, the server's requests) waits on a thread of
+its own, so the thread that loaded the model must not keep its pool. It
+does nothing where the runtime is not ``libgomp`` (LLVM's ``libomp``
+pauses the whole runtime, so it is left alone) or where no OpenMP runtime
+is loaded.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
-__all__ = ["release_idle_workers", "rescan"]
+__all__ = ["release_idle_workers", "releasing", "rescan"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 _OMP_PAUSE_SOFT = 1
 _lock = threading.Lock()
@@ -85,3 +95,16 @@ def release_idle_workers() -> int:
             _runtimes = _loaded_libgomp()
         runtimes = _runtimes
     return sum(1 for lib in runtimes if lib.omp_pause_resource_all(_OMP_PAUSE_SOFT) == 0)
+
+
+def releasing(method: _F) -> _F:
+    """Wrap ``method`` to release the calling thread's idle workers when it returns or raises."""
+
+    @functools.wraps(method)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        finally:
+            release_idle_workers()
+
+    return wrapper  # type: ignore[return-value]
