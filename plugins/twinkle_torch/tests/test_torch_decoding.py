@@ -287,6 +287,33 @@ def test_gather_prefills_right_aligns_rows_from_several_caches() -> None:
     assert gathered.get_seq_length() == 6
 
 
+def test_a_new_caches_layers_each_keep_their_own_states() -> None:
+    # a cache's layers take buffers allocated together at the first layer's update;
+    # a layer of other shapes (or dtype) than the first gets its own
+    from transformers import LlamaConfig
+
+    from twinkle_torch.cache import make_cache
+
+    config = LlamaConfig(num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, hidden_size=8)
+    cache = make_cache(config, 6)
+    shapes = [(2, 1, 3, 4), (2, 1, 3, 4), (2, 2, 3, 8), (2, 1, 3, 4)]
+    dtypes = [torch.float32, torch.float32, torch.float32, torch.float64]
+    states = [torch.randn(shape, dtype=dtype) for shape, dtype in zip(shapes, dtypes)]
+    for layer, k in enumerate(states):
+        keys, values = cache.update(k, -k, layer)
+        assert torch.equal(keys, k) and torch.equal(values, -k)
+    for _ in range(2):  # decode steps write in place, past the prefill, each layer into its own buffers
+        steps = [torch.randn(k.shape[0], k.shape[1], 1, k.shape[3], dtype=k.dtype) for k in states]
+        for layer, step in enumerate(steps):
+            cache.update(step, 2 * step, layer)
+        states = [torch.cat([k, step], dim=2) for k, step in zip(states, steps)]
+    for layer, k in enumerate(states):
+        assert torch.equal(cache.layers[layer].keys, k) and cache.layers[layer].capacity == 6
+        assert torch.equal(cache.layers[layer].values[:, :, :3], -k[:, :, :3])
+    buffers = [t.data_ptr() for layer in cache.layers for t in (layer._k, layer._v)]
+    assert len(set(buffers)) == len(buffers)
+
+
 def test_attention_row_blocks_skip_only_columns_their_rows_mask() -> None:
     from twinkle_torch.attention import row_blocks
 
