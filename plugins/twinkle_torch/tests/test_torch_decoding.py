@@ -314,6 +314,22 @@ def test_a_new_caches_layers_each_keep_their_own_states() -> None:
     assert len(set(buffers)) == len(buffers)
 
 
+def test_buffers_reserved_for_a_layer_that_never_writes_are_freed_at_the_next_forward() -> None:
+    from transformers import LlamaConfig
+
+    from twinkle_torch.cache import make_cache
+
+    config = LlamaConfig(num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, hidden_size=8)
+    cache = make_cache(config, 4)
+    k = torch.randn(1, 1, 2, 4)
+    for layer in range(2):  # layer 2 never writes (as a layer that reads another's cache)
+        cache.update(k, k, layer)
+    reservation = cache.layers[0]._reservation
+    assert reservation is not None and len(reservation.spare) == 1  # layer 2's, held for this forward only
+    keys, _ = cache.update(k[:, :, :1], k[:, :, :1], 0)  # the next forward
+    assert not reservation.spare and torch.equal(keys, torch.cat([k, k[:, :, :1]], dim=2))
+
+
 def test_attention_row_blocks_skip_only_columns_their_rows_mask() -> None:
     from twinkle_torch.attention import row_blocks
 

@@ -48,7 +48,8 @@ class _Reservation:
     attention layers this cache holds in the models seen so far). A layer
     whose shapes, dtype or device differ gets buffers of its own, and the
     guess is dropped: a wrong guess costs an allocation, never a
-    wrong result.
+    wrong result. What a layer that never writes would have taken is freed
+    when the next forward begins.
     """
 
     def __init__(self, layers: int) -> None:
@@ -111,6 +112,9 @@ class PreallocatedLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        elif self._reservation is not None and self._reservation.spare:
+            # a second forward has begun: a layer that took no buffers in the first never writes
+            self._reservation.spare.clear()
         assert self._k is not None and self._v is not None
         end = self.length + key_states.shape[-2]
         if end > self.capacity:
