@@ -10,7 +10,9 @@ the asked length; temperature 1.0, top_p 0.95) through
 * ``hf-generate``: Hugging Face ``model.generate``, one left-padded batch;
 * ``vllm-raw``: ``vllm.LLM.generate`` (bench_vllm.py's runner, same engine options);
 * ``twinkle-vllm``: ``vLLMSampler.sample`` on that engine;
-* ``twinkle-torch``: ``TorchSampler.sample``.
+* ``twinkle-torch``: ``TorchSampler.sample``;
+* ``twinkle-torch-packed``: the same with ``linear_kernel="onednn-packed"``
+  (not in the default ``--runners``).
 
 Two sweeps: batch size (``--batches``, default 1 4 16 64 256 sequences) at
 ``--batch-length`` tokens, and completion length (``--lengths``, default 32
@@ -61,6 +63,7 @@ RUNNERS: dict[str, tuple[str, dict[str, Any]]] = {
     "vllm-raw": ("bench_vllm:vllm_raw_runner", dict(VLLM_ARGS)),
     "twinkle-vllm": ("harness:sampler_runner", {"engine": "vllm", "engine_args": dict(VLLM_ARGS)}),
     "twinkle-torch": ("harness:sampler_runner", {"engine": "torch"}),
+    "twinkle-torch-packed": ("harness:sampler_runner", {"engine": "torch", "linear_kernel": "onednn-packed"}),
 }
 
 
@@ -195,7 +198,11 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runners", default=",".join(RUNNERS), help=f"comma-separated, of {', '.join(RUNNERS)}")
+    parser.add_argument(
+        "--runners",
+        default=",".join(r for r in RUNNERS if r != "twinkle-torch-packed"),
+        help=f"comma-separated, of {', '.join(RUNNERS)}",
+    )
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--batch-length", type=int, default=64, help="completion length of the batch sweep")
     parser.add_argument("--lengths", type=int, nargs="+", default=[32, 128, 512])

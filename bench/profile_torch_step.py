@@ -3,6 +3,7 @@
     python bench/profile_torch_step.py                       # SmolLM2, batch 1 16 64 256, 64 tokens
     python bench/profile_torch_step.py --batches 64 --tokens 32 --logprobs none
     python bench/profile_torch_step.py --attention-kernel sdpa      # PyTorch's attention instead
+    python bench/profile_torch_step.py --linear-kernel onednn-packed  # the matmuls on packed weights
     python bench/profile_torch_step.py --nucleus topk               # log-probs' top-p mass by topk
 
 One run, in one process, on ``builtin://smollm2-135m-instruct`` in float32
@@ -297,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logprobs", default="0", help="SamplingParams.logprobs: a number, or 'none'")
     parser.add_argument("--floor-repeats", type=int, default=5)
     parser.add_argument("--attention-kernel", default="auto", help="the engine's attention_kernel option")
+    parser.add_argument("--linear-kernel", default="auto", help="the engine's linear_kernel option (onednn-packed...)")
     parser.add_argument(
         "--nucleus",
         choices=("auto", "topk"),
@@ -313,7 +315,13 @@ def main(argv: list[str] | None = None) -> int:
     from twinkle_core import create_sampler
 
     with quiet():
-        sampler = create_sampler("torch", model_id=args.model, dtype=args.dtype, attention_kernel=args.attention_kernel)
+        sampler = create_sampler(
+            "torch",
+            model_id=args.model,
+            dtype=args.dtype,
+            attention_kernel=args.attention_kernel,
+            linear_kernel=args.linear_kernel,
+        )
     if args.nucleus == "topk":
         sampler.engine._decoder.native_kernels = False
     plain, timers = Timers(), Timers()

@@ -475,7 +475,7 @@ def test_parallel_meshes_point_at_remote_execution(tiny_llama: Path) -> None:
         ({"dtype": "float8"}, "dtype"),
         ({"device": "tpu:0"}, "device"),
         ({"max_batch_tokens": 0}, "max_batch_tokens"),
-        ({"linear_kernel": "fast"}, "linear_kernel='fast'.*'auto', 'onednn', 'torch'"),
+        ({"linear_kernel": "fast"}, "linear_kernel='fast'.*'auto', 'onednn', 'onednn-packed', 'torch'"),
         ({"attention_kernel": "flash"}, "attention_kernel='flash'.*'auto', 'native', 'sdpa'"),
         ({"dtype": torch.int8}, "dtype=torch.int8 is invalid: expected a floating-point dtype"),
         # an option neither the engine nor from_pretrained takes: named, with the engine's options
@@ -574,13 +574,81 @@ def test_the_onednn_linear_kernel_scores_as_f_linear_does(tiny_llama: Path, chat
     """CPU models run their linear layers through oneDNN by default; ``linear_kernel='torch'`` keeps F.linear."""
     params = SamplingParams(max_tokens=0, prompt_logprobs=2)
     scores = {}
-    for kernel in ("torch", "auto"):
+    for kernel in ("torch", "auto", "onednn-packed"):
         with TorchSampler(tiny_llama, device="cpu", dtype="float32", linear_kernel=kernel) as s:
             own = [m for m in s.model.modules() if type(m) is torch.nn.Linear and "forward" in vars(m)]
-            assert bool(own) == (kernel == "auto")
+            assert bool(own) == (kernel != "torch")
             scores[kernel] = [r.prompt_logprobs[1:] for r in s.sample(chat_prompts[:3], params)]
-    for plain, fast in zip(scores["torch"], scores["auto"]):
-        assert fast == pytest.approx(plain, abs=1e-4)
+    for kernel in ("auto", "onednn-packed"):
+        for plain, fast in zip(scores["torch"], scores[kernel]):
+            assert fast == pytest.approx(plain, abs=1e-4)
+
+
+def test_packed_weights_follow_every_weight_change(
+    tiny_llama: Path, lora_dirs: dict[str, Path], chat_prompts: list[Trajectory]
+) -> None:
+    """``linear_kernel='onednn-packed'`` scores with the weights as they are: LoRA, a merge, an update, an unmerge."""
+    params = SamplingParams(max_tokens=0, prompt_logprobs=1)
+
+    def scores(s: TorchSampler, adapter: str = "") -> list[float]:
+        return [x for r in s.sample(chat_prompts[:3], params, adapter_name=adapter) for x in r.prompt_logprobs[1:]]
+
+    def differ(a: list[float], b: list[float]) -> bool:
+        return any(abs(x - y) > 1e-3 for x, y in zip(a, b))
+
+    with (
+        TorchSampler(tiny_llama, device="cpu", linear_kernel="onednn-packed") as packed,
+        TorchSampler(tiny_llama, device="cpu") as dense,
+    ):
+        held = [m for m in packed.model.modules() if "_twinkle_packed" in vars(m)]
+        assert len(held) == sum(type(m) is torch.nn.Linear for m in packed.model.modules())  # packed at load
+        base = scores(packed)
+        assert base == pytest.approx(scores(dense), abs=1e-4)
+        changes: list[tuple[Any, str]] = [
+            (lambda s: s.add_adapter_to_model("a", lora_dirs["a"]), "a"),  # PEFT's layers call the packed base
+            (lambda s: (s.remove_adapter("a"), s.add_adapter_to_model("m", lora_dirs["b"], merge=True)), "m"),
+            (lambda s: s.update_weights(_perturbed(tiny_llama)), "m"),  # pushed while merged
+            (lambda s: s.remove_adapter("m"), ""),  # back to the pushed base
+        ]
+        last = base
+        for change, adapter in changes:
+            change(packed)
+            change(dense)
+            now = scores(packed, adapter)
+            assert now == pytest.approx(scores(dense, adapter), abs=1e-4)
+            assert differ(now, last)
+            last = now
+
+
+def test_a_packed_linear_sees_its_weight_change() -> None:
+    """A packed copy is remade after an in-place write, a ``.data =`` swap, a new parameter; drop_packed frees it."""
+    from twinkle_torch.linear import drop_packed, use_onednn
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8)
+    model = torch.nn.Sequential(layer)
+    assert use_onednn(model, packed=True) == 1
+    x = torch.randn(5, 16)
+
+    def check() -> None:
+        with torch.inference_mode():
+            got = layer(x)
+        assert torch.allclose(got, torch.nn.functional.linear(x, layer.weight, layer.bias), atol=1e-5)
+
+    check()
+    with torch.no_grad():
+        layer.weight.mul_(-2)
+    check()
+    with torch.inference_mode():
+        layer.weight.copy_(torch.randn(8, 16))
+    check()
+    layer.weight.data = torch.randn(8, 16)
+    check()
+    layer.weight = torch.nn.Parameter(torch.randn(8, 16))
+    check()
+    layer.weight.data += 1  # bumps no version counter: not seen until the copy is dropped
+    assert drop_packed(model) == 1 and drop_packed(model) == 0
+    check()
 
 
 def test_the_onednn_linear_falls_back_where_it_does_not_apply() -> None:

@@ -81,7 +81,7 @@ SUPPORTED_PARAMS = frozenset(
     }
 )  # fmt: skip
 
-_LINEAR_KERNELS = ("auto", "onednn", "torch")
+_LINEAR_KERNELS = ("auto", "onednn", "onednn-packed", "torch")
 _ATTENTION_KERNELS = ("auto", "native", "sdpa")
 
 logger = logging.getLogger(__name__)
@@ -373,8 +373,11 @@ class TorchEngine(Engine):
         trust_remote_code: passed to ``from_pretrained``.
         linear_kernel: ``"auto"`` (oneDNN's matmul for the linear layers of a
             CPU model, see :mod:`twinkle_torch.linear`; PyTorch's elsewhere),
-            ``"onednn"`` (the same, and an error where the build lacks it) or
-            ``"torch"`` (``F.linear`` everywhere).
+            ``"onednn"`` (the same, and an error where the build lacks it),
+            ``"onednn-packed"`` (the same kernel on copies of the weights in
+            its blocked layout: faster, while the linear weights take twice
+            their memory; a copy is remade at the first step after its weight
+            changed) or ``"torch"`` (``F.linear`` everywhere).
         attention_kernel: ``"auto"`` (on CPU, decode steps through the
             attention kernel of :mod:`twinkle_torch.native`, built on first use
             with the machine's C++ compiler; PyTorch's SDPA where it cannot be
@@ -414,10 +417,10 @@ class TorchEngine(Engine):
         _check_mesh(device_mesh)
         if linear_kernel not in _LINEAR_KERNELS:
             raise ConfigError(f"linear_kernel={linear_kernel!r} is invalid: expected one of {list(_LINEAR_KERNELS)}.")
-        if linear_kernel == "onednn" and not onednn_available():
+        if linear_kernel.startswith("onednn") and not onednn_available(packed=linear_kernel == "onednn-packed"):
             raise ConfigError(
-                "linear_kernel='onednn' is not available: this PyTorch build has no oneDNN (mkldnn) linear kernel."
-                " Use 'auto' or 'torch'."
+                f"linear_kernel={linear_kernel!r} is not available: this PyTorch build has no oneDNN (mkldnn) linear"
+                " kernel or weight reorder. Use 'auto' or 'torch'."
             )
         if attention_kernel not in _ATTENTION_KERNELS:
             raise ConfigError(
@@ -443,7 +446,7 @@ class TorchEngine(Engine):
         model = _load_model(path, config, self.dtype, trust_remote_code, model_kwargs, attention)
         self._model: torch.nn.Module = model.to(self.device).eval()
         if self.device.type == "cpu" and linear_kernel != "torch":
-            use_onednn(self._model)
+            use_onednn(self._model, packed=linear_kernel == "onednn-packed")
         _check_decodes(self._model, self.device)
         context.init_template(template, path)
         text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config

@@ -16,6 +16,18 @@ more; results differ from ``F.linear``'s by the order of the additions
 the engine does so for CPU models unless ``linear_kernel="torch"``. It falls
 back to ``F.linear`` wherever the kernel does not apply: autograd, another
 device or dtype, mixed dtypes.
+
+``use_onednn(model, packed=True)`` (the engine's ``linear_kernel="onednn-packed"``)
+runs the same kernel on a copy of each weight reordered into oneDNN's
+blocked layout, the fastest matmul this PyTorch has for these shapes, at
+the price of that copy: the model's linear weights are held twice. The copy
+is made at a layer's first call and made again at the first call after its
+weight changed, which a layer tells by the weight's identity, its storage
+address and its version counter: every in-place write through the tensor
+(``copy_``, ``mul_``... as the engine's weight updates and adapter merges
+do) bumps that counter, and a new tensor or ``.data =`` changes the other
+two. A write through ``weight.data`` (``layer.weight.data += d``) bumps no
+counter and is not seen: call :func:`drop_packed` after one.
 """
 
 from __future__ import annotations
@@ -25,41 +37,75 @@ from typing import Any
 
 import torch
 
-__all__ = ["available", "use_onednn"]
+__all__ = ["available", "drop_packed", "use_onednn"]
 
 _DTYPES = (torch.float32, torch.bfloat16)
 
-
-def available() -> bool:
-    """Whether this PyTorch build has the oneDNN linear kernel."""
-    return bool(getattr(torch._C, "_has_mkldnn", False)) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+#: The attribute of a layer that holds its packed weight and what it was packed from.
+_PACKED = "_twinkle_packed"
 
 
-def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    weight, bias = self.weight, self.bias
-    if (
+def available(packed: bool = False) -> bool:
+    """Whether this PyTorch build has the oneDNN linear kernel (and, with ``packed``, its weight reorder)."""
+    if not (bool(getattr(torch._C, "_has_mkldnn", False)) and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return not packed or hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _applies(layer: torch.nn.Linear, x: torch.Tensor) -> bool:
+    weight, bias = layer.weight, layer.bias
+    return not (
         x.device.type != "cpu"
         or weight.device.type != "cpu"
         or x.dtype != weight.dtype
         or weight.dtype not in _DTYPES
         or (bias is not None and bias.dtype != weight.dtype)
         or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))  # the kernel has no backward
-    ):
-        return torch.nn.functional.linear(x, weight, bias)
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    )
+
+
+def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if not _applies(self, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
     return out
 
 
-def use_onednn(model: Any) -> int:
+def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if not _applies(self, x):
+        return torch.nn.functional.linear(x, self.weight, self.bias)
+    weight = self.weight
+    held = self.__dict__.get(_PACKED)
+    if held is None or held[0] is not weight or held[1] != weight.data_ptr() or held[2] != weight._version:
+        self.__dict__.pop(_PACKED, None)  # the stale copy goes before the new one is made
+        with torch.inference_mode():
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
+        held = self.__dict__[_PACKED] = (weight, weight.data_ptr(), weight._version, packed)
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, held[3], self.bias, "none", [], "")
+    return out
+
+
+def use_onednn(model: Any, packed: bool = False) -> int:
     """Give every plain ``nn.Linear`` of ``model`` the oneDNN forward; returns how many.
 
-    Subclasses (quantised layers and the like) keep their own forward.
+    ``packed``: run it on packed copies of the weights (see the module's
+    docstring). Subclasses (quantised layers and the like) keep their own forward.
     """
-    if not available():
+    if not available(packed):
         return 0
+    forward = _packed_forward if packed else _forward
     count = 0
     for module in model.modules():
         if type(module) is torch.nn.Linear:
-            module.forward = types.MethodType(_forward, module)  # type: ignore[method-assign]
+            module.forward = types.MethodType(forward, module)  # type: ignore[method-assign]
+            count += 1
+    return count
+
+
+def drop_packed(model: Any) -> int:
+    """Free the packed weight copies of ``model``'s layers (remade at each layer's next call); returns how many."""
+    count = 0
+    for module in model.modules():
+        if module.__dict__.pop(_PACKED, None) is not None:
             count += 1
     return count
