@@ -243,9 +243,26 @@ def _causal_lm_class(config: Any) -> Any:
 
 #: The load check's tolerances on log-probs. A causal model's log-probs at a position do not
 #: depend on later tokens at all (the same rows through the same kernels): any change is reading
-#: ahead. Padding and the cache move them by float rounding only, far below this.
+#: ahead. Padding and the cache move them by float rounding only: below ``_DECODE_CHECK_NATS``
+#: plus ``_ROUNDING_ULPS`` units of the model dtype's precision at the position's largest logit
+#: (see ``_decode_tolerance``).
 _CAUSAL_CHECK_NATS = 1e-2
 _DECODE_CHECK_NATS = 1.0
+_ROUNDING_ULPS = 16
+
+
+def _decode_tolerance(logits: torch.Tensor, dtype: torch.dtype) -> float:
+    """How far padding or the cache may move a position's log-probs, given its raw ``logits``.
+
+    Rounding in the model's dtype moves a logit in proportion to its size:
+    bfloat16 keeps 8 significant bits, so SmolLM2's logits of up to 24 in
+    bfloat16 moved by up to 1.15 nats between its prefill (SDPA) and a decode
+    step (the native kernel, float32 inside), 6 units of bfloat16's precision
+    at 24; a model that reads the wrong keys moved them by 95 such units. In
+    float32 the allowance adds about 1e-4 nats to ``_DECODE_CHECK_NATS``.
+    """
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+    return _DECODE_CHECK_NATS + _ROUNDING_ULPS * eps * float(logits.float().abs().max())
 
 
 def _check_decodes(model: Any, device: torch.device) -> None:
@@ -277,7 +294,8 @@ def _check_decodes(model: Any, device: torch.device) -> None:
     other[0, -1] = (other[0, -1] + 1) % max(1, vocab)
     try:
         with torch.inference_mode():
-            full = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)
+            raw = model(input_ids=ids).logits
+            full = torch.log_softmax(raw.float(), dim=-1)
             changed = torch.log_softmax(model(input_ids=other).logits.float(), dim=-1)
             # the first three tokens left-padded by one (as the loop pads shorter prompts) into a cache,
             # then the fourth decoded from it
@@ -309,14 +327,15 @@ def _check_decodes(model: Any, device: torch.device) -> None:
             f" log-probs of the tokens before it by {ahead:.3g} nats (an encoder with a language-model head,"
             " e.g. one whose config has is_decoder=False)."
         )
+    dtype = model.get_input_embeddings().weight.dtype
     shift = float((padded - full[:, 2]).abs().max())
-    if not shift <= _DECODE_CHECK_NATS:
+    if not shift <= _decode_tolerance(raw[:, 2], dtype):
         raise ConfigError(
             f"{name} does not honour left padding (its attention mask and position ids): a probe left-padded by"
             f" one token moved its log-probs by {shift:.3g} nats, and the torch engine pads shorter prompts."
         )
     drift = float((stepped - full[:, 3]).abs().max())
-    if not drift <= _DECODE_CHECK_NATS:
+    if not drift <= _decode_tolerance(raw[:, 3], dtype):
         raise ConfigError(
             f"{name} does not decode from its KV cache as one forward would: the last token of a probe, decoded"
             f" from a left-padded cache of the first three, moved its log-probs by {drift:.3g} nats."
