@@ -670,6 +670,11 @@ def test_a_packed_linear_sees_its_weight_change() -> None:
     layer.weight.data += 1  # bumps no version counter: not seen until the copy is dropped
     assert drop_packed(model) == 1 and drop_packed(model) == 0
     check()
+    with torch.inference_mode():  # an inference tensor has no version counter: the dense weight runs
+        layer.weight = torch.nn.Parameter(torch.randn(8, 16))
+        check()
+        layer.weight.mul_(3)
+        check()
 
 
 def test_the_onednn_linear_falls_back_where_it_does_not_apply() -> None:

@@ -27,7 +27,9 @@ address and its version counter: every in-place write through the tensor
 (``copy_``, ``mul_``... as the engine's weight updates and adapter merges
 do) bumps that counter, and a new tensor or ``.data =`` changes the other
 two. A write through ``weight.data`` (``layer.weight.data += d``) bumps no
-counter and is not seen: call :func:`drop_packed` after one.
+counter and is not seen: call :func:`drop_packed` after one. A weight made
+under ``torch.inference_mode`` has no counter: its layer runs on the dense
+weight.
 """
 
 from __future__ import annotations
@@ -75,6 +77,8 @@ def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if not _applies(self, x):
         return torch.nn.functional.linear(x, self.weight, self.bias)
     weight = self.weight
+    if weight.is_inference():  # made under inference_mode: no version counter tells its changes, so no copy
+        return _forward(self, x)
     held = self.__dict__.get(_PACKED)
     if held is None or held[0] is not weight or held[1] != weight.data_ptr() or held[2] != weight._version:
         self.__dict__.pop(_PACKED, None)  # the stale copy goes before the new one is made
