@@ -477,6 +477,10 @@ def test_parallel_meshes_point_at_remote_execution(tiny_llama: Path) -> None:
         ({"max_batch_tokens": 0}, "max_batch_tokens"),
         ({"linear_kernel": "fast"}, "linear_kernel='fast'.*'auto', 'onednn', 'onednn-packed', 'torch'"),
         ({"attention_kernel": "flash"}, "attention_kernel='flash'.*'auto', 'native', 'sdpa'"),
+        # a CPU kernel asked for on another device is refused, not ignored ("meta" stands in for CUDA here)
+        ({"device": "meta", "linear_kernel": "onednn-packed"}, "linear_kernel='onednn-packed' runs on CPU only"),
+        ({"device": "meta", "linear_kernel": "onednn"}, "linear_kernel='onednn' runs on CPU only, not on meta"),
+        ({"device": "meta", "attention_kernel": "native"}, "attention_kernel='native' runs on CPU only, not on meta"),
         ({"dtype": torch.int8}, "dtype=torch.int8 is invalid: expected a floating-point dtype"),
         # an option neither the engine nor from_pretrained takes: named, with the engine's options
         ({"max_batch_token": 100}, "max_batch_token=100 is unknown.*max_batch_tokens.*Did you mean 'max_batch_tokens'"),

@@ -342,6 +342,19 @@ def _check_decodes(model: Any, device: torch.device) -> None:
         )
 
 
+def _check_linear_kernel(kernel: str, device: torch.device) -> None:
+    """Refuse a oneDNN linear kernel asked for where it would not run (another device, a build without it)."""
+    if not kernel.startswith("onednn"):
+        return
+    if device.type != "cpu":
+        raise ConfigError(f"linear_kernel={kernel!r} runs on CPU only, not on {device}. Use 'auto' or 'torch'.")
+    if not onednn_available(packed=kernel == "onednn-packed"):
+        raise ConfigError(
+            f"linear_kernel={kernel!r} is not available: this PyTorch build has no oneDNN (mkldnn) linear"
+            " kernel or weight reorder. Use 'auto' or 'torch'."
+        )
+
+
 def _attention_for(kernel: str, device: torch.device, model_kwargs: Mapping[str, Any]) -> str | None:
     """The attention implementation to load the model with (``None``: ``transformers``' choice or the user's)."""
     if kernel == "native":
@@ -392,7 +405,8 @@ class TorchEngine(Engine):
         trust_remote_code: passed to ``from_pretrained``.
         linear_kernel: ``"auto"`` (oneDNN's matmul for the linear layers of a
             CPU model, see :mod:`twinkle_torch.linear`; PyTorch's elsewhere),
-            ``"onednn"`` (the same, and an error where the build lacks it),
+            ``"onednn"`` (the same, and an error where the build lacks it or
+            the device is not the CPU),
             ``"onednn-packed"`` (the same kernel on copies of the weights in
             its blocked layout: faster, while the linear weights take twice
             their memory; a copy is remade at the first step after its weight
@@ -436,11 +450,6 @@ class TorchEngine(Engine):
         _check_mesh(device_mesh)
         if linear_kernel not in _LINEAR_KERNELS:
             raise ConfigError(f"linear_kernel={linear_kernel!r} is invalid: expected one of {list(_LINEAR_KERNELS)}.")
-        if linear_kernel.startswith("onednn") and not onednn_available(packed=linear_kernel == "onednn-packed"):
-            raise ConfigError(
-                f"linear_kernel={linear_kernel!r} is not available: this PyTorch build has no oneDNN (mkldnn) linear"
-                " kernel or weight reorder. Use 'auto' or 'torch'."
-            )
         if attention_kernel not in _ATTENTION_KERNELS:
             raise ConfigError(
                 f"attention_kernel={attention_kernel!r} is invalid: expected one of {list(_ATTENTION_KERNELS)}."
@@ -456,6 +465,7 @@ class TorchEngine(Engine):
         path = resolve_model_id(model_id, revision=model_kwargs.pop("revision", None))
         self.model_path = path
         self.device = _resolve_device(device)
+        _check_linear_kernel(linear_kernel, self.device)
         attention = _attention_for(attention_kernel, self.device, model_kwargs)
         try:
             config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)

@@ -78,7 +78,8 @@ def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight, self.bias)
     weight = self.weight
     if weight.is_inference():  # made under inference_mode: no version counter tells its changes, so no copy
-        return _forward(self, x)
+        dense: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
+        return dense
     held = self.__dict__.get(_PACKED)
     if held is None or held[0] is not weight or held[1] != weight.data_ptr() or held[2] != weight._version:
         self.__dict__.pop(_PACKED, None)  # the stale copy goes before the new one is made
