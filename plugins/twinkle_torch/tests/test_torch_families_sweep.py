@@ -83,11 +83,15 @@ def _build(model_type: str, out: Path) -> Any:
     return reference
 
 
+# "onednn-packed" runs each plain linear layer on a copy of its weight: every family must still read as itself
+@pytest.mark.parametrize("linear_kernel", ["auto", "onednn-packed"])
 @pytest.mark.parametrize("model_type", _families())
-def test_each_family_is_sampled_as_itself_or_refused_at_load(model_type: str, tmp_path: Path) -> None:
+def test_each_family_is_sampled_as_itself_or_refused_at_load(
+    model_type: str, linear_kernel: str, tmp_path: Path
+) -> None:
     reference = _build(model_type, tmp_path / model_type)
     try:
-        sampler = TorchSampler(tmp_path / model_type, device="cpu")
+        sampler = TorchSampler(tmp_path / model_type, device="cpu", linear_kernel=linear_kernel)
     except ConfigError as exc:  # refused: the error must say which of the engine's limits the model hits
         assert any(why in str(exc) for why in _REASONS), str(exc)
         return
