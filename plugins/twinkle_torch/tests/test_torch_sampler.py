@@ -477,10 +477,9 @@ def test_parallel_meshes_point_at_remote_execution(tiny_llama: Path) -> None:
         ({"max_batch_tokens": 0}, "max_batch_tokens"),
         ({"linear_kernel": "fast"}, "linear_kernel='fast'.*'auto', 'onednn', 'onednn-packed', 'torch'"),
         ({"attention_kernel": "flash"}, "attention_kernel='flash'.*'auto', 'native', 'sdpa'"),
-        # a CPU kernel asked for on another device is refused, not ignored ("meta" stands in for CUDA here)
-        ({"device": "meta", "linear_kernel": "onednn-packed"}, "linear_kernel='onednn-packed' runs on CPU only"),
-        ({"device": "meta", "linear_kernel": "onednn"}, "linear_kernel='onednn' runs on CPU only, not on meta"),
-        ({"device": "meta", "attention_kernel": "native"}, "attention_kernel='native' runs on CPU only, not on meta"),
+        # a device torch knows but the engine does not run on: named, with what it runs on
+        ({"device": "meta"}, "device='meta' is not supported by the torch engine: expected 'cpu', 'cuda'"),
+        ({"device": "mps"}, "device='mps' is not supported"),
         ({"dtype": torch.int8}, "dtype=torch.int8 is invalid: expected a floating-point dtype"),
         # an option neither the engine nor from_pretrained takes: named, with the engine's options
         ({"max_batch_token": 100}, "max_batch_token=100 is unknown.*max_batch_tokens.*Did you mean 'max_batch_tokens'"),
@@ -490,6 +489,24 @@ def test_parallel_meshes_point_at_remote_execution(tiny_llama: Path) -> None:
 def test_bad_constructor_arguments(tiny_llama: Path, kwargs: dict[str, Any], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         TorchSampler(tiny_llama, **kwargs)
+
+
+def test_cpu_only_kernels_are_refused_on_a_cuda_device() -> None:
+    """Asked for on CUDA, the oneDNN linears and the native attention are a ConfigError, never silently PyTorch's.
+
+    The construction checks run on the resolved device; no CUDA is needed to call them with one.
+    """
+    from twinkle_torch.engine import _attention_for, _check_linear_kernel
+
+    cuda = torch.device("cuda", 0)
+    for kernel in ("onednn", "onednn-packed"):
+        with pytest.raises(ConfigError, match=f"linear_kernel='{kernel}' runs on CPU only, not on cuda:0"):
+            _check_linear_kernel(kernel, cuda)
+    for kernel in ("auto", "torch"):  # these mean PyTorch's matmul off the CPU
+        _check_linear_kernel(kernel, cuda)
+    with pytest.raises(ConfigError, match="attention_kernel='native' runs on CPU only, not on cuda:0"):
+        _attention_for("native", cuda, {})
+    assert _attention_for("auto", cuda, {}) is None  # transformers' choice on CUDA
 
 
 def test_a_folder_that_holds_no_loadable_model_is_a_config_error(tiny_llama: Path, tmp_path: Path) -> None:

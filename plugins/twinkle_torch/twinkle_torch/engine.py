@@ -126,6 +126,8 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ConfigError(f"device={device!r} is invalid: expected 'cpu', 'cuda', 'cuda:N' or None.") from exc
+    if dev.type not in ("cpu", "cuda"):  # the engine runs and is tested on these two only
+        raise ConfigError(f"device={device!r} is not supported by the torch engine: expected 'cpu', 'cuda', 'cuda:N'.")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={device!r} asks for CUDA, but torch sees no CUDA device here; use 'cpu'.")
     return dev
