@@ -480,6 +480,7 @@ def test_parallel_meshes_point_at_remote_execution(tiny_llama: Path) -> None:
         # a device torch knows but the engine does not run on: named, with what it runs on
         ({"device": "meta"}, "device='meta' is not supported by the torch engine: expected 'cpu', 'cuda'"),
         ({"device": "mps"}, "device='mps' is not supported"),
+        ({"trust_remote_code": "false"}, "trust_remote_code='false' is invalid: expected True or False"),
         ({"dtype": torch.int8}, "dtype=torch.int8 is invalid: expected a floating-point dtype"),
         # an option neither the engine nor from_pretrained takes: named, with the engine's options
         ({"max_batch_token": 100}, "max_batch_token=100 is unknown.*max_batch_tokens.*Did you mean 'max_batch_tokens'"),

@@ -458,6 +458,8 @@ class TorchEngine(Engine):
             )
         if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
             raise ConfigError(f"max_batch_tokens={max_batch_tokens!r} is invalid: expected an integer >= 1.")
+        if not isinstance(trust_remote_code, bool):  # a string such as "false" would read as true
+            raise ConfigError(f"trust_remote_code={trust_remote_code!r} is invalid: expected True or False.")
         if max_model_len is not None and (
             isinstance(max_model_len, bool) or not isinstance(max_model_len, int) or max_model_len < 1
         ):
