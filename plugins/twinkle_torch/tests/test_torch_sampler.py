@@ -695,6 +695,7 @@ def test_a_packed_linear_sees_its_weight_change() -> None:
     with torch.inference_mode():  # an inference tensor has no version counter: the dense weight runs
         layer.weight = torch.nn.Parameter(torch.randn(8, 16))
         check()
+        assert drop_packed(model) == 0  # the copy of the weight it replaced is gone too
         layer.weight.mul_(3)
         check()
 

@@ -66,11 +66,16 @@ def _applies(layer: torch.nn.Linear, x: torch.Tensor) -> bool:
     )
 
 
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's matmul of ``x`` by ``weight`` (dense, or packed by ``_reorder_linear_weight``)."""
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return out
+
+
 def _forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if not _applies(self, x):
         return torch.nn.functional.linear(x, self.weight, self.bias)
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-    return out
+    return _onednn(x, self.weight, self.bias)
 
 
 def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -78,16 +83,15 @@ def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.linear(x, self.weight, self.bias)
     weight = self.weight
     if weight.is_inference():  # made under inference_mode: no version counter tells its changes, so no copy
-        dense: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, self.bias, "none", [], "")
-        return dense
+        self.__dict__.pop(_PACKED, None)  # nor a copy of the weight it replaced
+        return _onednn(x, weight, self.bias)
     held = self.__dict__.get(_PACKED)
     if held is None or held[0] is not weight or held[1] != weight.data_ptr() or held[2] != weight._version:
         self.__dict__.pop(_PACKED, None)  # the stale copy goes before the new one is made
         with torch.inference_mode():
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach())
         held = self.__dict__[_PACKED] = (weight, weight.data_ptr(), weight._version, packed)
-    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, held[3], self.bias, "none", [], "")
-    return out
+    return _onednn(x, held[3], self.bias)
 
 
 def use_onednn(model: Any, packed: bool = False) -> int:
