@@ -202,8 +202,6 @@ def _stream_events(server: RunningServer, path: str, body: dict[str, Any]) -> tu
     ("path", "body", "param"),
     [
         ("/v1/completions", {"prompt": [5, -1]}, "token id"),  # found by the engine, once the call runs
-        ("/v1/completions", {"prompt": "x " * 600}, "max_model_len"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 600}]}, "max_model_len"),
         ("/v1/completions", {"prompt": "Hi", "structured_outputs": {"regex": "(("}}, "regex"),
     ],
 )
@@ -222,6 +220,27 @@ def test_a_stream_the_engine_refuses_ends_with_the_error(
     assert errors == [plain.json()["error"]] and param in errors[0]["message"]
     healthy = {"prompt": [5, 6]} if path == "/v1/completions" else {"messages": [{"role": "user", "content": "hi"}]}
     _post(server, path, {"model": "tiny", "max_tokens": 2, **healthy})  # and the server goes on
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "x " * 600}),
+        ("/v1/completions", {"prompt": list(range(5, 700))}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi " * 600}]}),
+    ],
+)
+def test_a_prompt_that_cannot_fit_is_refused_before_a_stream_opens(
+    server: RunningServer, path: str, body: dict[str, Any]
+) -> None:
+    """Its length is known before the call runs: streamed or not, the answer is the same 400, OpenAI's code."""
+    body = {"model": "tiny", "max_tokens": 4, **body}
+    plain = httpx.post(server.url + path, json=body, timeout=60)
+    streamed = httpx.post(server.url + path, json={**body, "stream": True}, timeout=60)
+    assert plain.status_code == streamed.status_code == 400, plain.text
+    assert plain.json() == streamed.json()
+    assert plain.json()["error"]["code"] == "context_length_exceeded"
+    assert "max_model_len" in plain.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(

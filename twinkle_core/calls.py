@@ -32,6 +32,7 @@ from twinkle_core.errors import (
     EngineDeadError,
     IncompleteUpdateError,
     InvalidInputError,
+    PromptTooLongError,
     TemplateError,
     TwinkleError,
     UnknownAdapterError,
@@ -43,6 +44,7 @@ from twinkle_core.inputs import (
     check_params,
     check_prompt,
     normalize_inputs,
+    prompt_too_long,
     truncate_prompt,
     unpadded,
 )
@@ -268,7 +270,8 @@ class Calls:
             try:
                 if isinstance(item, TwinkleError):
                     raise item
-                feature = truncate_prompt(unpadded(self._encode_checked(item, index), index), params, limit)
+                encoded = self._encode_checked(item, index, params, limit, max_model_len)
+                feature = truncate_prompt(unpadded(encoded, index), params, limit)
                 check_prompt(feature, index, limit=limit, vocab=vocab, max_model_len=max_model_len)
             except TwinkleError as exc:
                 if on_invalid == "raise" or not isinstance(exc, ValueError):
@@ -363,10 +366,22 @@ class Calls:
         ]
         return SampleResponse(prompt_token_ids=list(prompt.input_ids), sequences=empty)
 
-    def _encode_checked(self, item: InputFeature | Trajectory, index: int) -> InputFeature:
-        """``encode``, with any failure of the template or tokenizer as a typed error naming the input."""
+    def _encode_checked(
+        self, item: InputFeature | Trajectory, index: int, params: SamplingParams, limit: int, max_model_len: int
+    ) -> InputFeature:
+        """``encode``, with any failure of the template or tokenizer as a typed error naming the input.
+
+        A text that cannot fit ``limit`` tokens is refused, and one truncated
+        to its end is cut, without tokenizing all of a text far longer than
+        that (:mod:`twinkle_core.template.bounds`).
+        """
+        keep = params.truncate_prompt_tokens
         try:
-            return self._owner.encode(item)
+            if keep is not None:
+                return self._owner.encode(item, keep_last=limit if keep == -1 else keep)
+            return self._owner.encode(item, max_tokens=limit)
+        except PromptTooLongError as exc:
+            raise prompt_too_long(index, exc.length, limit, max_model_len, at_least=exc.at_least) from None
         except TwinkleError:
             raise
         except (TypeError, ValueError, KeyError, IndexError, UnicodeError) as exc:

@@ -509,6 +509,26 @@ def sample(
     help="The most log-prob alternatives a request may ask for per position.",
 )
 @click.option(
+    "--max-body-mib",
+    default=32,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="The largest request body, in MiB (413 past it, checked while the body is read).",
+)
+@click.option(
+    "--max-pending-requests",
+    default=512,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="The most sampling calls held at once, running or waiting; one more gets 503 with Retry-After.",
+)
+@click.option(
+    "--request-timeout",
+    default=None,
+    type=click.FloatRange(min=0, min_open=True),
+    help="Seconds after which a sampling call is aborted; its reply holds what was sampled by then (default: none).",
+)
+@click.option(
     "--weight-transfer-config",
     "weight_transfer",
     default=None,
@@ -536,6 +556,9 @@ def serve(
     on_template_mismatch: str,
     default_max_tokens: int,
     max_logprobs: int,
+    max_body_mib: int,
+    max_pending_requests: int,
+    request_timeout: float | None,
     weight_transfer: str | None,
 ) -> None:
     """Serve a model over the OpenAI API (needs: pip install "twinkle-core[server]")."""
@@ -580,6 +603,9 @@ def serve(
             default_max_tokens=default_max_tokens,
             max_logprobs=max_logprobs,
             weight_transfer=transfer,
+            max_body_bytes=max_body_mib * 2**20,
+            max_pending_requests=max_pending_requests,
+            request_timeout=request_timeout,
         )
 
 

@@ -60,7 +60,7 @@ from twinkle_core.data_format import (
     Trajectory,
 )
 from twinkle_core.data_format.output import SampledSequence
-from twinkle_core.errors import InvalidInputError, TemplateError
+from twinkle_core.errors import InvalidInputError, PromptTooLongError, TemplateError
 from twinkle_core.template import Template
 from twinkle_core.tools import ToolCallParser, get_tool_parser
 
@@ -150,6 +150,10 @@ class Episode:
         on_template_mismatch: what to do when the template is not
             prefix-preserving: ``"raise"`` (default) or ``"keep_sampled"``
             (see the module docstring).
+        max_prompt_tokens: the most tokens the episode may hold (default: the
+            sampler's ``max_model_len`` when a sampler is given, else no bound).
+            Messages that would take it past this are refused without
+            tokenizing all of a text far longer than that.
 
     Raises:
         InvalidInputError: a bad trajectory or option.
@@ -163,6 +167,7 @@ class Episode:
         *,
         tool_parser: str | ToolCallParser | type[ToolCallParser] = "hermes",
         on_template_mismatch: OnTemplateMismatch = "raise",
+        max_prompt_tokens: int | None = None,
     ) -> None:
         if on_template_mismatch not in _MISMATCH_CHOICES:
             raise InvalidInputError(
@@ -179,12 +184,15 @@ class Episode:
                 " sampling the assistant's turn, so end it with a user, system or tool message."
             )
         self.template = _template_of(template)
+        if max_prompt_tokens is None and not isinstance(template, Template):
+            max_prompt_tokens = getattr(template, "max_model_len", None)
+        self.max_prompt_tokens = max_prompt_tokens
         self.tool_parser = get_tool_parser(tool_parser)
         self.on_template_mismatch: OnTemplateMismatch = on_template_mismatch
         self.messages: list[Message] = list(trajectory.messages)
         self.tools = list(trajectory.tools)
         self.extra = dict(trajectory.extra)
-        prompt = self.template.encode(trajectory, add_generation_prompt=True).input_ids
+        prompt = self.template.encode(trajectory, add_generation_prompt=True, max_tokens=max_prompt_tokens).input_ids
         self.tokens: list[int] = list(prompt)
         self.loss_mask: list[int] = [0] * len(prompt)
         self.logprobs: list[float | None] = [None] * len(prompt)
@@ -226,7 +234,7 @@ class Episode:
         """An independent copy sharing everything so far; the two diverge from here."""
         twin = object.__new__(Episode)
         twin.template, twin.tool_parser = self.template, self.tool_parser
-        twin.on_template_mismatch = self.on_template_mismatch
+        twin.on_template_mismatch, twin.max_prompt_tokens = self.on_template_mismatch, self.max_prompt_tokens
         twin.messages, twin.tools, twin.extra = list(self.messages), list(self.tools), dict(self.extra)
         twin.tokens, twin.loss_mask, twin.logprobs = list(self.tokens), list(self.loss_mask), list(self.logprobs)
         twin.segments = [Segment(kind=s.kind, tokens=list(s.tokens)) for s in self.segments]
@@ -332,6 +340,7 @@ class Episode:
         closing = self._closing()
         before = self._render(self.messages, False)
         after = self._render(self.messages + new, True)
+        self._check_room(after[len(before) :] if after.startswith(before) else after)
         problem = self._prefix_problem(before, after)
         if problem is None:
             delta_text = after[len(before) :]
@@ -369,6 +378,28 @@ class Episode:
     # -- template helpers ----------------------------------------------------------------------
     def _render(self, messages: list[Message], add_generation_prompt: bool) -> str:
         return self.template.render(Trajectory(messages=list(messages), tools=self.tools), add_generation_prompt)
+
+    def _check_room(self, text: str) -> None:
+        """Refuse new text of more tokens than the episode has room for, before it is tokenized whole.
+
+        Raises:
+            PromptTooLongError: naming the episode's length with the text, and its bound.
+        """
+        if self.max_prompt_tokens is None:
+            return
+        room = max(0, self.max_prompt_tokens - len(self.tokens))
+        try:
+            self.template.tokenize(text, max_tokens=room)
+        except PromptTooLongError as exc:
+            count = f"at least {exc.length}" if exc.at_least else str(exc.length)
+            raise PromptTooLongError(
+                f"The new messages have {count} tokens, but the episode holds {len(self.tokens)} of the"
+                f" {self.max_prompt_tokens} it may: there is room for {room} more.",
+                index=0,
+                length=len(self.tokens) + exc.length,
+                limit=self.max_prompt_tokens,
+                at_least=exc.at_least,
+            ) from None
 
     def _encode(self, text: str) -> list[int]:
         return [int(t) for t in self.template.tokenizer.encode(text, add_special_tokens=False)]

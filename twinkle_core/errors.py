@@ -106,19 +106,25 @@ class PromptTooLongError(InvalidInputError):
 
     Attributes:
         index: position of the offending input in the call.
-        length: the prompt length in tokens.
+        length: the prompt length in tokens; with ``at_least``, a lower bound.
         limit: the longest prompt the engine accepts.
+        at_least: the prompt was refused before it was tokenized whole, so
+            ``length`` counts only the tokens read before it was clear that
+            the prompt cannot fit (a text far longer than any context is
+            never tokenized whole).
     """
 
-    def __init__(self, message: str, *, index: int, length: int, limit: int) -> None:
+    def __init__(self, message: str, *, index: int, length: int, limit: int, at_least: bool = False) -> None:
         super().__init__(message)
         self.index = index
         self.length = length
         self.limit = limit
+        self.at_least = at_least
 
     def __reduce__(self) -> tuple[object, ...]:
         # keyword-only attributes survive pickling (errors cross process boundaries on Ray)
-        return (_rebuild, (type(self), self.args[0], {"index": self.index, "length": self.length, "limit": self.limit}))
+        fields = {"index": self.index, "length": self.length, "limit": self.limit, "at_least": self.at_least}
+        return (_rebuild, (type(self), self.args[0], fields))
 
 
 class UnknownSamplerError(TwinkleError, LookupError):

@@ -21,6 +21,7 @@ __all__ = [
     "check_params",
     "check_prompt",
     "normalize_inputs",
+    "prompt_too_long",
     "unpadded",
 ]
 
@@ -208,11 +209,20 @@ def check_prompt(feature: InputFeature, index: int, *, limit: int, vocab: int | 
         if bad:
             raise InvalidInputError(f"inputs[{index}] has token id {bad[0]} outside the vocabulary [0, {vocab}).")
     if len(feature.input_ids) > limit:
-        raise PromptTooLongError(
-            f"inputs[{index}] has {len(feature.input_ids)} prompt tokens but the model accepts at most"
-            f" {limit} (max_model_len={max_model_len}). Shorten it, or pass on_invalid='skip' to"
-            " sample the other inputs.",
-            index=index,
-            length=len(feature.input_ids),
-            limit=limit,
-        )
+        raise prompt_too_long(index, len(feature.input_ids), limit, max_model_len)
+
+
+def prompt_too_long(
+    index: int, length: int, limit: int, max_model_len: int, *, at_least: bool = False
+) -> PromptTooLongError:
+    """The error for input ``index`` of ``length`` tokens (``at_least``: counted only that far) over ``limit``."""
+    count = f"more than {limit} prompt tokens (at least {length}: a text this long is not tokenized whole)"
+    return PromptTooLongError(
+        f"inputs[{index}] has {count if at_least else f'{length} prompt tokens'} but the model accepts at most"
+        f" {limit} (max_model_len={max_model_len}). Shorten it, or pass on_invalid='skip' to"
+        " sample the other inputs.",
+        index=index,
+        length=length,
+        limit=limit,
+        at_least=at_least,
+    )

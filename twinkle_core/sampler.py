@@ -565,11 +565,17 @@ class Sampler:
         return self._state.change(in_flight, version, apply, lambda _version, _result: None)
 
     # -- sampling ------------------------------------------------------------------------
-    def encode(self, item: InputFeature | Trajectory) -> InputFeature:
-        """The prompt feature of one input (trajectories go through the template)."""
+    def encode(
+        self, item: InputFeature | Trajectory, *, max_tokens: int | None = None, keep_last: int | None = None
+    ) -> InputFeature:
+        """The prompt feature of one input (trajectories go through the template).
+
+        ``max_tokens`` and ``keep_last`` bound the work on a trajectory, as
+        :meth:`Template.encode` takes them; a feature is returned as it is.
+        """
         if isinstance(item, InputFeature):
             return item
-        return self.template.encode(item, add_generation_prompt=True)
+        return self.template.encode(item, add_generation_prompt=True, max_tokens=max_tokens, keep_last=keep_last)
 
     def sample(
         self,

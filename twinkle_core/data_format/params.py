@@ -30,10 +30,27 @@ MAX_PENALTY = 2.0
 MAX_LOGIT_BIAS = 100.0
 #: Bad words, and the token sequences they become (vLLM's ``VLLM_MAX_NUM_BAD_WORDS``).
 MAX_BAD_WORDS = 128
+#: Stop strings per call: each is looked for after every token of every sequence.
+MAX_STOP_STRINGS = 1024
+#: Characters in one stop string or bad word: a marker, not a document (a bad word is tokenized before the call
+#: runs, and a stop string longer than a context's text could never end a sequence).
+MAX_WORD_CHARS = 16384
+#: Characters of a refused value shown in an error message (a hostile value may be megabytes long).
+_SHOWN_CHARS = 200
+
+
+def _shown(value: Any) -> str:
+    """``repr(value)``, cut to :data:`_SHOWN_CHARS` characters with its full length said."""
+    text = repr(value)
+    if len(text) <= _SHOWN_CHARS:
+        return text
+    return f"{text[:_SHOWN_CHARS]}... ({len(text):,} characters)"
 
 
 def _bad(field: str, value: Any, accepted: str) -> InvalidSamplingParams:
-    return InvalidSamplingParams(f"SamplingParams.{field}={value!r} is invalid: expected {accepted}.", field=field)
+    return InvalidSamplingParams(
+        f"SamplingParams.{field}={_shown(value)} is invalid: expected {accepted}.", field=field
+    )
 
 
 def _is_int(value: Any) -> bool:
@@ -103,8 +120,16 @@ def _encodable(text: str) -> bool:
 def _stop_strings(value: Any) -> tuple[str, ...]:
     # Validated while converting, so the error shows the value the user passed.
     items = (value,) if isinstance(value, str) else value
-    if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) and s and _encodable(s) for s in items):
-        raise _bad("stop", value, "a non-empty string or a list of non-empty strings (valid Unicode text)")
+    accepted = (
+        f"a non-empty string or a list of at most {MAX_STOP_STRINGS} non-empty strings (valid Unicode text)"
+        f" of at most {MAX_WORD_CHARS} characters each"
+    )
+    if (
+        not isinstance(items, (list, tuple))
+        or len(items) > MAX_STOP_STRINGS
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_WORD_CHARS and _encodable(s) for s in items)
+    ):
+        raise _bad("stop", value, accepted)
     return tuple(items)
 
 
@@ -145,12 +170,15 @@ def _allowed_ids(value: Any) -> tuple[int, ...] | None:
 
 def _bad_words(value: Any) -> tuple[str, ...]:
     # a word of only whitespace is refused: its stripped form, the one every engine bans, is empty
-    accepted = f"a list of at most {MAX_BAD_WORDS} strings with text other than whitespace (valid Unicode text)"
+    accepted = (
+        f"a list of at most {MAX_BAD_WORDS} strings with text other than whitespace (valid Unicode text) of at"
+        f" most {MAX_WORD_CHARS} characters each"
+    )
     items = (value,) if isinstance(value, str) else value
     if items is None:
         return ()
     if not isinstance(items, (list, tuple)) or not all(
-        isinstance(w, str) and w.strip() and _encodable(w) for w in items
+        isinstance(w, str) and len(w) <= MAX_WORD_CHARS and w.strip() and _encodable(w) for w in items
     ):
         raise _bad("bad_words", value, accepted)
     words = tuple(dict.fromkeys(items))
@@ -313,7 +341,9 @@ class SamplingParams(Record):
             return value
         if isinstance(value, dict):
             return cls.from_dict(value)
-        raise InvalidSamplingParams(f"sampling_params={value!r} is invalid: expected a SamplingParams, a dict or None.")
+        raise InvalidSamplingParams(
+            f"sampling_params={_shown(value)} is invalid: expected a SamplingParams, a dict or None."
+        )
 
 
 def resolve_params(sampling_params: SamplingParams | dict[str, Any] | None, num_samples: int | None) -> SamplingParams:

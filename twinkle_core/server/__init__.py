@@ -88,6 +88,9 @@ def serve(
     sessions: SessionStore | None = None,
     log_level: str = "info",
     weight_transfer: Mapping[str, Any] | None = None,
+    max_body_bytes: int | None = None,
+    max_pending_requests: int | None = None,
+    request_timeout: float | None = None,
 ) -> None:
     """Serve ``sampler`` over the OpenAI API until interrupted (blocking).
 
@@ -113,6 +116,13 @@ def serve(
         weight_transfer: ``{"backend": "gloo"}`` turns on vLLM's weight-transfer
             routes (a trainer in another process pushes weights with
             :class:`twinkle_core.client.WeightClient`); see :mod:`twinkle_core.server.weights`.
+        max_body_bytes: the largest request body (413 past it, checked while
+            reading); default 32 MiB.
+        max_pending_requests: the most sampling calls held at once, running or
+            waiting; one more is answered 503 with ``Retry-After``; default 512.
+        request_timeout: seconds after which a sampling call is aborted, its
+            reply holding what was sampled by then (``None``: no deadline).
+            See :mod:`twinkle_core.server.limits`.
 
     Raises:
         ConfigError: a non-loopback host without an API key, or FastAPI/uvicorn missing.
@@ -127,7 +137,11 @@ def serve(
         "max_logprobs": max_logprobs,
         "sessions": sessions,
         "weight_transfer": weight_transfer,
+        "request_timeout": request_timeout,
     }
+    for name, value in (("max_body_bytes", max_body_bytes), ("max_pending_requests", max_pending_requests)):
+        if value is not None:  # None: the app's default
+            options[name] = value
     uvicorn.Server(_config(sampler, host, port, api_key, log_level, options)).run()
 
 

@@ -54,6 +54,7 @@ from twinkle_core.requests import Finished
 from twinkle_core.server.calls import Pending
 from twinkle_core.server.completions import complete
 from twinkle_core.server.control import add_control_routes
+from twinkle_core.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_REQUESTS, Limits, LimitsMiddleware
 from twinkle_core.server.protocol import (
     ApiError,
     ChatRequest,
@@ -98,11 +99,13 @@ def _twinkle_status(exc: TwinkleError, names: Mapping[str, str] | None = None) -
     if isinstance(exc, PromptTooLongError):  # the engine's advice (on_invalid='skip') means nothing here
         where = input_name(exc.index, names)
         what = "messages render to" if where == "messages" else f"{where} has"
+        count = f"at least {exc.length}" if exc.at_least else str(exc.length)
         return ApiError(
             400,
-            f"The {what} {exc.length} tokens, but this model takes at most {exc.limit} prompt tokens (its"
+            f"The {what} {count} tokens, but this model takes at most {exc.limit} prompt tokens (its"
             f" context, max_model_len, less one token to generate). Shorten {where}.",
             param=where.split("[")[0],
+            code="context_length_exceeded",  # OpenAI's code for this refusal
         )
     if isinstance(exc, InvalidInputError) and not getattr(exc, "field", None):
         index = input_index(str(exc))
@@ -141,8 +144,10 @@ class _Server:
         default_max_tokens: int,
         max_logprobs: int,
         sessions: SessionStore,
+        limits: Limits,
     ) -> None:
         self.sampler = sampler
+        self.limits = limits
         self.model_name = model_name
         self.tool_parser = get_tool_parser(tool_parser)
         self.no_parser = get_tool_parser("none")
@@ -301,16 +306,21 @@ class _Server:
             error = ApiError(
                 500, f"Internal error ({type(exc).__name__}); the server is still up.", kind="server_error"
             )
+        self.limits.refuse(error.code or ("invalid_request" if error.status < 500 else "server_error"))
         return error.event() + "data: [DONE]\n\n"
 
     # -- calls in flight, pause --------------------------------------------------------------------
     @contextmanager
     def tracked(self, request_id: str, pending: Pending) -> Iterator[None]:
-        """Name a call in flight (``/abort_requests`` takes the name) while the block runs."""
+        """Name a call in flight (``/abort_requests`` takes the name) while the block runs; abort it at the
+        deadline (``--request-timeout``)."""
         self.in_flight.setdefault(request_id, []).append(pending)
+        deadline = self.limits.deadline(pending.abort)
         try:
             yield
         finally:
+            if deadline is not None:
+                deadline.cancel()
             calls = self.in_flight.get(request_id, [])
             if pending in calls:
                 calls.remove(pending)
@@ -428,9 +438,13 @@ def create_app(
     sessions: SessionStore | None = None,
     max_workers: int = 64,
     weight_transfer: Mapping[str, Any] | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
+    request_timeout: float | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible application over ``sampler`` (see :func:`twinkle_core.server.serve`)."""
     transfer_config = check_weight_config(weight_transfer)
+    limits = Limits(max_body_bytes, max_pending_requests, request_timeout)
     state = _Server(
         sampler,
         model_name=model_name or "twinkle",
@@ -439,6 +453,7 @@ def create_app(
         default_max_tokens=default_max_tokens,
         max_logprobs=max_logprobs,
         sessions=sessions if sessions is not None else SessionStore(),
+        limits=limits,
     )
 
     @asynccontextmanager
@@ -453,12 +468,17 @@ def create_app(
     app = FastAPI(title="twinkle rollout server", lifespan=lifespan)
     app.state.twinkle = state
 
-    if api_key is not None:
+    app.add_middleware(LimitsMiddleware, limits=limits)
+    if api_key is not None:  # added last, so it runs first: a client without the key costs no body read
         app.add_middleware(_KeyCheck, api_key=api_key)
+
+    def refused(error: ApiError) -> JSONResponse:
+        limits.refuse(error.code or ("invalid_request" if error.status < 500 else "server_error"))
+        return error.response()
 
     @app.exception_handler(ApiError)
     async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return exc.response()
+        return refused(exc)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -467,18 +487,21 @@ def create_app(
             if e.get("type") == "json_invalid":  # its loc is a character position, not a field
                 where = e.get("loc", ("body", "?"))[-1]
                 why = (e.get("ctx") or {}).get("error", "")
-                return ApiError(
-                    400, f"Invalid request: the body is not valid JSON ({why or e.get('msg')}, at character {where})."
-                ).response()
+                return refused(
+                    ApiError(
+                        400,
+                        f"Invalid request: the body is not valid JSON ({why or e.get('msg')}, at character {where}).",
+                    )
+                )
             loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
             parts.append(f"{loc}: {e.get('msg')}" + (f" (got {brief(e['input'])})" if "input" in e else ""))
         first = exc.errors()[0].get("loc", ()) if exc.errors() else ()
         param = ".".join(str(x) for x in first if x != "body") or None
-        return ApiError(400, "Invalid request: " + "; ".join(parts), param=param).response()
+        return refused(ApiError(400, "Invalid request: " + "; ".join(parts), param=param))
 
     @app.exception_handler(TwinkleError)
     async def on_twinkle(request: Request, exc: TwinkleError) -> JSONResponse:
-        return _twinkle_status(exc, body_names(_route(request.url.path))).response()
+        return refused(_twinkle_status(exc, body_names(_route(request.url.path))))
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -683,6 +706,7 @@ async def _start(
                 trajectory,
                 tool_parser=parser,
                 on_template_mismatch=state.on_template_mismatch,
+                max_prompt_tokens=state.sampler.max_model_len - 1,  # one token left to generate
             )
         return _Call(state.sampler, session, base, target, params, adapter)
     except BaseException as exc:

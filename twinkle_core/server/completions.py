@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse
 from twinkle_core.data_format.params import MAX_NUM_SAMPLES
-from twinkle_core.errors import TwinkleError
+from twinkle_core.errors import PromptTooLongError, TwinkleError
 from twinkle_core.server.calls import Pending
 from twinkle_core.server.protocol import ApiError, CompletionRequest, body_names
 from twinkle_core.server.shapes import TokenNames, choice_text, stop_reason
@@ -54,25 +54,46 @@ def _prompts(state: _Server, req: CompletionRequest) -> tuple[list[InputFeature]
         )
     features: list[InputFeature] = []
     texts: list[str | None] = []
+    keep: int | None = None
+    if req.truncate_prompt_tokens is not None:
+        keep = state.sampler.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
+        if keep == 0:
+            message = "truncate_prompt_tokens=0 leaves no prompt: expected -1 or >= 1."
+            raise ApiError(400, message, param="truncate_prompt_tokens")
+    # A prompt longer than this can never run: refused before a long text is tokenized whole (or token ids copied).
+    limit = state.sampler.max_model_len - 1
     for i, item in enumerate(items):
-        if isinstance(item, str):
-            ids = list(state.sampler.template.tokenizer.encode(item, add_special_tokens=req.add_special_tokens))
-            texts.append(item)
-        else:
-            ids = list(item)
-            texts.append(None)
-        if req.truncate_prompt_tokens is not None:
-            keep = state.sampler.max_model_len if req.truncate_prompt_tokens == -1 else req.truncate_prompt_tokens
-            if keep == 0:
-                message = "truncate_prompt_tokens=0 leaves no prompt: expected -1 or >= 1."
-                raise ApiError(400, message, param="truncate_prompt_tokens")
-            if len(ids) > keep:
-                ids = ids[:keep] if req.truncation_side == "right" else ids[-keep:]
-                texts[-1] = None  # the echoed text is the kept tokens', decoded
+        try:
+            if isinstance(item, str):
+                ids = _tokenize(state, item, req, keep, limit)
+                texts.append(item)
+            else:
+                if keep is None and len(item) > limit:
+                    raise PromptTooLongError("", index=i, length=len(item), limit=limit)
+                ids = list(item)
+                texts.append(None)
+        except PromptTooLongError as exc:
+            too_long = PromptTooLongError("", index=i, length=exc.length, limit=limit, at_least=exc.at_least)
+            raise state.refusal(too_long, body_names("completions", req)) from None
+        if keep is not None and len(ids) > keep:
+            ids = ids[:keep] if req.truncation_side == "right" else ids[-keep:]
+            texts[-1] = None  # the echoed text is the kept tokens', decoded
         if not ids:
             raise ApiError(400, f"prompt[{i}] has no tokens: a prompt needs at least one.", param="prompt")
         features.append(InputFeature(input_ids=ids))
     return features, texts
+
+
+def _tokenize(state: _Server, text: str, req: CompletionRequest, keep: int | None, limit: int) -> list[int]:
+    """A text prompt's ids, tokenizing only what it takes: refused past ``limit``, or (with ``keep``) at most
+    ``keep + 1`` from the body's side, so the caller sees whether the text was cut."""
+    template = state.sampler.template
+    special = req.add_special_tokens
+    if keep is None:
+        return list(template.tokenize(text, max_tokens=limit, add_special_tokens=special))
+    if req.truncation_side == "right":
+        return list(template.tokenize(text, keep_first=keep + 1, add_special_tokens=special))
+    return list(template.tokenize(text, keep_last=keep + 1, add_special_tokens=special))
 
 
 class _Choices:

@@ -27,7 +27,7 @@ from pydantic import Field
 
 from twinkle_core._version import __version__
 from twinkle_core.data_format import Trajectory
-from twinkle_core.errors import TwinkleError
+from twinkle_core.errors import PromptTooLongError, TwinkleError
 from twinkle_core.server.protocol import ApiError, TextBody, openai_messages, openai_tools
 
 if TYPE_CHECKING:
@@ -99,15 +99,32 @@ def add_control_routes(app: FastAPI, state: _Server, transfer_config: dict[str, 
         state.adapter(req.model or "")  # an unknown model is a 404, as on the completion routes
         if (req.prompt is None) == (req.messages is None):
             raise ApiError(400, "tokenize needs exactly one of 'prompt' (a text) or 'messages' (a conversation).")
-        if req.prompt is not None:
-            ids = list(sampler.template.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
-        else:
-            template = state.template_with(req.chat_template_kwargs) or sampler.template
-            try:
-                trajectory = Trajectory(messages=openai_messages(req.messages or []), tools=openai_tools(req.tools))
-                ids = template.encode(trajectory, add_generation_prompt=req.add_generation_prompt).input_ids
-            except TwinkleError as exc:
-                raise ApiError(400, str(exc), param="messages") from None
+        # No request makes the server tokenize more than its context: a longer text is refused once that is clear.
+        limit = sampler.max_model_len
+        try:
+            if req.prompt is not None:
+                ids = sampler.template.tokenize(req.prompt, max_tokens=limit, add_special_tokens=req.add_special_tokens)
+            else:
+                template = state.template_with(req.chat_template_kwargs) or sampler.template
+                try:
+                    messages = openai_messages(req.messages or [])
+                    trajectory = Trajectory(messages=messages, tools=openai_tools(req.tools))
+                    ids = template.encode(
+                        trajectory, add_generation_prompt=req.add_generation_prompt, max_tokens=limit
+                    ).input_ids
+                except PromptTooLongError:
+                    raise
+                except TwinkleError as exc:
+                    raise ApiError(400, str(exc), param="messages") from None
+        except PromptTooLongError as exc:
+            where = "prompt" if req.prompt is not None else "messages"
+            count = f"at least {exc.length}" if exc.at_least else str(exc.length)
+            raise ApiError(
+                400,
+                f"The {where} has {count} tokens, more than this server tokenizes: at most {limit} (max_model_len).",
+                param=where,
+                code="context_length_exceeded",
+            ) from None
         body: dict[str, Any] = {"count": len(ids), "max_model_len": sampler.max_model_len, "tokens": ids}
         body["token_strs"] = (
             [sampler.template.decode([t], skip_special_tokens=False) for t in ids] if (req.return_token_strs) else None
@@ -184,6 +201,9 @@ def add_control_routes(app: FastAPI, state: _Server, transfer_config: dict[str, 
             ("twinkle:adapters_loaded", "gauge", "LoRA adapters loaded.", len(sampler.adapters)),
             ("twinkle:is_paused", "gauge", "1 while /pause holds new calls.", int(not state.running.is_set())),
         ]
+        rows.append(
+            ("twinkle:requests_pending", "gauge", "Sampling calls held now (running or waiting).", state.limits.pending)
+        )
         lines = []
         for name, kind, doc, value in rows:
             lines += [
@@ -191,6 +211,10 @@ def add_control_routes(app: FastAPI, state: _Server, transfer_config: dict[str, 
                 f"# TYPE {name} {kind}",
                 f'{name}{{model_name="{state.model_name}"}} {value}',
             ]
+        refused = "twinkle:requests_refused_total"
+        lines += [f"# HELP {refused} Requests refused, by reason.", f"# TYPE {refused} counter"]
+        for reason, count in sorted(state.limits.refused.items()):
+            lines.append(f'{refused}{{model_name="{state.model_name}",reason="{reason}"}} {count}')
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
     # -- RL controls ------------------------------------------------------------------------------

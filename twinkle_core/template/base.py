@@ -7,7 +7,8 @@ import os
 from typing import Any, ClassVar
 
 from twinkle_core.data_format import InputFeature, Trajectory, training_feature
-from twinkle_core.errors import InvalidInputError, TemplateError
+from twinkle_core.errors import InvalidInputError, PromptTooLongError, TemplateError
+from twinkle_core.template.bounds import first_tokens, last_tokens
 
 __all__ = ["CHATML_JINJA", "ChatMLTemplate", "Template", "load_tokenizer"]
 
@@ -173,23 +174,83 @@ class Template:
         except Exception as exc:  # jinja raises TemplateError/UndefinedError on malformed chats
             raise TemplateError(f"The chat template could not render this trajectory: {exc}") from exc
 
-    def encode(self, trajectory: Trajectory | dict[str, Any], add_generation_prompt: bool = True) -> InputFeature:
+    def encode(
+        self,
+        trajectory: Trajectory | dict[str, Any],
+        add_generation_prompt: bool = True,
+        *,
+        max_tokens: int | None = None,
+        keep_last: int | None = None,
+    ) -> InputFeature:
         """Encode a conversation (tools passed to the template) into token ids.
 
         Args:
             trajectory: the conversation (a dict is converted).
             add_generation_prompt: end with the assistant header, ready to sample.
+            max_tokens: refuse a conversation of more tokens, without tokenizing
+                all of a text far longer than that (see :meth:`tokenize`).
+            keep_last: keep only the last this many tokens (a prompt truncated
+                at its start), tokenizing only the end of a longer text.
 
         Returns:
             An ``InputFeature`` whose ``extra`` keeps the trajectory's ``extra``.
+
+        Raises:
+            PromptTooLongError: more than ``max_tokens`` tokens (``index`` 0).
         """
         if isinstance(trajectory, dict):
             trajectory = Trajectory.from_dict(trajectory)
         if not isinstance(trajectory, Trajectory):
             raise InvalidInputError(f"Template.encode expects a Trajectory, got {type(trajectory).__name__}.")
         text = self.render(trajectory, add_generation_prompt)
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        ids = self.tokenize(text, max_tokens=max_tokens, keep_last=keep_last)
         return InputFeature(input_ids=ids, extra=dict(trajectory.extra))
+
+    def tokenize(
+        self,
+        text: str,
+        *,
+        max_tokens: int | None = None,
+        keep_last: int | None = None,
+        keep_first: int | None = None,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """The token ids of ``text``, bounded: work in proportion to the tokens kept, not to the text.
+
+        Args:
+            text: the text (a rendered conversation, a completion prompt).
+            max_tokens: more tokens than this is refused, after tokenizing only
+                the start of the text (:mod:`twinkle_core.template.bounds`).
+            keep_last: keep the last this many tokens (the start is cut).
+            keep_first: keep the first this many tokens (the end is cut).
+            add_special_tokens: as the tokenizer's ``encode`` takes it (a BOS token).
+
+        Raises:
+            PromptTooLongError: more than ``max_tokens`` tokens; ``length`` is
+                the count (``at_least`` when the text was not tokenized whole).
+        """
+
+        def encode(part: str) -> list[int]:
+            return [int(t) for t in self.tokenizer.encode(part, add_special_tokens=add_special_tokens)]
+
+        if keep_last is not None or keep_first is not None:
+            keep = int(keep_last if keep_last is not None else keep_first)  # type: ignore[arg-type]
+            pick = last_tokens if keep_last is not None else first_tokens
+            ids, _ = pick(encode, text, keep)
+            return ids[-keep:] if keep_last is not None else ids[:keep]
+        if max_tokens is None:
+            return encode(text)
+        ids, whole = first_tokens(encode, text, max_tokens + 1)
+        if whole and len(ids) <= max_tokens:
+            return ids
+        count = "at least " * (not whole) + str(len(ids))
+        raise PromptTooLongError(
+            f"The text has {count} tokens, more than the {max_tokens} accepted.",
+            index=0,
+            length=len(ids),
+            limit=max_tokens,
+            at_least=not whole,
+        )
 
     def decode(
         self, tokens: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
