@@ -109,6 +109,14 @@ def test_an_oversized_chat_is_refused_from_a_window(sampler: Any, recording: _Re
     assert out[0].sequences and out[1].error and "more than" in out[1].error
 
 
+def test_more_messages_than_the_context_has_tokens_is_refused_unrendered(sampler: Any) -> None:
+    """Each message renders to a token at least: counting them is enough (rendering a million takes seconds)."""
+    many = [{"role": "user", "content": "a"}] * (sampler.max_model_len + 1)
+    with pytest.raises(PromptTooLongError, match=r"inputs\[0\] has more than") as info:
+        sampler.sample({"messages": many})
+    assert info.value.at_least and info.value.length == len(many)
+
+
 def test_truncating_an_oversized_chat_reads_only_its_end(sampler: Any, recording: _Recording) -> None:
     """The kept tokens are those of the whole text's tokenization (a text small enough to check against)."""
     from twinkle_core import Trajectory

@@ -173,6 +173,7 @@ HOSTILE: list[tuple[str, Any, int]] = [
     ("unknown role", {**HI, "messages": [{"role": "wizard", "content": "x"}]}, 400),
     ("stop too long", {**HI, "stop": ["s" * 20_000]}, 400),
     ("prompt cannot fit", {**HI, "messages": [{"role": "user", "content": "a " * 400_000}]}, 400),
+    ("more messages than tokens", {**HI, "messages": [{"role": "user", "content": "a"}] * 20_000}, 400),
     ("body too large", {**HI, "messages": [{"role": "user", "content": "a" * (3 * BODY_BOUND)}]}, 413),
 ]
 
@@ -210,8 +211,7 @@ def test_hostile_load_leaves_the_server_whole(roomy: RunningServer) -> None:
     assert answers == {name: status for name, _, status in HOSTILE}
     refused = _refused(roomy)
     grew = {k: refused.get(k, 0) - refused_before.get(k, 0) for k in refused}
-    assert grew.get("body_too_large", 0) >= 1 and grew.get("context_length_exceeded", 0) >= 1
-    assert grew.get("invalid_request", 0) >= len(HOSTILE) - 3
+    assert grew == {"body_too_large": 1, "context_length_exceeded": 2, "invalid_request": len(HOSTILE) - 3}
     # whole afterwards: healthy, the same greedy answer, nothing held, memory back within a bound
     deadline = time.monotonic() + 60
     while _pending(roomy):  # the cut streams' calls end once the engine sees them aborted

@@ -505,9 +505,8 @@ def create_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return ApiError(
-            exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None
-        ).response()
+        # FastAPI's own refusals: an unknown route, a body it could not parse (nested deeper than the parser goes)
+        return refused(ApiError(exc.status_code, str(exc.detail), code="not_found" if exc.status_code == 404 else None))
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -553,6 +552,10 @@ def create_app(
             logprobs=req.top_logprobs or 0,
             prompt_logprobs=req.prompt_logprobs,
         )
+        parts = len(req.messages) + len(req.tools or [])
+        if parts >= sampler.max_model_len:  # each renders to a token at least: refused before any is converted
+            too_long = PromptTooLongError("", index=0, length=parts, limit=sampler.max_model_len - 1, at_least=True)
+            raise state.refusal(too_long, body_names("chat", req))
         messages = openai_messages(req.messages)
         try:
             trajectory = Trajectory(messages=messages, tools=openai_tools(req.tools))

@@ -140,7 +140,7 @@ class LimitsMiddleware:
                 give_back_memory()
 
     async def _read_body(self, scope: Scope, receive: Receive, send: Send) -> list[Message] | None:
-        """The body's messages, or ``None`` once a 413 has gone out."""
+        """The body's messages, or ``None`` once a 413 has gone out (or the client left mid-body)."""
         limit = self.limits.max_body_bytes
         declared = dict(scope["headers"]).get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
@@ -150,9 +150,9 @@ class LimitsMiddleware:
         size = 0
         while True:
             message = await receive()
+            if message["type"] != "http.request":  # the client left before its body was in: no one to answer
+                return None
             messages.append(message)
-            if message["type"] != "http.request":  # the client left: the route sees it
-                return messages
             size += len(message.get("body", b""))
             if size > limit:
                 messages.clear()  # its memory is what the bound protects

@@ -202,6 +202,18 @@ class Template:
             trajectory = Trajectory.from_dict(trajectory)
         if not isinstance(trajectory, Trajectory):
             raise InvalidInputError(f"Template.encode expects a Trajectory, got {type(trajectory).__name__}.")
+        parts = len(trajectory.messages) + len(trajectory.tools)
+        if max_tokens is not None and parts > max_tokens:
+            # Every message and tool renders to at least one token (its role header, its spec): no need to render
+            # a conversation of a million messages to know it cannot fit.
+            raise PromptTooLongError(
+                f"The conversation has {parts} messages and tools, each at least one token: more than the"
+                f" {max_tokens} accepted.",
+                index=0,
+                length=parts,
+                limit=max_tokens,
+                at_least=True,
+            )
         text = self.render(trajectory, add_generation_prompt)
         ids = self.tokenize(text, max_tokens=max_tokens, keep_last=keep_last)
         return InputFeature(input_ids=ids, extra=dict(trajectory.extra))
