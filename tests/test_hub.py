@@ -251,6 +251,21 @@ def test_unknown_builtin_lists_known_names() -> None:
     assert "builtin://gpt-17" in str(info.value) and "builtin://smollm2-135m-instruct" in str(info.value)
 
 
+def test_builtin_names_match_in_any_case_and_a_near_miss_gets_a_suggestion(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the model card's capitals ("SmolLM2-135M-Instruct", as docs/agents.md writes it) name the same model;
+    # a marker makes the cached folder resolve without converting anything
+    monkeypatch.setenv("TWINKLE_CACHE", str(tmp_path))
+    folder = tmp_path / "builtin" / f"smollm2-135m-instruct-v{BUILTIN_MODELS['smollm2-135m-instruct'].version}"
+    folder.mkdir(parents=True)
+    (folder / "twinkle_builtin.json").write_text("{}")
+    assert resolve_model_id("builtin://SmolLM2-135M-Instruct") == folder == resolve_model_id(DEFAULT_MODEL)
+    with pytest.raises(InvalidModelIdError) as info:
+        resolve_model_id("builtin://SmolLM2-135M-Instrukt")
+    assert "Did you mean 'builtin://smollm2-135m-instruct'?" in str(info.value)
+
+
 def test_builtin_rejects_revision() -> None:
     with pytest.raises(InvalidModelIdError, match="revision"):
         resolve_model_id(DEFAULT_MODEL, revision="main")

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from twinkle_core.errors import HubUnavailableError, InvalidModelIdError, ModelNotFoundError
+from twinkle_core.errors import HubUnavailableError, InvalidModelIdError, ModelNotFoundError, did_you_mean
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -529,11 +529,16 @@ def _resolve_builtin(name: str, model_id: str) -> Path:
         InvalidModelIdError: unknown name.
         ModelNotFoundError: the package holding the model is not installed.
     """
+    # model cards spell names in capitals ("SmolLM2-135M-Instruct"); the id is the same model
+    known_by_case = {known.lower(): known for known in BUILTIN_MODELS}
+    name = known_by_case.get(name.lower(), name)
     spec = BUILTIN_MODELS.get(name)
     if spec is None:
+        ids = [f"builtin://{known}" for known in sorted(BUILTIN_MODELS)]
         raise InvalidModelIdError(
-            f"unknown built-in model {model_id!r}; known: "
-            + ", ".join(f"'builtin://{known}'" for known in sorted(BUILTIN_MODELS))
+            f"unknown built-in model {model_id!r}.{did_you_mean(f'builtin://{name}', ids)} Known: "
+            + ", ".join(map(repr, ids))
+            + " (names match in any case)."
         )
     final = cache_root() / "builtin" / f"{name}-v{spec.version}"
     if (final / _BUILTIN_MARKER).is_file():
