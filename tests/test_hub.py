@@ -401,3 +401,15 @@ def test_cache_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert hub.cache_root() == tmp_path / "c"
     monkeypatch.delenv("TWINKLE_CACHE")
     assert hub.cache_root() == Path.home() / ".cache" / "twinkle"
+
+
+def test_one_cache_variable_and_the_old_name_still_read_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TWINKLE_CACHE", raising=False)
+    monkeypatch.setenv("TWINKLE_CACHE_DIR", str(tmp_path / "old"))
+    with pytest.warns(FutureWarning, match=r"TWINKLE_CACHE_DIR=.*deprecated \(used for now\); set TWINKLE_CACHE"):
+        assert hub.cache_root() == tmp_path / "old"
+    monkeypatch.setenv("TWINKLE_CACHE", str(tmp_path / "new"))
+    with pytest.warns(FutureWarning, match=r"ignored: TWINKLE_CACHE is set"):
+        assert hub.cache_root() == tmp_path / "new"

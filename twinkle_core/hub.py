@@ -34,6 +34,7 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,10 +111,24 @@ _BUILTIN_MARKER = "twinkle_builtin.json"
 def cache_root() -> Path:
     """Return twinkle's cache root: ``$TWINKLE_CACHE`` or ``~/.cache/twinkle``.
 
+    Everything twinkle caches lives under it (converted built-in models, tiny
+    test models, the torch engine's compiled kernels). ``TWINKLE_CACHE_DIR``,
+    the name the torch kernels once read, is still honoured where
+    ``TWINKLE_CACHE`` is unset, with a ``FutureWarning``.
+
     Returns:
         The (not necessarily existing) cache root folder.
     """
     env = os.environ.get("TWINKLE_CACHE")
+    old = os.environ.get("TWINKLE_CACHE_DIR")
+    if old:
+        used = "ignored: TWINKLE_CACHE is set" if env else "used for now"
+        warnings.warn(
+            f"TWINKLE_CACHE_DIR={old!r} is deprecated ({used}); set TWINKLE_CACHE, twinkle's one cache variable.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        env = env or old
     return Path(env).expanduser() if env else Path.home() / ".cache" / "twinkle"
 
 
