@@ -105,9 +105,10 @@ def _teardown_page(namespace: dict[str, Any]) -> None:
     from twinkle_core.sampler import Sampler
 
     for value in list(namespace.values()):
-        if isinstance(value, Sampler) or type(value).__name__ in ("RemoteSampler", "ServerHandle"):
+        stop = getattr(value, "close" if isinstance(value, Sampler) else "stop", None)
+        if stop is not None and (isinstance(value, Sampler) or type(value).__name__ == "RunningServer"):
             try:
-                value.close()
+                stop()
             except Exception:
                 pass
     if "ray" in sys.modules:
