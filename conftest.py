@@ -119,11 +119,47 @@ def _teardown_page(namespace: dict[str, Any]) -> None:
     shutil.rmtree(namespace["_DOCS_CWD"], ignore_errors=True)
 
 
-pytest_collect_file = Sybil(
-    parsers=[_VisibleSkipParser(), PythonCodeBlockParser(), CodeBlockParser("bash", _run_shell)],
-    patterns=["README.md", "docs/*.md", "examples/*/README.md"],
-    excludes=["plugins/*/*.md", "compat/*/*.md", "tests/*.md", "bench/*.md"],
-    setup=_setup_page,
-    teardown=_teardown_page,
-    name="docs",
+def _setup_echo_page(namespace: dict[str, Any]) -> None:
+    """The echo example's README, after its first block (``pip install examples/twinkle_echo``, not run here).
+
+    What that install gives a reader, ``"echo"`` found by name, is registered in
+    process from the sources, as ``examples/twinkle_echo/tests/conftest.py`` does.
+    """
+    from twinkle_core import list_samplers, register_sampler
+
+    namespace["_DOCS_ECHO_REGISTERED"] = "echo" not in [i.name for i in list_samplers()]
+    if namespace["_DOCS_ECHO_REGISTERED"]:
+        sys.path.insert(0, str(ROOT / "examples" / "twinkle_echo"))
+        register_sampler("echo", "twinkle_echo.engine:EchoEngine")
+    _setup_page(namespace)
+
+
+def _teardown_echo_page(namespace: dict[str, Any]) -> None:
+    _teardown_page(namespace)
+    if namespace["_DOCS_ECHO_REGISTERED"]:
+        from twinkle_core.plugins.engines import sampler_registry
+
+        sampler_registry.unregister("echo")
+        sys.path.remove(str(ROOT / "examples" / "twinkle_echo"))
+
+
+def _docs(patterns: list[str], excludes: list[str], setup: Any, teardown: Any) -> Sybil:
+    return Sybil(
+        parsers=[_VisibleSkipParser(), PythonCodeBlockParser(), CodeBlockParser("bash", _run_shell)],
+        patterns=patterns,
+        excludes=excludes,
+        setup=setup,
+        teardown=teardown,
+        name="docs",
+    )
+
+
+pytest_collect_file = (
+    _docs(
+        ["README.md", "docs/*.md", "examples/*/README.md"],
+        ["plugins/*/*.md", "compat/*/*.md", "tests/*.md", "bench/*.md", "examples/twinkle_echo/README.md"],
+        _setup_page,
+        _teardown_page,
+    )
+    + _docs(["examples/twinkle_echo/README.md"], [], _setup_echo_page, _teardown_echo_page)
 ).pytest()
