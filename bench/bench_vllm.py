@@ -79,7 +79,7 @@ def vllm_raw_runner(workload: Workload, **engine_args: Any) -> Callable[[Workloa
 
     path = str(resolve_model_id(workload.model_id))
     # the scheduler twinkle's engine runs with on this platform, so both arms run the same engine
-    llm = LLM(model=path, dtype=workload.dtype, **{**platform_defaults(), **engine_args})
+    llm = LLM(model=path, dtype=workload.dtype, **{**platform_defaults(engine_args), **engine_args})
     tokenizer = llm.get_tokenizer()
 
     def run(w: Workload) -> int:

@@ -333,3 +333,26 @@ def test_masked_alternatives_are_null_and_the_output_is_strict_json(mixed_run):
         for top in seq["top_logprobs"]:
             # top-k 2: two alternatives have a probability, the third is masked out
             assert [lp is None for _, lp in top] == [False, False, True]
+
+
+def test_a_slow_engine_start_is_announced_and_engine_logs_are_quiet_unless_asked(
+    tiny: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from twinkle_core import cli as cli_module
+
+    monkeypatch.setattr(cli_module, "STARTING_NOTICE_S", 0.0)  # every start counts as slow here
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "unset")
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL")
+    monkeypatch.delenv(cli_module.ENGINE_LOGS_ENV, raising=False)
+    args = ["sample", "-e", "torch", "-m", tiny, "-p", "hi", "--max-tokens", "2", "--no-progress"]
+    done = CliRunner().invoke(cli_module.cli, args)
+    assert done.exit_code == 0, done.output
+    assert f"twinkle: starting the torch engine with {tiny} ..." in done.stderr
+    assert "twinkle: the torch engine is ready" in done.stderr
+    # vLLM reads this when it is imported, here and in the engine processes it spawns
+    assert os.environ["VLLM_LOGGING_LEVEL"] == "WARNING"
+    monkeypatch.delenv("VLLM_LOGGING_LEVEL")
+    done = CliRunner().invoke(cli_module.cli, ["--engine-logs", *args])
+    assert done.exit_code == 0 and "VLLM_LOGGING_LEVEL" not in os.environ

@@ -251,6 +251,21 @@ def test_unknown_builtin_lists_known_names() -> None:
     assert "builtin://gpt-17" in str(info.value) and "builtin://smollm2-135m-instruct" in str(info.value)
 
 
+def test_builtin_names_match_in_any_case_and_a_near_miss_gets_a_suggestion(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the model card's capitals ("SmolLM2-135M-Instruct", as docs/agents.md writes it) name the same model;
+    # a marker makes the cached folder resolve without converting anything
+    monkeypatch.setenv("TWINKLE_CACHE", str(tmp_path))
+    folder = tmp_path / "builtin" / f"smollm2-135m-instruct-v{BUILTIN_MODELS['smollm2-135m-instruct'].version}"
+    folder.mkdir(parents=True)
+    (folder / "twinkle_builtin.json").write_text("{}")
+    assert resolve_model_id("builtin://SmolLM2-135M-Instruct") == folder == resolve_model_id(DEFAULT_MODEL)
+    with pytest.raises(InvalidModelIdError) as info:
+        resolve_model_id("builtin://SmolLM2-135M-Instrukt")
+    assert "Did you mean 'builtin://smollm2-135m-instruct'?" in str(info.value)
+
+
 def test_builtin_rejects_revision() -> None:
     with pytest.raises(InvalidModelIdError, match="revision"):
         resolve_model_id(DEFAULT_MODEL, revision="main")
@@ -386,3 +401,15 @@ def test_cache_root(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     assert hub.cache_root() == tmp_path / "c"
     monkeypatch.delenv("TWINKLE_CACHE")
     assert hub.cache_root() == Path.home() / ".cache" / "twinkle"
+
+
+def test_one_cache_variable_and_the_old_name_still_read_with_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("TWINKLE_CACHE", raising=False)
+    monkeypatch.setenv("TWINKLE_CACHE_DIR", str(tmp_path / "old"))
+    with pytest.warns(FutureWarning, match=r"TWINKLE_CACHE_DIR=.*deprecated \(used for now\); set TWINKLE_CACHE"):
+        assert hub.cache_root() == tmp_path / "old"
+    monkeypatch.setenv("TWINKLE_CACHE", str(tmp_path / "new"))
+    with pytest.warns(FutureWarning, match=r"ignored: TWINKLE_CACHE is set"):
+        assert hub.cache_root() == tmp_path / "new"

@@ -108,6 +108,52 @@ def test_create_sampler_by_name_samples_with_the_installed_engine(echo_site: Pat
     assert out["text"] == "Count to five." and out["stop_reason"] == "stop" and out["max_model_len"] == 64
 
 
+def test_distribution_qualified_name_selects_an_uncontested_engine(echo_site: Path) -> None:
+    # docs/configuration.md documents "<distribution>:<name>"; it must work with one claimant too,
+    # from Python and from the CLI, and a wrong distribution gets a message that does not contradict itself
+    code = """
+        import json
+        from twinkle_core import create_sampler
+        from twinkle_core.errors import UnknownSamplerError
+        out = {}
+        for name in ("twinkle-echo:echo", "Twinkle_Echo:echo"):
+            with create_sampler(name) as sampler:
+                out[name] = sampler.sample({"messages": [{"role": "user", "content": "hi"}]},
+                                           {"temperature": 0})[0].sequences[0].text
+        try:
+            create_sampler("twinkle-other:echo")
+        except UnknownSamplerError as exc:
+            out["wrong"] = str(exc)
+        print(json.dumps(out))
+        """
+    out = _last_json(_python(code, _env(echo_site)))
+    assert out["twinkle-echo:echo"] == out["Twinkle_Echo:echo"] == "hi"
+    assert "'twinkle-other'" in out["wrong"] and "twinkle-echo 0.1.0" in out["wrong"], out["wrong"]
+    cli = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "twinkle_core.cli",
+            "sample",
+            "-e",
+            "twinkle-echo:echo",
+            "-m",
+            "toy",
+            "-p",
+            "hey",
+            "--temperature",
+            "0",
+            "--format",
+            "text",
+        ],
+        capture_output=True,
+        text=True,
+        env=_env(echo_site),
+        cwd=ROOT,
+    )
+    assert cli.returncode == 0 and "hey" in cli.stdout, cli.stderr
+
+
 def test_installed_echo_passes_the_conformance_suite(echo_site: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-rs", str(ECHO_SRC / "tests")],

@@ -16,6 +16,7 @@ from twinkle_core.errors import (
     UnknownSamplerError,
     UnknownTemplateError,
 )
+from twinkle_core.factory import load_config
 from twinkle_core.plugins import Registry, reset_plugins
 from twinkle_core.plugins.engines import sampler_registry
 from twinkle_core.sampler import Sampler
@@ -184,6 +185,14 @@ def test_create_from_config_mapping_and_files(registered, tmp_path):
         create_sampler(str(bad))
     with pytest.raises(ConfigError, match="key 1 is not a name"):
         create_sampler({"sampler": "unit", 1: 2})
+    # the CLI's config file (sampling_params beside the engine's options) points to its Python equivalent
+    cli_config = tmp_path / "sampler.yaml"
+    cli_config.write_text("sampler: unit\nsampling_params:\n  temperature: 0.5\n")
+    with pytest.raises(ConfigError, match=r"twinkle sample --config. reads them.*config.pop\('sampling_params'\)"):
+        create_sampler(str(cli_config))
+    config = load_config(cli_config)
+    params = config.pop("sampling_params")
+    assert create_sampler(config).engine.model_id == "m" and params == {"temperature": 0.5}
 
 
 def test_templates_registry():

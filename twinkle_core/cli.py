@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import math
+import os
 import re
 import sys
+import threading
+import time
 import types
 import typing
 from typing import Any, TextIO
@@ -34,8 +38,21 @@ class _Cli(click.Group):
             sys.exit(1)
 
 
-def _build_sampler(engine_cls: Any, config: dict[str, Any], model_id: str | None, template: str | None) -> Any:
-    """The engine from a config mapping; the ``--model`` and ``--template`` flags win, the built-in model by default."""
+#: An engine that takes longer than this to start gets a line saying it is starting (seconds).
+STARTING_NOTICE_S = 3.0
+#: Set to 1 (or pass ``twinkle --engine-logs``) to see the engines' own INFO logs.
+ENGINE_LOGS_ENV = "TWINKLE_ENGINE_LOGS"
+
+
+def _build_sampler(
+    engine_name: str, engine_cls: Any, config: dict[str, Any], model_id: str | None, template: str | None
+) -> Any:
+    """The engine from a config mapping; the ``--model`` and ``--template`` flags win, the built-in model by default.
+
+    An engine that takes more than :data:`STARTING_NOTICE_S` to start (vLLM's
+    start is tens of seconds, with its own logs quiet) gets a line on stderr
+    saying so, and another when it is ready.
+    """
     if model_id is not None:
         config["model_id"] = model_id
     elif "model_id" not in config:
@@ -44,13 +61,62 @@ def _build_sampler(engine_cls: Any, config: dict[str, Any], model_id: str | None
         config["model_id"] = DEFAULT_MODEL
     if template is not None:
         config["template"] = template
-    return build_sampler(engine_cls, **config)
+    started = time.monotonic()
+    said = threading.Event()
+
+    def notice() -> None:
+        said.set()
+        click.echo(f"twinkle: starting the {engine_name} engine with {config['model_id']} ...", err=True)
+
+    timer = threading.Timer(STARTING_NOTICE_S, notice)
+    timer.daemon = True
+    timer.start()
+    try:
+        sampler = build_sampler(engine_cls, **config)
+    finally:
+        timer.cancel()
+    if said.is_set():
+        click.echo(f"twinkle: the {engine_name} engine is ready ({time.monotonic() - started:.0f} s)", err=True)
+    return sampler
+
+
+class _EchoHandler(logging.Handler):
+    """twinkle's own log lines on the current stderr, as ``twinkle: <message>``."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        click.echo(f"twinkle: {self.format(record)}", err=True)
+
+
+def _set_up_logs(engine_logs: bool) -> None:
+    """twinkle's INFO lines shown; the engines' own INFO logs quiet unless asked for.
+
+    vLLM reads ``VLLM_LOGGING_LEVEL`` when it is imported, in this process and
+    in the engine processes it spawns (which inherit the environment), so it
+    is set before any engine is chosen. A value the user set is kept. Its
+    logs go to stderr: stdout carries the samples (``twinkle sample > out.jsonl``).
+    """
+    os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
+    if not engine_logs:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    root = logging.getLogger("twinkle")
+    if not any(isinstance(h, _EchoHandler) for h in root.handlers):
+        root.addHandler(_EchoHandler())
+    if root.level == logging.NOTSET:
+        root.setLevel(logging.INFO)
 
 
 @click.group(cls=_Cli, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="twinkle-core")
-def cli() -> None:
+@click.option(
+    "--engine-logs",
+    is_flag=True,
+    envvar=ENGINE_LOGS_ENV,
+    help=f"Show the engines' own INFO logs (vLLM's are quiet by default; also {ENGINE_LOGS_ENV}=1,"
+    " or VLLM_LOGGING_LEVEL=INFO).",
+)
+def cli(engine_logs: bool) -> None:
     """Sample from language models for RL post-training."""
+    _set_up_logs(engine_logs)
 
 
 @cli.command()
@@ -389,7 +455,7 @@ def sample(
         raise click.BadParameter(f"{batch_size} (expected >= 1)", param_hint="--batch-size")
     if full and fmt != "jsonl":
         raise click.UsageError("--full writes token-level features, which only --format jsonl carries.")
-    sampler = _build_sampler(engine_cls, config, model_id, template)
+    sampler = _build_sampler(engine_name, engine_cls, config, model_id, template)
     with sampler:
         adapter_name = ""
         if adapter:
@@ -588,7 +654,7 @@ def serve(
     get_tool_parser(tool_parser)
     _resolve_key(host, api_key)
     transfer = _weight_transfer(weight_transfer)
-    sampler = _build_sampler(engine_cls, config, model_id, template)
+    sampler = _build_sampler(engine_name, engine_cls, config, model_id, template)
     with sampler:
         for name, folder in pairs:
             sampler.add_adapter_to_model(name, folder)

@@ -240,7 +240,9 @@ def create_sampler(
 
     Raises:
         UnknownSamplerError: unknown engine name.
-        ConfigError: a config without ``sampler``, or an unreadable file.
+        ConfigError: a config without ``sampler``, one with ``sampling_params``
+            (``twinkle sample --config`` reads those; the message shows the
+            Python equivalent), or an unreadable file.
     """
     if model_id is not None:
         if "model_id" in kwargs:
@@ -255,6 +257,14 @@ def create_sampler(
             raise ConfigError(
                 f"Sampler config {sorted(config)} has no 'sampler' key: add e.g. sampler: vllm (one of"
                 f" {', '.join(sampler_registry.names()) or 'the installed engines'})."
+            )
+        if "sampling_params" in config:
+            # a sampler takes its parameters per call, so create_sampler has nowhere to keep them; the CLI samples
+            raise ConfigError(
+                f"Sampler config has 'sampling_params' ({config['sampling_params']!r:.80}): `twinkle sample --config`"
+                " reads them, create_sampler does not (a sampler takes its parameters per sample() call). In"
+                " Python: config = twinkle_core.factory.load_config(path); params = config.pop('sampling_params');"
+                " sampler = create_sampler(config); sampler.sample(inputs, params)."
             )
         name = config.pop("sampler")
         config.update(kwargs)

@@ -34,12 +34,13 @@ import re
 import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from twinkle_core.errors import HubUnavailableError, InvalidModelIdError, ModelNotFoundError
+from twinkle_core.errors import HubUnavailableError, InvalidModelIdError, ModelNotFoundError, did_you_mean
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -110,10 +111,24 @@ _BUILTIN_MARKER = "twinkle_builtin.json"
 def cache_root() -> Path:
     """Return twinkle's cache root: ``$TWINKLE_CACHE`` or ``~/.cache/twinkle``.
 
+    Everything twinkle caches lives under it (converted built-in models, tiny
+    test models, the torch engine's compiled kernels). ``TWINKLE_CACHE_DIR``,
+    the name the torch kernels once read, is still honoured where
+    ``TWINKLE_CACHE`` is unset, with a ``FutureWarning``.
+
     Returns:
         The (not necessarily existing) cache root folder.
     """
     env = os.environ.get("TWINKLE_CACHE")
+    old = os.environ.get("TWINKLE_CACHE_DIR")
+    if old:
+        used = "ignored: TWINKLE_CACHE is set" if env else "used for now"
+        warnings.warn(
+            f"TWINKLE_CACHE_DIR={old!r} is deprecated ({used}); set TWINKLE_CACHE, twinkle's one cache variable.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        env = env or old
     return Path(env).expanduser() if env else Path.home() / ".cache" / "twinkle"
 
 
@@ -529,11 +544,16 @@ def _resolve_builtin(name: str, model_id: str) -> Path:
         InvalidModelIdError: unknown name.
         ModelNotFoundError: the package holding the model is not installed.
     """
+    # model cards spell names in capitals ("SmolLM2-135M-Instruct"); the id is the same model
+    known_by_case = {known.lower(): known for known in BUILTIN_MODELS}
+    name = known_by_case.get(name.lower(), name)
     spec = BUILTIN_MODELS.get(name)
     if spec is None:
+        ids = [f"builtin://{known}" for known in sorted(BUILTIN_MODELS)]
         raise InvalidModelIdError(
-            f"unknown built-in model {model_id!r}; known: "
-            + ", ".join(f"'builtin://{known}'" for known in sorted(BUILTIN_MODELS))
+            f"unknown built-in model {model_id!r}.{did_you_mean(f'builtin://{name}', ids)} Known: "
+            + ", ".join(map(repr, ids))
+            + " (names match in any case)."
         )
     final = cache_root() / "builtin" / f"{name}-v{spec.version}"
     if (final / _BUILTIN_MARKER).is_file():

@@ -15,15 +15,42 @@ __all__ = ["Record"]
 R = TypeVar("R", bound="Record")
 
 
-class Record:
+class _RecordType(type):
+    """The records' metaclass: the constructor takes the aliases as keywords, as ``from_dict`` takes them as keys.
+
+    attrs writes ``__init__`` from the fields alone, so the alias is renamed to
+    its field here, before that ``__init__`` runs (``__new__`` sees the keywords
+    but cannot change what ``__init__`` receives).
+    """
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        aliases: dict[str, str] = getattr(cls, "_aliases", {})
+        if aliases and not aliases.keys().isdisjoint(kwargs):
+            kwargs = _canonical_keys(cls, kwargs, aliases, "keyword")
+        return super().__call__(*args, **kwargs)
+
+
+def _canonical_keys(cls: Any, data: dict[str, Any], aliases: dict[str, str], what: str) -> dict[str, Any]:
+    """``data`` with each alias renamed to its field; a field given under both names is refused."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        field = aliases.get(key, key)
+        if field in out:
+            raise cls._error(f"{cls.__name__} {what} {field!r} given twice (as {key!r} and its alias).")
+        out[field] = value
+    return out
+
+
+class Record(metaclass=_RecordType):
     """Mixin for attrs classes that round-trip through plain (JSON) dicts.
 
     Subclasses set ``_error`` to the error class of their bad values,
     ``_unknown_error`` to that of unknown keys (a subclass of ``_error`` and of
-    ``TypeError``), and may set ``_aliases`` (accepted alternative key -> field
-    name, in :meth:`from_dict`). An unknown keyword to the constructor raises
-    ``_unknown_error`` naming the accepted ones, as :meth:`from_dict` does for
-    an unknown key, rather than Python's bare ``TypeError``.
+    ``TypeError``), and may set ``_aliases`` (accepted alternative name -> field
+    name, as a keyword of the constructor and as a key of :meth:`from_dict`).
+    An unknown keyword to the constructor raises ``_unknown_error`` naming the
+    accepted ones, as :meth:`from_dict` does for an unknown key, rather than
+    Python's bare ``TypeError``.
     """
 
     _error: ClassVar[type[TwinkleError]] = InvalidInputError
@@ -48,11 +75,7 @@ class Record:
 
     @classmethod
     def _unknown_message(cls, key: object, what: str, names: Iterable[str]) -> str:
-        field = cls._aliases.get(str(key))
-        if what == "keyword" and field is not None:  # an alias is a dict key only
-            hint = f" {key!r} is accepted as a dict key (from_dict) only; the keyword is {field!r}."
-        else:
-            hint = did_you_mean(str(key), list(names) + (list(cls._aliases) if what == "key" else []))
+        hint = did_you_mean(str(key), [*names, *cls._aliases])
         return f"Unknown {cls.__name__} {what} {key!r}.{hint} Accepted {what}s: {', '.join(names)}."
 
     def to_dict(self) -> dict[str, Any]:
@@ -68,15 +91,10 @@ class Record:
         if not isinstance(data, dict):
             raise cls._error(f"{cls.__name__}.from_dict expects a dict, got {type(data).__name__}: {data!r}")
         names = cls._field_names()
-        out: dict[str, Any] = {}
-        for key, value in data.items():
-            field = cls._aliases.get(key, key)
-            if field not in names:
+        for key in data:
+            if cls._aliases.get(key, key) not in names:
                 raise cls._unknown_error(cls._unknown_message(key, "key", names))
-            if field in out:
-                raise cls._error(f"{cls.__name__} key {field!r} given twice (as {key!r} and its alias).")
-            out[field] = value
-        return out
+        return _canonical_keys(cls, data, cls._aliases, "key")
 
     @classmethod
     def from_dict(cls: type[R], data: dict[str, Any]) -> R:

@@ -214,7 +214,7 @@ class SamplingParams(Record):
         max_tokens: most tokens to generate per sequence (at most ``2**31 - 1``;
             a sequence also ends at the model's context window); 0 scores the
             prompt only (with ``prompt_logprobs``) and generates nothing. Alias
-            in ``from_dict``: ``max_new_tokens``.
+            (a keyword or a dict key): ``max_new_tokens``.
         temperature: 0 means greedy decoding; otherwise logits are divided by
             it, within ``[0.001, 10000]``.
         top_p: nucleus sampling mass in (0, 1]; 1 disables it.
@@ -246,7 +246,7 @@ class SamplingParams(Record):
             temperature, top-k, top-p and min-p (masked tokens are ``-inf``).
             Greedy decoding (temperature 0) applies the repetition penalty
             only. ``"raw"``: log-softmax of the model's raw logits.
-        num_samples: completions per input, at most 4096.
+        num_samples: completions per input, at most 4096. Alias: ``n``.
         return_sampling_mask: also return, per generated position, the token
             ids the sampler kept after the token constraints, top-k, top-p and
             min-p (the support the token was drawn from) in

@@ -463,7 +463,24 @@ class Registry(Generic[T]):
         """What is registered under ``name`` (a plain or distribution-qualified name), or ``None``."""
         if name in self._local:
             return self._local[name]
-        return self._plugins().get(name)
+        found = self._plugins().get(name)
+        if found is None and ":" in name:
+            found = self._qualified(name)
+        return found
+
+    def _qualified(self, name: str) -> PluginInfo | None:
+        """``"<distribution>:<name>"``: that distribution's claim, whether or not the name is contested.
+
+        A contested name is listed under its qualified names already; an
+        uncontested one is not, yet the qualified form must still select it
+        (a config written on a machine with a second claimant must keep
+        working where there is only one).
+        """
+        prefix, _, short = name.rpartition(":")
+        with self._lock:
+            self._plugins()
+            mine = [c for c in self._claims.get(short, []) if _norm(c.distribution) == _norm(prefix)]
+        return attrs.evolve(mine[0], name=name) if mine else None
 
     def problem(self, info: PluginInfo) -> str | None:
         """Why ``info`` cannot be used, as far as is known without importing its target.

@@ -246,7 +246,7 @@ print(json.dumps(out))
 
 
 def _probe(tiny_llama: Path, cache: Path, compiler: str | None) -> tuple[dict[str, Any], str]:
-    env = {**os.environ, "TWINKLE_CACHE_DIR": str(cache)}
+    env = {**os.environ, "TWINKLE_CACHE": str(cache)}
     env.pop("CXX", None)
     if compiler is not None:
         env["CXX"] = compiler

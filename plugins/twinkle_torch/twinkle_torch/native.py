@@ -13,7 +13,7 @@ row masks.
 
 The library is compiled on first use with the machine's C++ compiler (``$CXX``, else
 ``c++``, ``g++`` or ``clang++``; ``-O3 -march=native -fopenmp``) into
-``$TWINKLE_CACHE_DIR/kernels`` (default ``~/.cache/twinkle/kernels``), under
+``$TWINKLE_CACHE/kernels`` (default ``~/.cache/twinkle/kernels``), under
 a name that hashes the sources, the compiler, the flags and the CPU, so a
 cache shared by different machines never loads a binary built for another.
 Without a compiler, or when the build fails, :func:`load` says why and the
@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from twinkle_core.hub import cache_root
 from twinkle_torch import openmp
 
 __all__ = ["KernelUnavailable", "decode_attention", "load", "nucleus"]
@@ -67,9 +68,7 @@ def _compiler() -> str | None:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("TWINKLE_CACHE_DIR")
-    base = Path(root) if root else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "twinkle"
-    return base / "kernels"
+    return cache_root() / "kernels"  # under twinkle's one cache variable, TWINKLE_CACHE
 
 
 def _cpu() -> str:
@@ -99,7 +98,7 @@ def _build(compiler: str) -> Path:
         os.close(fd)
     except OSError as exc:
         where = target.parent
-        raise KernelUnavailable(f"cannot write the kernel cache {where} (set TWINKLE_CACHE_DIR): {exc}") from exc
+        raise KernelUnavailable(f"cannot write the kernel cache {where} (set TWINKLE_CACHE): {exc}") from exc
     try:
         done = subprocess.run(
             [compiler, *_FLAGS, "-o", partial, *map(str, _SOURCES)],

@@ -117,3 +117,31 @@ def test_more_tp_workers_than_cores_is_a_config_error_before_any_engine_starts(t
     too_many = len(os.sched_getaffinity(0)) + 1
     with pytest.raises(ConfigError, match=THREADS_BIND_ENV):
         vLLMSampler(tiny_model, DeviceMesh.from_sizes(tp_size=too_many))
+
+
+def test_on_cpu_the_kv_cache_default_leaves_room_for_other_engines() -> None:
+    from twinkle_vllm._engine_args import cpu_kv_cache_default
+
+    gib, mib = 1 << 30, 1 << 20
+    # a quarter of what is available, between 512 MiB and 4 GiB
+    assert cpu_kv_cache_default({}, {}, available=8 * gib) == 2 * gib
+    assert cpu_kv_cache_default({}, {}, available=64 * gib) == 4 * gib
+    assert cpu_kv_cache_default({}, {}, available=1 * gib) == 512 * mib
+    # whatever the user chose wins: an engine option or vLLM's own variable
+    assert cpu_kv_cache_default({"gpu_memory_utilization": 0.5}, {}, available=8 * gib) is None
+    assert cpu_kv_cache_default({"kv_cache_memory_bytes": gib}, {}, available=8 * gib) is None
+    assert cpu_kv_cache_default({}, {"VLLM_CPU_KVCACHE_SPACE": "2"}, available=8 * gib) is None
+
+
+def test_the_engine_arguments_carry_the_kv_cache_twinkle_picked_and_say_so(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    with caplog.at_level("INFO", logger="twinkle.vllm"):
+        picked = build_engine_args(tiny_model, 1, {}).kv_cache_memory_bytes
+    assert 512 << 20 <= picked <= 4 << 30
+    assert f"a KV cache of {picked / (1 << 30):.2f} GiB" in caplog.text and "gpu_memory_utilization" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="twinkle.vllm"):
+        args = build_engine_args(tiny_model, 1, {"gpu_memory_utilization": 0.3})
+    assert args.kv_cache_memory_bytes is None and args.gpu_memory_utilization == 0.3 and not caplog.text

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -23,10 +24,13 @@ from twinkle_vllm import IPC_TIMEOUT_ENV
 __all__ = [
     "DEFAULT_IPC_TIMEOUT_S",
     "EXTENSION_CLS",
+    "KVCACHE_SPACE_ENV",
+    "KV_CACHE_OPTIONS",
     "LOGITS_PROCESSOR",
     "RESERVED",
     "THREADS_BIND_ENV",
     "build_engine_args",
+    "cpu_kv_cache_default",
     "cpu_threads_bind",
     "engine_option_names",
     "platform_defaults",
@@ -35,6 +39,8 @@ __all__ = [
 ]
 
 DEFAULT_IPC_TIMEOUT_S = 300.0
+
+log = logging.getLogger("twinkle.vllm")
 
 #: Our worker extension: weight sync, in-memory LoRA, debug hooks.
 EXTENSION_CLS = "twinkle_vllm.extension.TwinkleWorkerExtension"
@@ -84,8 +90,11 @@ def engine_option_names() -> list[str]:
     return sorted(f.name for f in dataclasses.fields(AsyncEngineArgs))
 
 
-def platform_defaults() -> dict[str, Any]:
+def platform_defaults(options: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """Engine options twinkle defaults differently from vLLM on this platform (the user's own win).
+
+    On vLLM's CPU backend: the KV cache's size where ``options`` (the user's)
+    choose none (see :func:`cpu_kv_cache_default`), and no chunked prefill.
 
     On vLLM's CPU backend, a seeded request whose prompt is prefilled in chunks
     kills the engine: vLLM rewinds the request's random generator after a
@@ -97,7 +106,51 @@ def platform_defaults() -> dict[str, Any]:
     """
     from vllm.platforms import current_platform
 
-    return {"enable_chunked_prefill": False} if current_platform.is_cpu() else {}
+    if not current_platform.is_cpu():
+        return {}
+    kv_bytes = cpu_kv_cache_default(options or {})
+    return {"enable_chunked_prefill": False, **({} if kv_bytes is None else {"kv_cache_memory_bytes": kv_bytes})}
+
+
+#: vLLM's own variable (GiB): on CPU it sizes the KV cache, over any engine option.
+KVCACHE_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+#: The engine options by which a user sizes vLLM's KV cache (on CPU, the first is a share of the RAM).
+KV_CACHE_OPTIONS = ("gpu_memory_utilization", "kv_cache_memory_bytes", "num_gpu_blocks_override")
+_GiB = 1 << 30
+_MiB = 1 << 20
+
+
+def cpu_kv_cache_default(
+    options: Mapping[str, Any], environ: Mapping[str, str] | None = None, available: int | None = None
+) -> int | None:
+    """The KV-cache size twinkle picks on vLLM's CPU backend when the user picked none, in bytes.
+
+    vLLM's default there reserves ``gpu_memory_utilization`` (0.92) of the
+    machine's RAM for one engine: a second engine, a trainer or Ray's object
+    store on the same machine then cannot start ("Available memory ... is less
+    than desired CPU memory utilization"). twinkle gives the cache a quarter of
+    the memory available when the engine starts, between 512 MiB and 4 GiB
+    (whole MiB): enough for several SmolLM2-sized engines' full context, and
+    room left for the rest. Any of :data:`KV_CACHE_OPTIONS` or
+    ``VLLM_CPU_KVCACHE_SPACE`` set by the user turns this off.
+
+    Args:
+        options: the user's engine options.
+        environ: the environment (default ``os.environ``).
+        available: the memory available now, in bytes (default: read by psutil).
+
+    Returns:
+        The size, or ``None`` where the user chose one.
+    """
+    env = os.environ if environ is None else environ
+    if any(options.get(name) is not None for name in KV_CACHE_OPTIONS) or env.get(KVCACHE_SPACE_ENV, "").strip():
+        return None
+    if available is None:
+        import psutil
+
+        available = int(psutil.virtual_memory().available)
+    quarter = available // 4 // _MiB * _MiB
+    return min(4 * _GiB, max(512 * _MiB, quarter))
 
 
 #: vLLM's CPU backend: which cores each worker's OpenMP threads are bound to, '|' between workers.
@@ -204,9 +257,19 @@ def build_engine_args(model_dir: Path, tp_size: int, options: dict[str, Any]) ->
     # vLLM refuses custom logits processors with speculative decoding; without ours,
     # temperatures outside [0.01, 2] are then refused per request instead.
     ours = [] if options.get("speculative_config") else [LOGITS_PROCESSOR, GRAMMAR_PROCESSOR]
+    defaults = platform_defaults(options)
+    if defaults.get("kv_cache_memory_bytes") is not None:
+        chosen = defaults["kv_cache_memory_bytes"]
+        log.info(
+            "vLLM on CPU: a KV cache of %.2f GiB (a quarter of the memory available now, between 0.5 and 4 GiB;"
+            " vLLM's own default would reserve 92%% of the RAM). To choose: engine option kv_cache_memory_bytes,"
+            " gpu_memory_utilization (a share of the RAM on CPU) or %s (GiB).",
+            chosen / _GiB,
+            KVCACHE_SPACE_ENV,
+        )
     kwargs: dict[str, Any] = {
         "disable_log_stats": True,
-        **platform_defaults(),
+        **defaults,
         # The user's options go last so they win over our defaults, False included.
         **options,
         "model": str(model_dir),
