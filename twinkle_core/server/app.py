@@ -53,6 +53,7 @@ from twinkle_core.errors import (
 from twinkle_core.requests import Finished
 from twinkle_core.server.calls import Pending
 from twinkle_core.server.completions import complete
+from twinkle_core.server.constraints import constrain
 from twinkle_core.server.control import add_control_routes
 from twinkle_core.server.protocol import (
     ApiError,
@@ -514,13 +515,6 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
         adapter = state.adapter(req.model or "")
-        if req.tool_choice not in (None, "auto", "none"):
-            raise ApiError(
-                400,
-                f"tool_choice={brief(req.tool_choice)} is not supported: use 'auto' or 'none'"
-                " (forcing a call needs constrained decoding, which the engines do not have yet).",
-                param="tool_choice",
-            )
         if req.top_logprobs and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
         params = state.params(
@@ -536,11 +530,14 @@ def create_app(
         except TwinkleError as exc:
             raise ApiError(400, str(exc), param="tools") from None
         parser = state.no_parser if req.tool_choice == "none" else state.tool_parser
+        fields = body_names("chat", req)
+        params, constraint = constrain(
+            params, state.tool_parser, req.tools, req.tool_choice, req.parallel_tool_calls, fields
+        )
         session_id = _session_id(request, req)
         template = state.template_with(req.chat_template_kwargs)
         await state.unpaused()
-        fields = body_names("chat", req)
-        call = await _start(state, session_id, trajectory, parser, params, adapter, template, fields)
+        call = await _start(state, session_id, trajectory, parser, params, adapter, template, fields, constraint)
         rid = req.request_id or ("chatcmpl-" + uuid.uuid4().hex)
         prompt_ids = list(call.target.tokens)
         names = TokenNames(sampler.template, bool(req.return_tokens_as_token_ids))
@@ -653,6 +650,7 @@ async def _start(
     adapter: str,
     template: Any = None,
     names: Mapping[str, str] | None = None,
+    constraint: dict[str, Any] | None = None,
 ) -> _Call:
     """Find or start the episode and submit its next turn (``n > 1`` forks it).
 
@@ -660,6 +658,7 @@ async def _start(
     by the call's recorder once the turn is in the session. ``template``: the
     sampler's template with the call's ``chat_template_kwargs``; an episode
     rendered with other options is not continued (the call starts a new one).
+    ``constraint``: what constrains the turn, recorded on it.
     """
     session = state.sessions.get_or_create(session_id) if session_id else None
     if session is not None:
@@ -684,6 +683,7 @@ async def _start(
                 tool_parser=parser,
                 on_template_mismatch=state.on_template_mismatch,
             )
+        target.constraint = constraint
         return _Call(state.sampler, session, base, target, params, adapter)
     except BaseException as exc:
         if session is not None:

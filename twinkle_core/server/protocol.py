@@ -288,9 +288,19 @@ FIELDS: tuple[FieldRule, ...] = (
         note="OpenAI messages: text content parts, `name`, and the `developer` role"
         " (both handed to the template as written, as vLLM does)",
     ),
-    FieldRule("tools", CHAT, "implemented", note="OpenAI function tools; `strict` accepted (not enforced, as in vLLM)"),
-    FieldRule("tool_choice", CHAT, "implemented", note="`none` and `auto`; `required` / a named function are a 400"),
-    FieldRule("parallel_tool_calls", CHAT, "neutral", (True,), note="every call the model makes is returned"),
+    FieldRule(
+        "tools",
+        CHAT,
+        "implemented",
+        note="OpenAI function tools; with a forcing `tool_choice`, `strict: false` leaves a tool's arguments free",
+    ),
+    FieldRule(
+        "tool_choice",
+        CHAT,
+        "implemented",
+        note="`none`, `auto`; `required` and a named function constrain the turn to the parser's call syntax",
+    ),
+    FieldRule("parallel_tool_calls", CHAT, "implemented", note="`false`: the turn is constrained to at most one call"),
     FieldRule("top_logprobs", CHAT, "implemented"),
     FieldRule("max_completion_tokens", CHAT, "implemented", note="wins over `max_tokens`"),
     FieldRule("add_generation_prompt", CHAT, "neutral", (True,), note="sessions sample a new assistant turn"),
