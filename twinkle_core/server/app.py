@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from twinkle_core.data_format import SamplingParams, Trajectory
+from twinkle_core.data_format import Message, SamplingParams, Trajectory
 from twinkle_core.episode import Episode, OnTemplateMismatch, Turn, _extend, _prepare
 from twinkle_core.errors import (
     ConfigError,
@@ -429,6 +429,7 @@ def create_app(
     sessions: SessionStore | None = None,
     max_workers: int = 64,
     weight_transfer: Mapping[str, Any] | None = None,
+    max_stored_responses: int = 1024,
 ) -> FastAPI:
     """The OpenAI-compatible application over ``sampler`` (see :func:`twinkle_core.server.serve`)."""
     transfer_config = check_weight_config(weight_transfer)
@@ -511,6 +512,9 @@ def create_app(
 
     add_control_routes(app, state, transfer_config)
     add_weight_routes(app, state, transfer_config)
+    from twinkle_core.server.responses import add_response_routes  # it builds on this module's calls
+
+    add_response_routes(app, state, max_stored_responses)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
@@ -618,7 +622,7 @@ def create_app(
     return app
 
 
-def _session_id(request: Request, req: ChatRequest) -> str | None:
+def _session_id(request: Request, req: Any) -> str | None:
     """The session a chat call joins: the header, else the body's ``session_id``, else its ``user``.
 
     ``export`` and ids ending in ``/export`` are refused: the session routes
@@ -651,6 +655,7 @@ async def _start(
     template: Any = None,
     names: Mapping[str, str] | None = None,
     constraint: dict[str, Any] | None = None,
+    continues: Episode | None = None,
 ) -> _Call:
     """Find or start the episode and submit its next turn (``n > 1`` forks it).
 
@@ -658,16 +663,22 @@ async def _start(
     by the call's recorder once the turn is in the session. ``template``: the
     sampler's template with the call's ``chat_template_kwargs``; an episode
     rendered with other options is not continued (the call starts a new one).
-    ``constraint``: what constrains the turn, recorded on it.
+    ``constraint``: what constrains the turn, recorded on it. ``continues``: the
+    episode the call extends (a stored response's), instead of the one the session matches.
     """
     session = state.sessions.get_or_create(session_id) if session_id else None
     if session is not None:
         await session.lock.acquire()
     try:
-        found = session.match(trajectory.messages) if session is not None else None
+        if continues is not None:
+            found: tuple[Episode, list[Message]] | None = (continues, trajectory.messages)
+        else:
+            found = session.match(trajectory.messages) if session is not None else None
         options = template.options if template is not None else {}
-        if found is not None and (
-            found[0].template.options != options or _tool_specs(found[0].tools) != _tool_specs(trajectory.tools)
+        if (
+            found is not None
+            and continues is None
+            and (found[0].template.options != options or _tool_specs(found[0].tools) != _tool_specs(trajectory.tools))
         ):
             found = None  # rendered with other options or other tools: its tokens are not this call's prompt
         base: Episode | None = None
@@ -777,20 +788,7 @@ async def _stream_chat(
                     index = item.input_index * call.n + item.sample_index
                     turn = call.turn(item)
                     completion += len(turn.tokens)
-                    pieces: list[str] = []
-                    if turn.tool_calls:
-                        pieces = [str(turn.message.content)] if turn.message.content else []
-                    else:
-                        # One chunk per token: the decoded text grows by each token's share (cut at a stop string).
-                        shown = 0
-                        for i in range(1, len(turn.tokens) + 1):
-                            text = decode(turn.tokens[:i])[: len(turn.text)]
-                            if len(text) > shown and turn.text.startswith(text):
-                                pieces.append(text[shown:])
-                                shown = len(text)
-                        if shown < len(turn.text):
-                            pieces.append(turn.text[shown:])
-                    for text in pieces:
+                    for text in _text_pieces(decode, turn):
                         yield chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}])
                     if turn.tool_calls:
                         calls = [{"index": k, **c} for k, c in enumerate(_openai_calls(turn.tool_calls))]
@@ -823,6 +821,23 @@ async def _stream_chat(
     finally:
         if not complete and call.pending.abort():
             log.info("client left mid-stream; aborted the engine call of %s", rid)
+
+
+def _text_pieces(decode: Any, turn: Turn) -> list[str]:
+    """A turn's text as a stream sends it: one piece per token (its calls' content whole, if any)."""
+    if turn.tool_calls:
+        return [str(turn.message.content)] if turn.message.content else []
+    # One piece per token: the decoded text grows by each token's share (cut at a stop string).
+    pieces: list[str] = []
+    shown = 0
+    for i in range(1, len(turn.tokens) + 1):
+        text = decode(turn.tokens[:i])[: len(turn.text)]
+        if len(text) > shown and turn.text.startswith(text):
+            pieces.append(text[shown:])
+            shown = len(text)
+    if shown < len(turn.text):
+        pieces.append(turn.text[shown:])
+    return pieces
 
 
 def _structured_outputs(structured: dict[str, Any] | None, response_format: dict[str, Any] | None) -> Any:
