@@ -357,7 +357,7 @@ def test_a_request_for_more_sequences_than_memory_allows_is_refused(server: Runn
 # -- fields: the table, neutral values, refusals ----------------------------------------------------------------
 
 
-@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize("route", ["completions", "chat", "responses"])
 def test_the_table_names_every_accepted_field(route: str) -> None:
     named = {f.name for f in FIELDS if route in f.routes}
     assert named == model_fields(route)  # type: ignore[arg-type]

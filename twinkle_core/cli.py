@@ -589,6 +589,13 @@ def sample(
     help="The most sampling calls held at once, running or waiting; one more gets 503 with Retry-After.",
 )
 @click.option(
+    "--max-stored-responses",
+    default=1024,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="The most /v1/responses replies kept for previous_response_id; the oldest is evicted first.",
+)
+@click.option(
     "--request-timeout",
     default=None,
     type=click.FloatRange(min=0, min_open=True),
@@ -624,6 +631,7 @@ def serve(
     max_logprobs: int,
     max_body_mib: int,
     max_pending_requests: int,
+    max_stored_responses: int,
     request_timeout: float | None,
     weight_transfer: str | None,
 ) -> None:
@@ -672,6 +680,7 @@ def serve(
             max_body_bytes=max_body_mib * 2**20,
             max_pending_requests=max_pending_requests,
             request_timeout=request_timeout,
+            max_stored_responses=max_stored_responses,
         )
 
 

@@ -103,6 +103,9 @@ class Turn:
         tool_call_errors: one message per malformed tool call (left out of
             ``message.tool_calls``); reported here, never raised.
         top_logprobs: with ``logprobs=k > 0``, the top-k alternatives per position.
+        constraint: what constrained its sampling (``None``: nothing), as
+            :attr:`Episode.constraint` said when it was sampled, e.g.
+            ``{"tool_choice": "required", "parallel_tool_calls": True}``.
     """
 
     start: int
@@ -115,6 +118,7 @@ class Turn:
     message: Message
     tool_call_errors: list[str] = attrs.field(factory=list)
     top_logprobs: Any = None
+    constraint: dict[str, Any] | None = None
 
     @property
     def end(self) -> int:
@@ -200,6 +204,9 @@ class Episode:
         self.turns: list[Turn] = []
         #: Why each append fell back to isolated encoding (``on_template_mismatch="keep_sampled"``).
         self.template_mismatches: list[str] = []
+        #: What constrains the next sampled turn (a forced tool call, a response format), recorded on
+        #: that turn (``Turn.constraint``) and cleared; set by whoever samples it (``twinkle serve``).
+        self.constraint: dict[str, Any] | None = None
         self._awaiting = True
 
     # -- state -----------------------------------------------------------------------------
@@ -240,6 +247,7 @@ class Episode:
         twin.segments = [Segment(kind=s.kind, tokens=list(s.tokens)) for s in self.segments]
         twin.turns = list(self.turns)  # turns are never mutated once recorded
         twin.template_mismatches = list(self.template_mismatches)
+        twin.constraint = self.constraint
         twin._awaiting = self._awaiting
         return twin
 
@@ -306,7 +314,9 @@ class Episode:
             message=message,
             tool_call_errors=list(parsed.errors),
             top_logprobs=seq.top_logprobs,
+            constraint=self.constraint,
         )
+        self.constraint = None
         self.tokens.extend(turn.tokens)
         self.loss_mask.extend([1] * len(turn.tokens))
         self.logprobs.extend(turn.logprobs if turn.logprobs is not None else [None] * len(turn.tokens))
@@ -458,7 +468,8 @@ class Episode:
         ``extra`` holds ``loss_mask`` (1 exactly on sampled tokens), ``logprobs``
         (the sampled log-prob on sampled tokens, ``None`` elsewhere),
         ``weights_versions`` (the producing version on sampled tokens, ``None``
-        elsewhere) and ``turns`` (each turn's span, version, adapter and stop reason).
+        elsewhere) and ``turns`` (each turn's span, version, adapter, stop reason
+        and ``constraint``: what constrained it, ``None`` for nothing).
         """
         versions: list[int | None] = [None] * len(self.tokens)
         for turn in self.turns:
@@ -478,6 +489,7 @@ class Episode:
                         "adapter_name": t.adapter_name,
                         "stop_reason": t.stop_reason,
                         "tool_call_errors": list(t.tool_call_errors),
+                        "constraint": t.constraint,
                     }
                     for t in self.turns
                 ],

@@ -74,6 +74,9 @@ class ToolCallParser:
 
     #: The registry name, for messages.
     name: ClassVar[str] = ""
+    #: The xgrammar structural-tag format of the calls it reads (``None``: calls cannot be forced or
+    #: limited, see :mod:`twinkle_core.tool_choice`).
+    structural_tag_format: ClassVar[str | None] = None
 
     def parse(self, text: str) -> ParsedToolCalls:
         """Read the tool calls out of ``text`` (a completion, special tokens removed)."""
@@ -104,6 +107,7 @@ class HermesToolParser(ToolCallParser):
     """
 
     name = "hermes"
+    structural_tag_format = "qwen_3"  # xgrammar's name for exactly this format
     _block = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
     def parse(self, text: str) -> ParsedToolCalls:

@@ -91,6 +91,7 @@ def serve(
     max_body_bytes: int | None = None,
     max_pending_requests: int | None = None,
     request_timeout: float | None = None,
+    max_stored_responses: int | None = None,
 ) -> None:
     """Serve ``sampler`` over the OpenAI API until interrupted (blocking).
 
@@ -123,6 +124,8 @@ def serve(
         request_timeout: seconds after which a sampling call is aborted, its
             reply holding what was sampled by then (``None``: no deadline).
             See :mod:`twinkle_core.server.limits`.
+        max_stored_responses: the most ``/v1/responses`` replies kept for
+            ``previous_response_id``, the oldest evicted first; default 1024.
 
     Raises:
         ConfigError: a non-loopback host without an API key, or FastAPI/uvicorn missing.
@@ -139,7 +142,11 @@ def serve(
         "weight_transfer": weight_transfer,
         "request_timeout": request_timeout,
     }
-    for name, value in (("max_body_bytes", max_body_bytes), ("max_pending_requests", max_pending_requests)):
+    for name, value in (
+        ("max_body_bytes", max_body_bytes),
+        ("max_pending_requests", max_pending_requests),
+        ("max_stored_responses", max_stored_responses),
+    ):
         if value is not None:  # None: the app's default
             options[name] = value
     uvicorn.Server(_config(sampler, host, port, api_key, log_level, options)).run()

@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from twinkle_core.data_format import SamplingParams, Trajectory
+from twinkle_core.data_format import Message, SamplingParams, Trajectory
 from twinkle_core.episode import Episode, OnTemplateMismatch, Turn, _extend, _prepare
 from twinkle_core.errors import (
     ConfigError,
@@ -53,6 +53,7 @@ from twinkle_core.errors import (
 from twinkle_core.requests import Finished
 from twinkle_core.server.calls import Pending
 from twinkle_core.server.completions import complete
+from twinkle_core.server.constraints import constrain
 from twinkle_core.server.control import add_control_routes
 from twinkle_core.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_REQUESTS, Limits, LimitsMiddleware
 from twinkle_core.server.protocol import (
@@ -284,6 +285,13 @@ class _Server:
         except TwinkleError as exc:
             raise ApiError(400, str(exc), param="chat_template_kwargs") from None
 
+    def check_parts(self, parts: int, names: Mapping[str, str]) -> None:
+        """Refuse a conversation of more messages and tools than the context has tokens, before any is
+        converted or rendered: each renders to a token at least."""
+        limit = self.sampler.max_model_len - 1
+        if parts > limit:
+            raise self.refusal(PromptTooLongError("", index=0, length=parts, limit=limit, at_least=True), names)
+
     def refusal(self, exc: BaseException, names: Mapping[str, str] | None = None) -> BaseException:
         """What a route raises for an engine call refused at submission (the error itself if unexpected).
 
@@ -441,6 +449,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
     request_timeout: float | None = None,
+    max_stored_responses: int = 1024,
 ) -> FastAPI:
     """The OpenAI-compatible application over ``sampler`` (see :func:`twinkle_core.server.serve`)."""
     transfer_config = check_weight_config(weight_transfer)
@@ -532,17 +541,13 @@ def create_app(
 
     add_control_routes(app, state, transfer_config)
     add_weight_routes(app, state, transfer_config)
+    from twinkle_core.server.responses import add_response_routes  # it builds on this module's calls
+
+    add_response_routes(app, state, max_stored_responses)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request) -> Any:
         adapter = state.adapter(req.model or "")
-        if req.tool_choice not in (None, "auto", "none"):
-            raise ApiError(
-                400,
-                f"tool_choice={brief(req.tool_choice)} is not supported: use 'auto' or 'none'"
-                " (forcing a call needs constrained decoding, which the engines do not have yet).",
-                param="tool_choice",
-            )
         if req.top_logprobs and not req.logprobs:
             raise ApiError(400, "top_logprobs needs logprobs=true.", param="top_logprobs")
         params = state.params(
@@ -552,21 +557,21 @@ def create_app(
             logprobs=req.top_logprobs or 0,
             prompt_logprobs=req.prompt_logprobs,
         )
-        parts = len(req.messages) + len(req.tools or [])
-        if parts >= sampler.max_model_len:  # each renders to a token at least: refused before any is converted
-            too_long = PromptTooLongError("", index=0, length=parts, limit=sampler.max_model_len - 1, at_least=True)
-            raise state.refusal(too_long, body_names("chat", req))
+        state.check_parts(len(req.messages) + len(req.tools or []), body_names("chat", req))
         messages = openai_messages(req.messages)
         try:
             trajectory = Trajectory(messages=messages, tools=openai_tools(req.tools))
         except TwinkleError as exc:
             raise ApiError(400, str(exc), param="tools") from None
         parser = state.no_parser if req.tool_choice == "none" else state.tool_parser
+        fields = body_names("chat", req)
+        params, constraint = constrain(
+            params, state.tool_parser, req.tools, req.tool_choice, req.parallel_tool_calls, fields
+        )
         session_id = _session_id(request, req)
         template = state.template_with(req.chat_template_kwargs)
         await state.unpaused()
-        fields = body_names("chat", req)
-        call = await _start(state, session_id, trajectory, parser, params, adapter, template, fields)
+        call = await _start(state, session_id, trajectory, parser, params, adapter, template, fields, constraint)
         rid = req.request_id or ("chatcmpl-" + uuid.uuid4().hex)
         prompt_ids = list(call.target.tokens)
         names = TokenNames(sampler.template, bool(req.return_tokens_as_token_ids))
@@ -647,7 +652,7 @@ def create_app(
     return app
 
 
-def _session_id(request: Request, req: ChatRequest) -> str | None:
+def _session_id(request: Request, req: Any) -> str | None:
     """The session a chat call joins: the header, else the body's ``session_id``, else its ``user``.
 
     ``export`` and ids ending in ``/export`` are refused: the session routes
@@ -679,6 +684,8 @@ async def _start(
     adapter: str,
     template: Any = None,
     names: Mapping[str, str] | None = None,
+    constraint: dict[str, Any] | None = None,
+    continues: Episode | None = None,
 ) -> _Call:
     """Find or start the episode and submit its next turn (``n > 1`` forks it).
 
@@ -686,15 +693,22 @@ async def _start(
     by the call's recorder once the turn is in the session. ``template``: the
     sampler's template with the call's ``chat_template_kwargs``; an episode
     rendered with other options is not continued (the call starts a new one).
+    ``constraint``: what constrains the turn, recorded on it. ``continues``: the
+    episode the call extends (a stored response's), instead of the one the session matches.
     """
     session = state.sessions.get_or_create(session_id) if session_id else None
     if session is not None:
         await session.lock.acquire()
     try:
-        found = session.match(trajectory.messages) if session is not None else None
+        if continues is not None:
+            found: tuple[Episode, list[Message]] | None = (continues, trajectory.messages)
+        else:
+            found = session.match(trajectory.messages) if session is not None else None
         options = template.options if template is not None else {}
-        if found is not None and (
-            found[0].template.options != options or _tool_specs(found[0].tools) != _tool_specs(trajectory.tools)
+        if (
+            found is not None
+            and continues is None
+            and (found[0].template.options != options or _tool_specs(found[0].tools) != _tool_specs(trajectory.tools))
         ):
             found = None  # rendered with other options or other tools: its tokens are not this call's prompt
         base: Episode | None = None
@@ -711,6 +725,7 @@ async def _start(
                 on_template_mismatch=state.on_template_mismatch,
                 max_prompt_tokens=state.sampler.max_model_len - 1,  # one token left to generate
             )
+        target.constraint = constraint
         return _Call(state.sampler, session, base, target, params, adapter)
     except BaseException as exc:
         if session is not None:
@@ -804,20 +819,7 @@ async def _stream_chat(
                     index = item.input_index * call.n + item.sample_index
                     turn = call.turn(item)
                     completion += len(turn.tokens)
-                    pieces: list[str] = []
-                    if turn.tool_calls:
-                        pieces = [str(turn.message.content)] if turn.message.content else []
-                    else:
-                        # One chunk per token: the decoded text grows by each token's share (cut at a stop string).
-                        shown = 0
-                        for i in range(1, len(turn.tokens) + 1):
-                            text = decode(turn.tokens[:i])[: len(turn.text)]
-                            if len(text) > shown and turn.text.startswith(text):
-                                pieces.append(text[shown:])
-                                shown = len(text)
-                        if shown < len(turn.text):
-                            pieces.append(turn.text[shown:])
-                    for text in pieces:
+                    for text in _text_pieces(decode, turn):
                         yield chunk([{"index": index, "delta": {"content": text}, "finish_reason": None}])
                     if turn.tool_calls:
                         calls = [{"index": k, **c} for k, c in enumerate(_openai_calls(turn.tool_calls))]
@@ -850,6 +852,23 @@ async def _stream_chat(
     finally:
         if not complete and call.pending.abort():
             log.info("client left mid-stream; aborted the engine call of %s", rid)
+
+
+def _text_pieces(decode: Any, turn: Turn) -> list[str]:
+    """A turn's text as a stream sends it: one piece per token (its calls' content whole, if any)."""
+    if turn.tool_calls:
+        return [str(turn.message.content)] if turn.message.content else []
+    # One piece per token: the decoded text grows by each token's share (cut at a stop string).
+    pieces: list[str] = []
+    shown = 0
+    for i in range(1, len(turn.tokens) + 1):
+        text = decode(turn.tokens[:i])[: len(turn.text)]
+        if len(text) > shown and turn.text.startswith(text):
+            pieces.append(text[shown:])
+            shown = len(text)
+    if shown < len(turn.text):
+        pieces.append(turn.text[shown:])
+    return pieces
 
 
 def _structured_outputs(structured: dict[str, Any] | None, response_format: dict[str, Any] | None) -> Any:

@@ -40,6 +40,7 @@ __all__ = [
     "ChatRequest",
     "CompletionRequest",
     "FieldRule",
+    "ResponsesRequest",
     "body_names",
     "brief",
     "fields_table",
@@ -51,12 +52,15 @@ __all__ = [
     "openai_tools",
 ]
 
-Route = Literal["completions", "chat"]
+Route = Literal["completions", "chat", "responses"]
 Treatment = Literal["implemented", "neutral", "no effect"]
 
 BOTH: tuple[Route, ...] = ("completions", "chat")
 COMPLETIONS: tuple[Route, ...] = ("completions",)
 CHAT: tuple[Route, ...] = ("chat",)
+RESPONSES: tuple[Route, ...] = ("responses",)
+#: The sampling fields ``/v1/responses`` takes under the chat route's names (vLLM's extras on it).
+RESPONSES_SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop", "ignore_eos")
 
 
 @attrs.frozen
@@ -288,9 +292,19 @@ FIELDS: tuple[FieldRule, ...] = (
         note="OpenAI messages: text content parts, `name`, and the `developer` role"
         " (both handed to the template as written, as vLLM does)",
     ),
-    FieldRule("tools", CHAT, "implemented", note="OpenAI function tools; `strict` accepted (not enforced, as in vLLM)"),
-    FieldRule("tool_choice", CHAT, "implemented", note="`none` and `auto`; `required` / a named function are a 400"),
-    FieldRule("parallel_tool_calls", CHAT, "neutral", (True,), note="every call the model makes is returned"),
+    FieldRule(
+        "tools",
+        CHAT,
+        "implemented",
+        note="OpenAI function tools; with a forcing `tool_choice`, `strict: false` leaves a tool's arguments free",
+    ),
+    FieldRule(
+        "tool_choice",
+        CHAT,
+        "implemented",
+        note="`none`, `auto`; `required` and a named function constrain the turn to the parser's call syntax",
+    ),
+    FieldRule("parallel_tool_calls", CHAT, "implemented", note="`false`: the turn is constrained to at most one call"),
     FieldRule("top_logprobs", CHAT, "implemented"),
     FieldRule("max_completion_tokens", CHAT, "implemented", note="wins over `max_tokens`"),
     FieldRule("add_generation_prompt", CHAT, "neutral", (True,), note="sessions sample a new assistant turn"),
@@ -306,10 +320,41 @@ FIELDS: tuple[FieldRule, ...] = (
     FieldRule("echo", CHAT, "neutral", (False,), note="chat replies hold the new turn only"),
     FieldRule("add_special_tokens", CHAT, "neutral", (False,), note="the template writes every special token"),
     FieldRule("truncate_prompt_tokens", CHAT, "neutral", (), note="a session's prompt is never cut"),
+    # -- /v1/responses (see docs/server.md, "The Responses API") --------------------------------------------------
+    FieldRule("input", RESPONSES, "implemented", note="a string, or message, `function_call` and output items"),
+    FieldRule("instructions", RESPONSES, "implemented", note="a system message before `input`"),
+    *(FieldRule(name, RESPONSES, "implemented", note="as on chat") for name in RESPONSES_SAMPLING),
+    FieldRule("max_output_tokens", RESPONSES, "implemented", note="as chat's `max_completion_tokens`"),
+    FieldRule("tools", RESPONSES, "implemented", note="function tools only; hosted tools are a 400"),
+    FieldRule("tool_choice", RESPONSES, "implemented", note="as on chat; a named choice is `{type, name}`"),
+    FieldRule("parallel_tool_calls", RESPONSES, "implemented", note="as on chat"),
+    FieldRule("text", RESPONSES, "implemented", note="`format`: `text`, `json_object` or `json_schema`"),
+    FieldRule("top_logprobs", RESPONSES, "implemented", note="with `include` `message.output_text.logprobs`"),
+    FieldRule("include", RESPONSES, "implemented", note="`message.output_text.logprobs` only"),
+    FieldRule("previous_response_id", RESPONSES, "implemented", note="continues the stored response's episode"),
+    FieldRule("store", RESPONSES, "implemented", note="default true: kept for `previous_response_id` (bounded)"),
+    FieldRule("stream", RESPONSES, "implemented", note="the Responses events, each output item once sampled"),
+    FieldRule("model", RESPONSES, "implemented", note="as on chat"),
+    FieldRule("user", RESPONSES, "implemented", note="the session, after the header and `session_id`"),
+    FieldRule("session_id", RESPONSES, "implemented", note="twinkle's: the session the call joins"),
+    FieldRule("request_id", RESPONSES, "implemented", note="the response's id"),
+    FieldRule("metadata", RESPONSES, "no effect", note="returned as sent"),
+    FieldRule("service_tier", RESPONSES, "no effect"),
+    FieldRule("prompt_cache_key", RESPONSES, "no effect"),
+    FieldRule("safety_identifier", RESPONSES, "no effect"),
+    FieldRule("background", RESPONSES, "neutral", (False,), note="every call is answered when done"),
+    FieldRule("truncation", RESPONSES, "neutral", ("disabled",), note="an episode's prompt is never cut"),
+    FieldRule("reasoning", RESPONSES, "neutral", (), note="no reasoning items: the model cannot produce them"),
+    FieldRule("max_tool_calls", RESPONSES, "neutral", (), note="use `parallel_tool_calls: false`"),
+    FieldRule("prompt", RESPONSES, "neutral", (), note="no stored prompt templates"),
+    FieldRule("conversation", RESPONSES, "neutral", (), note="use `previous_response_id`"),
+    FieldRule("stream_options", RESPONSES, "neutral", (), note="no options"),
+    FieldRule("context_management", RESPONSES, "neutral", (), note="an episode's prompt is never cut"),
+    FieldRule("prompt_cache_retention", RESPONSES, "no effect"),
 )
 
 _BY_ROUTE: dict[Route, dict[str, FieldRule]] = {
-    route: {f.name: f for f in FIELDS if route in f.routes} for route in ("completions", "chat")
+    route: {f.name: f for f in FIELDS if route in f.routes} for route in ("completions", "chat", "responses")
 }
 
 
@@ -477,20 +522,67 @@ class ChatRequest(_Request):
     truncate_prompt_tokens: Any = None
 
 
+class ResponsesRequest(TextBody):
+    """The ``/v1/responses`` body (vLLM's fields; see :data:`FIELDS`)."""
+
+    model: str | None = None
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)
+    stop: str | list[str] | None = None
+    ignore_eos: bool = False
+    max_output_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: Any = None
+    text: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+    include: list[str] | None = None
+    previous_response_id: str | None = None
+    store: bool = True
+    stream: bool | None = False
+    user: str | None = None
+    session_id: str | None = None
+    request_id: str | None = None
+    metadata: dict[str, Any] | None = None
+    service_tier: Any = None
+    prompt_cache_key: Any = None
+    safety_identifier: Any = None
+    prompt_cache_retention: Any = None
+    # Accepted only at their neutral values (checked against FIELDS before anything runs).
+    background: Any = None
+    truncation: Any = None
+    reasoning: Any = None
+    max_tool_calls: Any = None
+    prompt: Any = None
+    conversation: Any = None
+    stream_options: Any = None
+    context_management: Any = None
+
+
 def model_fields(route: Route) -> set[str]:
     """The body keys a route's model accepts (the table must name exactly these)."""
-    cls = CompletionRequest if route == "completions" else ChatRequest
-    return set(cls.model_fields)
+    classes: dict[Route, type[BaseModel]] = {
+        "completions": CompletionRequest,
+        "chat": ChatRequest,
+        "responses": ResponsesRequest,
+    }
+    return set(classes[route].model_fields)
 
 
 def fields_table() -> str:
     """The request fields as the Markdown table ``docs/server.md`` shows (a test keeps the two equal)."""
-    rows = ["| field | completions | chat | note |", "|---|---|---|---|"]
+    rows = ["| field | completions | chat | responses | note |", "|---|---|---|---|---|"]
     names = list(dict.fromkeys(f.name for f in FIELDS))
     for name in names:
         cells: list[str] = []
         notes: list[str] = []
-        routes: tuple[Route, ...] = ("completions", "chat")
+        routes: tuple[Route, ...] = ("completions", "chat", "responses")
         for route in routes:
             rule = _BY_ROUTE[route].get(name)
             if rule is None:
@@ -502,5 +594,5 @@ def fields_table() -> str:
             cells.append(cell)
             if rule.note and rule.note not in notes:
                 notes.append(rule.note)
-        rows.append(f"| `{name}` | {cells[0]} | {cells[1]} | {'; '.join(notes)} |")
+        rows.append(f"| `{name}` | {' | '.join(cells)} | {'; '.join(notes)} |")
     return "\n".join(rows) + "\n"

@@ -46,6 +46,7 @@ __all__ = [
     "TINY_MAX_MODEL_LEN",
     "TINY_MODEL_VERSION",
     "TINY_SPECIAL_TOKENS",
+    "TINY_WEATHER_TOOL",
     "build_tiny_model",
     "perturbed_tiny_model",
     "tiny_corpus",
@@ -206,6 +207,8 @@ _WEATHER_TOOL = {
         },
     },
 }
+#: The tool the tiny model learnt to call (OpenAI chat shape), for tests that need a call from it.
+TINY_WEATHER_TOOL = _WEATHER_TOOL
 _PROSE = [
     "The quick brown fox jumps over the lazy dog.",
     "A small model learns simple facts, numbers and short answers.",
