@@ -103,6 +103,8 @@ class Turn:
         tool_call_errors: one message per malformed tool call (left out of
             ``message.tool_calls``); reported here, never raised.
         top_logprobs: with ``logprobs=k > 0``, the top-k alternatives per position.
+        routed_experts: with ``return_routed_experts``, the sequence's
+            ``routed_experts`` (see :class:`~twinkle_core.data_format.SampledSequence`).
     """
 
     start: int
@@ -115,6 +117,7 @@ class Turn:
     message: Message
     tool_call_errors: list[str] = attrs.field(factory=list)
     top_logprobs: Any = None
+    routed_experts: Any = None
 
     @property
     def end(self) -> int:
@@ -306,6 +309,7 @@ class Episode:
             message=message,
             tool_call_errors=list(parsed.errors),
             top_logprobs=seq.top_logprobs,
+            routed_experts=seq.routed_experts,
         )
         self.tokens.extend(turn.tokens)
         self.loss_mask.extend([1] * len(turn.tokens))

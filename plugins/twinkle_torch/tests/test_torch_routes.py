@@ -16,7 +16,7 @@ import pytest
 import torch
 from test_torch_architectures import eager, save_random
 
-from twinkle_core.data_format import SampledSequence, SampleResponse, SamplingParams, Trajectory
+from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams, Trajectory
 from twinkle_core.errors import InvalidInputError, UnsupportedFeatureError
 from twinkle_core.rl import RoutingReplay, find_routers
 from twinkle_torch import TorchSampler
@@ -129,6 +129,32 @@ def test_routes_round_trip_through_dicts(qwen3_moe: tuple[Path, TorchSampler, li
     assert again == seq
 
 
+def test_routes_through_the_server(qwen3_moe: tuple[Path, TorchSampler, list[SampleResponse]]) -> None:
+    """``return_routed_experts`` on completions and chat: each choice's ``routed_experts``, as vLLM encodes them."""
+    import httpx
+
+    from twinkle_core.data_format.routes import decode_routes
+    from twinkle_core.server import start_server
+
+    _, sampler, _ = qwen3_moe
+    body: dict[str, Any] = {"model": "moe", "max_tokens": 4, "seed": 1, "return_routed_experts": True}
+    with start_server(sampler, model_name="moe") as srv:
+        done = httpx.post(srv.url + "/v1/completions", json={**body, "prompt": [[5, 6, 7, 8]]}, timeout=60).json()
+        messages = [{"role": "user", "content": "hi there"}]
+        chat = httpx.post(srv.url + "/v1/chat/completions", json={**body, "messages": messages}, timeout=60).json()
+        plain = httpx.post(
+            srv.url + "/v1/completions", json={**body, "prompt": [[5, 6]], "return_routed_experts": False}, timeout=60
+        )
+    choice = done["choices"][0]
+    direct = sampler.sample(InputFeature(input_ids=[5, 6, 7, 8]), {**PARAMS.to_dict(), "max_tokens": 4, "seed": 1,
+                            "num_samples": 1, "ignore_eos": False})[0].sequences[0]  # fmt: skip
+    assert choice["token_ids"] == direct.tokens
+    np.testing.assert_array_equal(decode_routes(choice["routed_experts"]), direct.routed_experts)
+    routes = decode_routes(chat["choices"][0]["routed_experts"])
+    assert routes.shape[1:] == (2, 2) and routes.shape[0] >= len(chat["choices"][0]["token_ids"])
+    assert "routed_experts" not in plain.json()["choices"][0]
+
+
 def test_no_routes_unless_asked(qwen3_moe: tuple[Path, TorchSampler, list[SampleResponse]]) -> None:
     _, sampler, results = qwen3_moe
     plain = sampler.sample(_prompts()[:1], PARAMS.replace(return_routed_experts=False))[0].sequences
@@ -197,3 +223,42 @@ def test_dense_model_refuses_routes(tiny_llama: Path) -> None:
         assert sampler.sample(_prompts()[:1], PARAMS.replace(return_routed_experts=False))[0].sequences
     with pytest.raises(UnsupportedFeatureError, match="RoutingReplay"):
         RoutingReplay(eager(tiny_llama), np.zeros((3, 2, 2), dtype=np.uint8))
+
+
+def test_routes_of_a_sequence_kept_across_a_weight_update(
+    qwen3_moe: tuple[Path, TorchSampler, list[SampleResponse]],
+) -> None:
+    """``in_flight="keep"``: each row of the routes comes from the weights that produced the next token."""
+    import time
+
+    path, sampler, _ = qwen3_moe
+    original = {k: v.clone() for k, v in sampler.model.state_dict().items()}
+    before = eager(path)
+    rerouted = {k: v.clone() for k, v in original.items()}
+    for name, _ in find_routers(before):
+        rerouted[f"{name}.weight"] = rerouted[f"{name}.weight"] + 0.3 * torch.randn_like(rerouted[f"{name}.weight"])
+    after = eager(path)
+    after.load_state_dict(rerouted)
+    stats = sampler.engine._decoder.stats  # type: ignore[attr-defined]
+    start = stats.steps
+    handle = sampler.submit(_prompts()[0], PARAMS.replace(max_tokens=40, num_samples=1))
+    deadline = time.monotonic() + 60
+    while stats.steps < start + 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    try:
+        sampler.update_weights(rerouted, in_flight="keep")
+        result = handle.result(timeout=120)[0]
+    finally:
+        sampler.update_weights(original)
+    seq, prompt = result.sequences[0], result.prompt_token_ids
+    assert seq.version_spans is not None and len(seq.version_spans) == 2
+    switch = seq.version_spans[1][0]  # the first token the new weights produced
+    routes = seq.routed_experts
+    assert routes is not None and routes.shape[0] == len(prompt) + len(seq.tokens) - 1
+    ids = prompt + seq.tokens[:-1]
+    cut = len(prompt) + switch - 1  # row i produced token i + 1: rows before the cut are the old weights'
+    for model, rows in ((before, slice(0, cut)), (after, slice(cut, None))):
+        own, margin = _own_routes(model, ids)
+        clear = margin[rows] > _NOISE
+        np.testing.assert_array_equal(routes[rows][clear], own[rows][clear])
+    assert not np.array_equal(_own_routes(before, ids)[0][cut:], routes[cut:])  # the update did reroute
