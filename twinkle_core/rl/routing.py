@@ -42,8 +42,12 @@ __all__ = ["ROUTER_RULES", "RoutingReplay", "find_routers"]
 #: ``routed_scaling_factor`` (DeepSeek-V3, whose bias-corrected group choice only picks, never weighs).
 ROUTER_RULES: dict[str, str] = {
     "MixtralTopKRouter": "softmax",
+    "MiniMaxTopKRouter": "softmax",  # its forward is Mixtral's
     "Qwen2MoeTopKRouter": "softmax",
     "Qwen3MoeTopKRouter": "softmax",
+    "Qwen3NextTopKRouter": "softmax",  # these three: Qwen3-MoE's forward
+    "FlexOlmoTopKRouter": "softmax",
+    "MellumTopKRouter": "softmax",
     "OlmoeTopKRouter": "softmax",
     "GptOssTopKRouter": "softmax_topk",
     "DeepseekV3TopkRouter": "sigmoid",

