@@ -268,3 +268,42 @@ def test_routes_of_a_sequence_kept_across_a_weight_update(
         clear = margin[rows] > _NOISE
         np.testing.assert_array_equal(routes[rows][clear], own[rows][clear])
     assert not np.array_equal(_own_routes(before, ids)[0][cut:], routes[cut:])  # the update did reroute
+
+
+def test_routes_of_rows_that_join_a_running_batch(qwen3_moe: tuple[Path, TorchSampler, list[SampleResponse]]) -> None:
+    """Continuous batching: a call arriving mid-decode joins the batch; every row's routes stay its own."""
+    import time
+
+    path, sampler, _ = qwen3_moe
+    stats = sampler.engine._decoder.stats  # type: ignore[attr-defined]
+    steps, joined = stats.steps, stats.joined_rows
+    running = sampler.submit(_prompts()[1], PARAMS.replace(max_tokens=30, num_samples=1))
+    deadline = time.monotonic() + 60
+    while stats.steps < steps + 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    arriving = sampler.sample(_prompts()[0], PARAMS)
+    results = [running.result(timeout=120)[0], arriving[0]]
+    assert stats.joined_rows > joined
+    assert assert_routes_are_own(results, eager(path)) > 0
+
+
+def test_routes_under_an_adapter_are_the_adapted_models(
+    qwen3_moe: tuple[Path, TorchSampler, list[SampleResponse]], tmp_path: Path
+) -> None:
+    """A LoRA on the attention changes what reaches the routers: the routes are the adapted model's."""
+    from peft import PeftModel
+    from torch_helpers import make_lora
+
+    path, sampler, _ = qwen3_moe
+    adapter = make_lora(path, tmp_path / "lora", seed=1, targets=["q_proj", "v_proj"])
+    sampler.add_adapter_to_model("routes-lora", str(adapter))
+    try:
+        adapted = sampler.sample(_prompts()[:1], PARAMS, adapter_name="routes-lora")
+    finally:
+        sampler.remove_adapter("routes-lora")
+    model = PeftModel.from_pretrained(eager(path), str(adapter)).eval()
+    assert assert_routes_are_own(adapted, model) > 0
+    base = eager(path)
+    seq = adapted[0].sequences[0]
+    ids = adapted[0].prompt_token_ids + seq.tokens[:-1]
+    assert not np.array_equal(_own_routes(base, ids)[0], seq.routed_experts)  # the base model routes otherwise
