@@ -307,3 +307,26 @@ def test_routes_under_an_adapter_are_the_adapted_models(
     seq = adapted[0].sequences[0]
     ids = adapted[0].prompt_token_ids + seq.tokens[:-1]
     assert not np.array_equal(_own_routes(base, ids)[0], seq.routed_experts)  # the base model routes otherwise
+
+
+def test_routes_of_an_aborted_then_resumed_sequence(qwen3_moe: tuple[Path, TorchSampler, list[SampleResponse]]) -> None:
+    """The aborted part's routes, then the continuation's: whole and in order, as one uninterrupted forward's."""
+    import time
+
+    path, sampler, _ = qwen3_moe
+    stats = sampler.engine._decoder.stats  # type: ignore[attr-defined]
+    steps = stats.steps
+    handle = sampler.submit(_prompts()[0], PARAMS.replace(max_tokens=30, num_samples=1))
+    deadline = time.monotonic() + 60
+    while stats.steps < steps + 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    handle.abort()
+    partial = handle.result(timeout=60)[0]
+    first = partial.sequences[0]
+    assert first.stop_reason == "abort" and first.routed_experts is not None
+    resumed = handle.resume().result(timeout=120)[0]
+    seq = resumed.sequences[0]
+    assert seq.tokens[: len(first.tokens)] == first.tokens and len(seq.tokens) > len(first.tokens)
+    ahead = len(partial.prompt_token_ids) + len(first.tokens) - 1
+    np.testing.assert_array_equal(seq.routed_experts[:ahead], first.routed_experts)
+    assert assert_routes_are_own([resumed], eager(path)) > 0

@@ -48,7 +48,8 @@ class RouteRecorder:
         self.armed = True
 
     def _keep(self, module: Any, args: Any, output: Any) -> None:
-        if self.armed:
+        # bounded: a forward that failed part-way leaves the recorder armed until the next arm()
+        if self.armed and len(self._taken) < self.layers:
             self._taken.append(output[2])
 
     def take(self, rows: int) -> np.ndarray:
