@@ -34,3 +34,15 @@ def test_bad_routes_are_refused_by_name() -> None:
             _seq(bad)
     with pytest.raises(InvalidSamplingParams, match="return_routed_experts"):
         SamplingParams(return_routed_experts="yes")  # type: ignore[arg-type]
+
+
+def test_trl_generation_kwargs_ask_for_routes() -> None:
+    from types import SimpleNamespace
+
+    from twinkle_core.integrations.trl import trl_sampling_params
+
+    args = SimpleNamespace(
+        temperature=1.0, top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0, max_completion_length=8,
+        generation_kwargs={"return_routed_experts": True},
+    )  # fmt: skip
+    assert trl_sampling_params(args).return_routed_experts is True
