@@ -882,3 +882,30 @@ def test_local_mode_runs_remote_code_in_process(tmp_path):
     """)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_routed_experts_come_back_from_replicas(cluster, tmp_path):
+    """MoE routes cross Ray with their sequences: each replica's are what a local engine returns."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "qwen3_moe", vocab_size=768, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    for path in build_tiny_model("llama").iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
+            shutil.copy2(path, tmp_path / path.name)
+    params = {"max_tokens": 5, "seed": 3, "num_samples": 2, "ignore_eos": True, "return_routed_experts": True}
+    with TorchSampler(str(tmp_path)) as s:
+        local = s.sample(chats()[:2], params)
+    with TorchSampler(str(tmp_path), device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="aux") as s:
+        remote = s.sample(chats()[:2], params)
+    for here, there in zip(local, remote):
+        for a, b in zip(here.sequences, there.sequences):
+            assert b.routed_experts.shape == (len(there.prompt_token_ids) + len(b.tokens) - 1, 2, 2)
+            assert (a.tokens, a.routed_experts.tolist()) == (b.tokens, b.routed_experts.tolist())

@@ -48,7 +48,10 @@ def merge_sequences(
     """One sequence from a partial one and its continuation, as the uninterrupted sequence would be.
 
     Tokens, log-probs and masks are joined; ``version_spans`` says where the
-    weights version changed. A stop string that spans the join (begun by
+    weights version changed. Routed experts keep ``first``'s rows (the
+    weights that produced its tokens) and take ``rest``'s from the row that
+    produced its first token on: the continuation's prefill routed the
+    earlier tokens again, under its own weights, and those rows are dropped. A stop string that spans the join (begun by
     ``first``, completed by ``rest``) ends it there: the continuation's
     engine saw only its own tokens, so it could not. The text is the
     template's ``completion_text`` of the whole (``params``' text options);
@@ -73,6 +76,12 @@ def merge_sequences(
             [first.sampling_mask.kept(i) for i in range(len(first.sampling_mask))]
             + [rest.sampling_mask.kept(i) for i in range(min(keep, len(rest.sampling_mask)))]
         )
+    routes = None
+    if first.routed_experts is not None and rest.routed_experts is not None:
+        import numpy as np
+
+        ahead = len(prompt_ids) + len(first.tokens) - 1  # rows first's forwards produced its tokens from
+        routes = np.concatenate([first.routed_experts[:ahead], rest.routed_experts[ahead : ahead + keep]])
     merged = make_sequence(
         prompt_ids,
         tokens,
@@ -85,7 +94,7 @@ def merge_sequences(
         weights_version=min(v for _, v in spans),
         sampling_mask=mask,
     )
-    return attrs.evolve(merged, version_spans=spans if len(spans) > 1 else None)
+    return attrs.evolve(merged, version_spans=spans if len(spans) > 1 else None, routed_experts=routes)
 
 
 def _stop_across(first: list[int], rest: list[int], params: SamplingParams, template: Any) -> tuple[str, int] | None:

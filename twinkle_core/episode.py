@@ -106,6 +106,8 @@ class Turn:
         constraint: what constrained its sampling (``None``: nothing), as
             :attr:`Episode.constraint` said when it was sampled, e.g.
             ``{"tool_choice": "required", "parallel_tool_calls": True}``.
+        routed_experts: with ``return_routed_experts``, the sequence's
+            ``routed_experts`` (see :class:`~twinkle_core.data_format.SampledSequence`).
     """
 
     start: int
@@ -119,6 +121,7 @@ class Turn:
     tool_call_errors: list[str] = attrs.field(factory=list)
     top_logprobs: Any = None
     constraint: dict[str, Any] | None = None
+    routed_experts: Any = None
 
     @property
     def end(self) -> int:
@@ -315,6 +318,7 @@ class Episode:
             tool_call_errors=list(parsed.errors),
             top_logprobs=seq.top_logprobs,
             constraint=self.constraint,
+            routed_experts=seq.routed_experts,
         )
         self.constraint = None
         self.tokens.extend(turn.tokens)

@@ -8,6 +8,7 @@ from typing import Any, ClassVar, TypeVar
 
 import attrs
 
+from twinkle_core.data_format.routes import encode_routes, is_routes
 from twinkle_core.errors import InvalidInputError, TwinkleError, UnknownFieldError, did_you_mean
 
 __all__ = ["Record"]
@@ -113,6 +114,8 @@ class Record(metaclass=_RecordType):
 def _serialise(_inst: Any, _field: Any, value: Any) -> Any:
     if isinstance(value, tuple):
         return list(value)
+    if is_routes(value):  # routed experts: the base64 text of their .npy bytes, as vLLM's server sends them
+        return encode_routes(value)
     return value
 
 

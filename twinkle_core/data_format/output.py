@@ -9,6 +9,7 @@ import attrs
 
 from twinkle_core.data_format._base import Record
 from twinkle_core.data_format.feature import InputFeature
+from twinkle_core.data_format.routes import to_routes
 from twinkle_core.errors import InvalidInputError
 
 __all__ = ["SampleResponse", "SampledSequence", "SamplingMask", "StopReason", "TopLogprobs"]
@@ -104,6 +105,11 @@ def _to_mask(value: Any) -> Any:
     return SamplingMask.from_dict(value) if isinstance(value, dict) else value
 
 
+def _routes_key(value: Any) -> Any:
+    # arrays compare element-wise; sequences compare their routes by shape, dtype and bytes
+    return None if value is None else (value.shape, value.dtype.str, value.tobytes())
+
+
 @attrs.define(kw_only=True)
 class SampledSequence(Record):
     """One completion.
@@ -135,6 +141,16 @@ class SampledSequence(Record):
         sampling_mask: with ``SamplingParams.return_sampling_mask``, the token
             ids kept at each position (one row per entry of ``tokens``); see
             :class:`SamplingMask`. ``None`` otherwise.
+        routed_experts: with ``SamplingParams.return_routed_experts``, a numpy
+            integer array ``[len(prompt) + len(tokens) - 1, moe_layers, top_k]``:
+            per token forwarded (the prompt, then every generated token but
+            the last), the expert ids each MoE layer routed it to, in the
+            router's order. The row of position ``i`` was computed by the
+            forward that produced token ``i + 1``, so for completion token
+            ``j`` (row ``len(prompt) + j - 1``) ``token_versions()[j]`` says
+            which weights. To the trainer: :class:`twinkle_core.rl.RoutingReplay`.
+            Serialised as the base64 text of its ``.npy`` bytes (see
+            :mod:`twinkle_core.data_format.routes`).
     """
 
     tokens: list[int]
@@ -148,6 +164,7 @@ class SampledSequence(Record):
     adapter_name: str = ""
     training_feature: InputFeature | None = attrs.field(default=None, converter=_to_feature)
     sampling_mask: SamplingMask | None = attrs.field(default=None, converter=_to_mask)
+    routed_experts: Any = attrs.field(default=None, converter=to_routes, eq=_routes_key)
 
     def token_versions(self) -> list[int]:
         """The version that produced each token, one per entry of ``tokens``."""

@@ -254,6 +254,12 @@ class SamplingParams(Record):
             log-probs over exactly that support (see
             ``twinkle_core.rl.replay_logprobs``). Engines that cannot see the
             kept set refuse it with ``UnsupportedFeatureError``.
+        return_routed_experts: also return, for every token forwarded (prompt
+            and completion), the experts each mixture-of-experts layer routed
+            it to, in ``SampledSequence.routed_experts`` (vLLM's
+            ``routed_experts``), so a trainer can replay them
+            (``twinkle_core.rl.RoutingReplay``). Engines that cannot record
+            them, and models without MoE layers, refuse it with ``UnsupportedFeatureError``.
         presence_penalty: subtracted from the logit of every token already in
             the completion (vLLM / OpenAI); in ``[-2, 2]``, 0 disables it.
         frequency_penalty: subtracted from a token's logit once per time it is
@@ -311,6 +317,7 @@ class SamplingParams(Record):
     logprobs_mode: LogprobsMode = attrs.field(default="processed", validator=_check_mode)
     num_samples: int = attrs.field(default=1, validator=_check_int(1, MAX_NUM_SAMPLES))
     return_sampling_mask: bool = attrs.field(default=False, validator=_check_bool)
+    return_routed_experts: bool = attrs.field(default=False, validator=_check_bool)
     presence_penalty: float = attrs.field(default=0.0, validator=_check_float(-MAX_PENALTY, MAX_PENALTY))
     frequency_penalty: float = attrs.field(default=0.0, validator=_check_float(-MAX_PENALTY, MAX_PENALTY))
     min_tokens: int = attrs.field(default=0, validator=_check_int(0, MAX_TOKENS_LIMIT))

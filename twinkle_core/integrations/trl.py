@@ -79,6 +79,7 @@ GENERATION_KWARGS: Mapping[str, str] = {
     "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos",
     "do_sample": "temperature",
+    "return_routed_experts": "return_routed_experts",
 }
 
 # Set by the integration itself: the number of samples comes from num_generations, log-probs are always returned.
@@ -320,13 +321,18 @@ class TwinkleRollout(TrainerCallback):  # type: ignore[misc]
             self._pending[f"twinkle/{key}"].append(record[key])
         self._pending["twinkle/weights_version"].append(record["version"])
         self._pending["twinkle/policy_lag_steps"].append(step - (self._pushed_step or 0))
-        return {
+        out: dict[str, Any] = {
             "prompt_ids": prompt_ids,
             "completion_ids": [list(s.tokens) for s in seqs],
             "logprobs": [list(s.logprobs or ()) for s in seqs],
             "weights_version": [s.weights_version for s in seqs],
             "stop_reason": [s.stop_reason for s in seqs],
         }
+        if any(s.routed_experts is not None for s in seqs):
+            # generation_kwargs={"return_routed_experts": True}: per completion, for a loss of the user's own that
+            # replays them (twinkle_core.rl.RoutingReplay); TRL's loss does not
+            out["routed_experts"] = [s.routed_experts for s in seqs]
+        return out
 
     def _bind(self, trainer: Any) -> None:
         """Read the trainer's settings once: what to sample with, and what twinkle cannot do."""

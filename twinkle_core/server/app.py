@@ -71,7 +71,7 @@ from twinkle_core.server.protocol import (
     openai_tools,
 )
 from twinkle_core.server.sessions import Session, SessionStore
-from twinkle_core.server.shapes import TokenNames
+from twinkle_core.server.shapes import TokenNames, routes_field
 from twinkle_core.server.weights import add_weight_routes
 from twinkle_core.server.weights import check_config as check_weight_config
 from twinkle_core.tools import get_tool_parser
@@ -268,6 +268,8 @@ class _Server:
             fields["stop"] = req.stop
         if req.stop_token_ids:
             fields["stop_token_ids"] = req.stop_token_ids
+        if req.return_routed_experts:
+            fields["return_routed_experts"] = True
         structured = _structured_outputs(req.structured_outputs, req.response_format)
         if structured is not None:
             fields["structured_outputs"] = structured
@@ -756,6 +758,7 @@ def _extras(turn: Turn) -> dict[str, Any]:
         "weights_version": turn.weights_version,
         "adapter_name": turn.adapter_name,
         "tool_call_errors": turn.tool_call_errors,
+        **routes_field(turn.routed_experts),
     }
 
 

@@ -24,7 +24,7 @@ from twinkle_core.data_format.params import MAX_NUM_SAMPLES
 from twinkle_core.errors import PromptTooLongError, TwinkleError
 from twinkle_core.server.calls import Pending
 from twinkle_core.server.protocol import ApiError, CompletionRequest, body_names
-from twinkle_core.server.shapes import TokenNames, choice_text, stop_reason
+from twinkle_core.server.shapes import TokenNames, choice_text, routes_field, stop_reason
 
 if TYPE_CHECKING:
     from twinkle_core.server.app import _Server
@@ -140,6 +140,7 @@ class _Choices:
             "sampled_logprobs": seq.logprobs,
             "weights_version": seq.weights_version,
             "adapter_name": seq.adapter_name,
+            **routes_field(seq.routed_experts),
         }
         if req.return_token_ids:
             out["prompt_token_ids"] = prompt_ids

@@ -266,7 +266,13 @@ FIELDS: tuple[FieldRule, ...] = (
     FieldRule("use_beam_search", BOTH, "neutral", (False,), note="no beam search"),
     FieldRule("length_penalty", BOTH, "neutral", (1, 1.0), note="beam search only"),
     FieldRule("watermarking", BOTH, "neutral", (False,)),
-    FieldRule("routed_experts_prompt_start", BOTH, "neutral", (0,), note="no expert routing data"),
+    FieldRule(
+        "return_routed_experts",
+        BOTH,
+        "implemented",
+        note="twinkle's: each choice's `routed_experts`, base64 `.npy` as vLLM sends them (MoE, torch engine)",
+    ),
+    FieldRule("routed_experts_prompt_start", BOTH, "neutral", (0,), note="the prompt's routes are always whole"),
     FieldRule("return_token_offsets", BOTH, "neutral", (False,), note="render routes only in vLLM"),
     FieldRule("mm_payload", BOTH, "neutral", ("tensors",), note="text models"),
     FieldRule("return_mm_kwargs", BOTH, "neutral", (False,), note="text models"),
@@ -471,6 +477,7 @@ class _Request(TextBody):
     length_penalty: Any = None
     watermarking: Any = None
     routed_experts_prompt_start: Any = None
+    return_routed_experts: bool | None = None
     return_token_offsets: Any = None
     mm_payload: Any = None
     return_mm_kwargs: Any = None

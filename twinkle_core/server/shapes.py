@@ -13,8 +13,14 @@ from __future__ import annotations
 from typing import Any
 
 from twinkle_core.data_format import SampledSequence
+from twinkle_core.data_format.routes import encode_routes
 
-__all__ = ["TokenNames", "choice_text", "stop_reason"]
+__all__ = [
+    "TokenNames",
+    "choice_text",
+    "routes_field",
+    "stop_reason",
+]
 
 #: The floor vLLM clamps log-probs to, so that ``-inf`` (a masked token) stays valid JSON.
 LOGPROB_FLOOR = -9999.0
@@ -151,3 +157,8 @@ def choice_text(seq: SampledSequence, template: Any, *, skip_special_tokens: boo
     elif include_stop and isinstance(stop, int):
         text += str(template.decode([stop], skip_special_tokens=skip_special_tokens))
     return text
+
+
+def routes_field(routes: Any) -> dict[str, Any]:
+    """A choice's ``routed_experts`` (vLLM's name and encoding: base64 ``.npy``), when the request asked for them."""
+    return {} if routes is None else {"routed_experts": encode_routes(routes)}

@@ -787,6 +787,13 @@ class SamplerContractTests:
             sampler.sample(_traj(0), _greedy(max_tokens=2, return_sampling_mask=True))
         self.assert_still_works(sampler)
 
+    def test_routed_experts_refused_unless_declared(self, sampler: Sampler) -> None:
+        if "return_routed_experts" in sampler.supported_params:
+            pytest.skip(f"the {_label(sampler)} engine declares return_routed_experts")
+        with pytest.raises(UnsupportedFeatureError, match="return_routed_experts"):
+            sampler.sample(_traj(0), _greedy(max_tokens=2, return_routed_experts=True))
+        self.assert_still_works(sampler)
+
     def test_sampling_mask_under_top_k_is_the_top_k_set(self, sampler: Sampler) -> None:
         self._needs_mask(sampler)
         k = 4

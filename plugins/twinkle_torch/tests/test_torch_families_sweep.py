@@ -26,9 +26,11 @@ from typing import Any
 import pytest
 import torch
 from test_torch_architectures import eager, gap, prompts, save_random
+from test_torch_routes import assert_routes_are_own
 
 from twinkle_core.data_format import SamplingParams
 from twinkle_core.errors import ConfigError
+from twinkle_core.rl import find_routers
 from twinkle_torch import TorchSampler
 
 _GENERIC: dict[str, Any] = dict(
@@ -95,8 +97,13 @@ def test_each_family_is_sampled_as_itself_or_refused_at_load(
     except ConfigError as exc:  # refused: the error must say which of the engine's limits the model hits
         assert any(why in str(exc) for why in _REASONS), str(exc)
         return
+    # a mixture of experts records its routes (once per family: the linear kernel does not route)
+    routed = bool(find_routers(reference)) and linear_kernel == "auto"
     with sampler:
         results = sampler.sample(prompts(), PARAMS)
+        routes = sampler.sample(prompts()[:2], PARAMS.replace(return_routed_experts=True)) if routed else []
     worst, compared = gap(results, reference)
     assert compared > 0
+    if routed:
+        assert assert_routes_are_own(routes, reference) > 0
     assert worst < _TOLERANCE, f"{model_type}: a log-prob is {worst:.3g} nats from the model's own forward"

@@ -47,6 +47,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from twinkle_core.data_format import SamplingMask, SamplingParams
@@ -54,6 +55,7 @@ from twinkle_core.errors import InvalidSamplingParams, NumericalError, SamplerCl
 from twinkle_torch.cache import PreallocatedLayer, gather_prefills, join_caches, joinable, make_cache, select_rows
 from twinkle_torch.constraints import LogitConstraints
 from twinkle_torch.openmp import release_idle_workers
+from twinkle_torch.routes import RouteRecorder
 from twinkle_torch.sampling import RowRandomness, TokenSampler, Workspace, derive_seed
 from twinkle_torch.stopping import StopStringMatcher
 
@@ -129,6 +131,7 @@ class SequenceResult:
     logprobs: list[float] | None = None
     top_logprobs: TopList | None = None
     sampling_mask: SamplingMask | None = None
+    routed_experts: np.ndarray | None = None
 
 
 @attrs.define
@@ -229,6 +232,7 @@ class _Row:
     logprobs: list[float] | None = None
     top: TopList | None = None
     kept: list[list[int]] | None = None
+    routes: list[np.ndarray] | None = None  # with return_routed_experts: [positions, layers, top_k] per forward
     matcher: StopStringMatcher | None = None
     grammar: Any = None  # with structured_outputs: its xgrammar matcher
     done: bool = False
@@ -307,6 +311,7 @@ class Decoder:
         vocab_size: the width of the logits (token constraints are checked against it).
         native_kernels: whether the sampler may use :mod:`twinkle_torch.native`'s
             kernels (the engine's choice; see its ``attention_kernel``).
+        routes: the model's route recorder (``return_routed_experts``); ``None``: never recorded.
     """
 
     def __init__(
@@ -323,8 +328,10 @@ class Decoder:
         max_batch_tokens: int = 65536,
         vocab_size: int | None = None,
         native_kernels: bool = False,
+        routes: RouteRecorder | None = None,
     ) -> None:
         self.model = model
+        self.routes = routes
         self.native_kernels = native_kernels
         self.vocab_size = vocab_size if vocab_size is not None else int(model.config.vocab_size)
         self._tokenizer = tokenizer
@@ -404,6 +411,8 @@ class Decoder:
                     row.top = [] if params.logprobs else None
                 if params.return_sampling_mask:
                     row.kept = []
+                if params.return_routed_experts:
+                    row.routes = []
                 if params.stop:
                     row.matcher = StopStringMatcher(
                         self.tokenizer, params.stop, 1, skip_special_tokens=params.skip_special_tokens
@@ -534,6 +543,8 @@ class Decoder:
             result.top_logprobs = row.top
             if row.kept is not None:
                 result.sampling_mask = SamplingMask.from_rows(row.kept)
+            if row.routes is not None and self.routes is not None:
+                result.routed_experts = self._routes_of(row)
             job.results[(row.prompt, row.sample)] = result
             if job.control.on_finish is not None:
                 try:
@@ -695,8 +706,13 @@ class Decoder:
             # a lone chunk's cache becomes the batch's: sized for the generation unless samples expand it
             capacity = width + remaining if chunk == order and total and not expand else 0
             ids = [members[b][0].ids for b in chunk]
-            cache, logits = self._prefill_forward(ids, capacity, any(scoring[b] for b in chunk))
+            record = any(r.routes is not None for b in chunk for r in members[b])
+            cache, logits, routes = self._prefill_forward(ids, capacity, any(scoring[b] for b in chunk), record)
             chunk_width = max(lengths[b] for b in chunk)
+            for i, b in enumerate(chunk):  # each prompt's routes, past its left padding, for each of its rows
+                for row in members[b]:
+                    if routes is not None and row.routes is not None:
+                        row.routes = [routes[i, chunk_width - lengths[b] :]]
             ends = logits[:, -1].clone()  # not views: a chunk's logits of every position must not stay alive
             for i, b in enumerate(chunk):
                 last[b] = ends[i]
@@ -758,11 +774,14 @@ class Decoder:
                 chunks.append([i])
         return chunks
 
-    def _prefill_forward(self, ids: list[list[int]], capacity: int, scoring: bool) -> tuple[Any, torch.Tensor]:
+    def _prefill_forward(
+        self, ids: list[list[int]], capacity: int, scoring: bool, record: bool = False
+    ) -> tuple[Any, torch.Tensor, np.ndarray | None]:
         """One left-padded prefill forward of ``ids`` into a fresh cache of at least ``capacity`` columns.
 
-        Returns the cache and the logits: of every position when ``scoring``
-        (prompt log-probs), else (where the model allows) of the last only.
+        Returns the cache, the logits (of every position when ``scoring``,
+        prompt log-probs, else where the model allows of the last only) and,
+        when ``record``, the routed experts ``[rows, width, layers, top_k]``.
         """
         device = self.device
         lengths = [len(x) for x in ids]
@@ -776,12 +795,24 @@ class Decoder:
         kwargs: dict[str, Any] = {}
         if self.logits_to_keep and not scoring:
             kwargs["logits_to_keep"] = 1
+        recorder = self.routes if record else None
+        if recorder is not None:
+            recorder.arm()
         logits = self.model(
             input_ids=input_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
             use_cache=True, **kwargs,
         ).logits  # fmt: skip
         self.stats.prefills += 1
-        return cache, logits
+        return cache, logits, recorder.take(len(ids)) if recorder is not None else None
+
+    def _routes_of(self, row: _Row) -> np.ndarray:
+        """A finished row's routes: one per token it forwarded, all but its last token (which no forward read)."""
+        assert self.routes is not None and row.routes is not None
+        wanted = len(row.ids) - 1
+        if not row.routes:
+            return np.zeros((0, self.routes.layers, self.routes.top_k), dtype=self.routes.dtype)
+        routes: np.ndarray = np.concatenate(row.routes)[:wanted]
+        return routes
 
     def _prompt_scores(self, logits: torch.Tensor, ids: torch.Tensor, top: int) -> PromptScores:
         """Raw log-probs of each prompt token given the ones before it (prompt tokens are not sampled)."""
@@ -977,6 +1008,9 @@ class Decoder:
         step_mask = batch.mask[:, None, None, : length + 1] if mask_4d else batch.mask[:, : length + 1].long()
         forward_kwargs: dict[str, Any] = {"logits_to_keep": 1} if self.logits_to_keep else {}
         live = sum(1 for r in batch.rows if not r.done)
+        recorder = self.routes if any(r.routes is not None and not r.done for r in batch.rows) else None
+        if recorder is not None:
+            recorder.arm()
         try:
             out = self.model(
                 input_ids=tokens_in.unsqueeze(1),
@@ -993,6 +1027,11 @@ class Decoder:
             return
         self.stats.steps += 1
         self.stats.peak_rows = max(self.stats.peak_rows, live)
+        if recorder is not None:
+            step = recorder.take(len(batch.rows))
+            for i, row in enumerate(batch.rows):
+                if row.routes is not None and not row.done:
+                    row.routes.append(step[i])
         batch.logits, batch.inputs = out.logits[:, -1, :], None
         batch.length = length + 1
         batch.next_pos = batch.next_pos + 1

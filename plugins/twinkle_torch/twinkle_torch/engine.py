@@ -49,6 +49,7 @@ from twinkle_core.errors import (
     ConfigError,
     IncompleteUpdateError,
     InvalidMeshError,
+    UnsupportedFeatureError,
     WeightUpdateError,
     did_you_mean,
 )
@@ -63,6 +64,7 @@ from twinkle_torch.linear import use_onednn
 from twinkle_torch.native import KernelUnavailable
 from twinkle_torch.native import load as load_native_kernel
 from twinkle_torch.openmp import release_idle_workers, releasing
+from twinkle_torch.routes import RouteRecorder
 from twinkle_torch.weights import WeightTable
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "SUPPORTED_PARAMS", "TorchEngine"]
@@ -75,8 +77,8 @@ SUPPORTED_PARAMS = frozenset(
     {
         "max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop",
         "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs", "logprobs_mode", "num_samples",
-        "return_sampling_mask", "presence_penalty", "frequency_penalty", "min_tokens", "logit_bias",
-        "allowed_token_ids", "bad_words", "include_stop_str_in_output", "skip_special_tokens",
+        "return_sampling_mask", "return_routed_experts", "presence_penalty", "frequency_penalty", "min_tokens",
+        "logit_bias", "allowed_token_ids", "bad_words", "include_stop_str_in_output", "skip_special_tokens",
         "spaces_between_special_tokens", "structured_outputs",
     }
 )  # fmt: skip
@@ -526,6 +528,7 @@ class TorchEngine(Engine):
             max_batch_tokens=max_batch_tokens,
             vocab_size=self.info.vocab_size,
             native_kernels=attention == NATIVE_ATTN_IMPLEMENTATION,
+            routes=RouteRecorder(self._model),
         )
         release_idle_workers()  # loading ran parallel work on this thread: its idle pool would slow the loop
 
@@ -566,9 +569,14 @@ class TorchEngine(Engine):
         # threads share the decoder's one continuous batch.
         prompts, params, adapter_name = run.prompts, run.params, run.adapter_name
         ids_of = [list(p.input_ids) for p in prompts]
+        if params.return_routed_experts and not (self._decoder.routes and self._decoder.routes.layers):
+            raise UnsupportedFeatureError(
+                f"SamplingParams.return_routed_experts=True: {type(self._model).__name__} has no mixture-of-experts"
+                " router the torch engine records (families: twinkle_core.rl.ROUTER_RULES)."
+            )
 
         def build(prompt_index: int, result: SequenceResult) -> SampledSequence:
-            return self.context.make_sequence(
+            sequence = self.context.make_sequence(
                 ids_of[prompt_index],
                 result.tokens,
                 stop_reason=result.stop_reason,
@@ -579,6 +587,8 @@ class TorchEngine(Engine):
                 top_logprobs=result.top_logprobs,
                 sampling_mask=result.sampling_mask,
             )
+            sequence.routed_experts = result.routed_experts
+            return sequence
 
         merged = self._merged.name
         self._merged.check_request(adapter_name)
