@@ -202,6 +202,30 @@ def test_adapters_on_the_delta_net_merges_and_weight_updates(tiny_qwen3_5: Path,
     assert (logits[0] - logits[1]).abs().max() > 0.1 and (logits[0] - logits[2]).abs().max() > 0.01
 
 
+def test_a_checkpoints_nested_names_update_the_text_model(tiny_qwen3_5: Path, reference: Any) -> None:
+    """A VL checkpoint's names (``model.language_model.*``) reach the text model the engine loaded."""
+    from twinkle_core.errors import WeightUpdateError
+
+    base = checkpoint_weights(tiny_qwen3_5)
+    name = "model.layers.0.linear_attn.in_proj_qkv.weight"
+    nudged = base[name] * 1.5
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+    with TorchSampler(tiny_qwen3_5, device="cpu") as sampler:
+        before = sampler.sample(prompts()[:2], params)
+        sampler.update_weights({"model.language_model.layers.0.linear_attn.in_proj_qkv.weight": nudged})
+        nested = sampler.sample(prompts()[:2], params)
+        sampler.update_weights({name: base[name]})
+        restored = sampler.sample(prompts()[:2], params)
+        for got, want in zip(restored, before):
+            assert got.sequences[0].logprobs == pytest.approx(want.sequences[0].logprobs, abs=_FLOAT32_NOISE)
+        sampler.update_weights({name: nudged})
+        plain = sampler.sample(prompts()[:2], params)
+        with pytest.raises(WeightUpdateError, match=r"model\.language_model\.layers\.0\.nope"):
+            sampler.update_weights({"model.language_model.layers.0.nope.weight": nudged})
+    assert [r.sequences[0].logprobs for r in nested] == [r.sequences[0].logprobs for r in plain]
+    assert [r.sequences[0].logprobs for r in nested] != [r.sequences[0].logprobs for r in before]
+
+
 class TestHybridContract(torch_contract.TestTorchSamplerContract):
     @pytest.fixture(scope="class")
     @classmethod

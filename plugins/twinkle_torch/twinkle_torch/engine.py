@@ -634,7 +634,8 @@ class TorchEngine(Engine):
                     f"Cannot merge adapter {name!r}: adapter(s) {others or [merged]} are loaded, and a merged adapter"
                     " changes the weights they run on. Remove them first (one merged adapter at a time)."
                 )
-            plan = self._merged.plan_merge(name, lora_deltas(name, adapter.config, adapter.tensors), self._weights.read)
+            deltas = dict(self._weights.spelled(list(lora_deltas(name, adapter.config, adapter.tensors).items())))
+            plan = self._merged.plan_merge(name, deltas, self._weights.read)
             try:
                 pairs = self._weights.check(plan.tensors)
             except WeightUpdateError as exc:
@@ -684,6 +685,7 @@ class TorchEngine(Engine):
 
     @releasing
     def update_weights(self, named_tensors: list[tuple[str, Any]], *, version: int) -> None:
+        named_tensors = self._weights.spelled(named_tensors)
         pairs = self._weights.check(named_tensors)
         if self._merged.name is None:
             self._weights.apply(pairs)

@@ -133,3 +133,23 @@ def test_greedy_parity_with_the_torch_engine_in_bfloat16(vllm_sampler: Any, tiny
     sequences = [(r.prompt_token_ids, r.sequences[0].tokens) for r in torch_out]
     atol = 2 * _rounding_of_bfloat16(tiny_qwen3_5, sequences)
     assert_greedy_parity([r.sequences[0] for r in vllm_out], [r.sequences[0] for r in torch_out], atol=atol)
+
+
+def test_a_trainers_names_reach_a_nested_checkpoint_with_its_tied_head_folded() -> None:
+    """A VL checkpoint nests the language model; a trainer pushes AutoModelForCausalLM's names (twinkle_core.names)."""
+    import torch
+
+    from twinkle_core.errors import WeightUpdateError
+    from twinkle_vllm._weights import WeightSpec
+
+    nested = {
+        "model.language_model.embed_tokens.weight": (8, 4),
+        "model.language_model.layers.0.mlp.up_proj.weight": (6, 4),
+    }
+    spec = WeightSpec(nested, dict.fromkeys(nested, "bfloat16"), "bfloat16", {}, tied_embeddings=True)
+    up, head = torch.zeros(6, 4, dtype=torch.bfloat16), torch.ones(8, 4, dtype=torch.bfloat16)
+    sent = dict(spec.validate([("model.layers.0.mlp.up_proj.weight", up), ("lm_head.weight", head)]))
+    assert sorted(sent) == sorted(nested)
+    assert sent["model.language_model.embed_tokens.weight"] is head  # the tied head folded into the nested embedding
+    with pytest.raises(WeightUpdateError, match=r"model\.layers\.0\.mlp\.nope"):
+        spec.validate([("model.layers.0.mlp.nope.weight", up)])
