@@ -241,6 +241,14 @@ class TestHybridAsync(torch_async.TestTorchAsync):
 
 
 class TestHybridPolicy(torch_contract.TestTorchSamplerPolicy):
+    # Qwen3.5's RMSNorm multiplies by (1 + weight): scaling its weight does not scale the logits; the
+    # bias-free head does
+    logit_scale_weight = "lm_head.weight"
+    # the per-head decay parameters (A_log, dt_bias), nudged by 30%, move this trained model's log-probs
+    # by 5e-4 to 5e-3: below the suite's default threshold, but still over 60x the engine's float32 noise
+    # here (1.5e-6), so a tensor left unapplied is still caught
+    policy_min_change = 1e-4
+
     @pytest.fixture(scope="class")
     @classmethod
     def sampler(cls, tiny_qwen3_5: Path) -> Iterator[TorchSampler]:
