@@ -90,8 +90,10 @@ def test_folder_layout_and_cache(tiny: tuple[str, Path], monkeypatch: pytest.Mon
 def test_config(loaded: tuple[str, Path, Any, Any]) -> None:
     arch, folder, tokenizer, _ = loaded
     config = AutoConfig.from_pretrained(str(folder))
-    assert config.model_type == arch
-    assert config.architectures == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[arch]]
+    assert config.model_type == {"qwen3_5": "qwen3_5_text"}.get(arch, arch)
+    assert config.architectures == [
+        {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM"}[arch]
+    ]
     assert config.hidden_size // config.num_attention_heads == 64 == config.head_dim
     assert config.max_position_embeddings == TINY_MAX_MODEL_LEN
     assert config.tie_word_embeddings is False

@@ -1,7 +1,8 @@
 """A tiny, deterministic causal language model for tests, built offline.
 
 :func:`build_tiny_model` trains a byte-level BPE tokenizer and a two-layer
-transformer (Llama or Qwen2 architecture) on a small built-in corpus of chat
+transformer (Llama or Qwen2 architecture, or a Qwen3.5 hybrid of Gated
+DeltaNet and attention layers) on a small built-in corpus of chat
 conversations, and saves both as a plain Hugging Face folder that
 ``transformers`` (``AutoModelForCausalLM`` / ``AutoTokenizer``) and vLLM's CPU
 build load. The result is cached under ``$TWINKLE_CACHE`` (default
@@ -60,7 +61,7 @@ __all__ = [
 TINY_MODEL_VERSION = 4
 
 #: Architectures :func:`build_tiny_model` can build.
-TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2")
+TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3_5")
 
 #: Context window of the tiny models (``max_position_embeddings``).
 TINY_MAX_MODEL_LEN = 512
@@ -76,7 +77,11 @@ _BATCH_SIZE = 16
 _LEARNING_RATE = 4e-3
 _MARKER = "twinkle_tiny_model.json"
 
-_ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+_ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM"}
+
+#: Architectures whose tokenizer copies ``transformers``' ``Qwen2Tokenizer`` pipeline
+#: (``AutoTokenizer`` maps Qwen3.5's text model to a tokenizer of that pipeline too).
+_QWEN_TOKENIZER_ARCHS = frozenset({"qwen2", "qwen3_5"})
 
 #: ChatML with system / user / assistant / tool roles, ``add_generation_prompt``
 #: and ``tools`` (listed in the system turn as JSON, one per line). Assistant
@@ -401,14 +406,14 @@ def train_tiny_tokenizer(arch: str = "llama") -> Tokenizer:
     """Train the byte-level BPE tokenizer of a tiny model.
 
     The ``llama`` variant uses the GPT-2 style byte-level pipeline (no
-    normaliser, so every string round-trips exactly). The ``qwen2`` variant
-    copies the pipeline (NFC normaliser, split regex, byte-level decoder) from
+    normaliser, so every string round-trips exactly). The ``qwen2`` and
+    ``qwen3_5`` variants copy the pipeline (NFC normaliser, split regex, byte-level decoder) from
     ``transformers``' own ``Qwen2Tokenizer``, because ``AutoTokenizer``
     rebuilds any ``qwen2`` tokenizer around that pipeline and would otherwise
     encode differently from the trained one.
 
     Args:
-        arch: ``"llama"`` or ``"qwen2"``.
+        arch: one of :data:`TINY_ARCHS`.
 
     Returns:
         A ``tokenizers.Tokenizer`` with :data:`TINY_SPECIAL_TOKENS` at ids 0, 1, 2.
@@ -417,7 +422,7 @@ def train_tiny_tokenizer(arch: str = "llama") -> Tokenizer:
 
     _check_arch(arch)
     tokenizer = Tokenizer(models.BPE(unk_token=None, byte_fallback=False, fuse_unk=False))
-    if arch == "qwen2":
+    if arch in _QWEN_TOKENIZER_ARCHS:
         from transformers.models.qwen2.tokenization_qwen2 import Qwen2Tokenizer
 
         reference: Any = Qwen2Tokenizer()._tokenizer
@@ -446,7 +451,7 @@ def _save_tokenizer(tokenizer: Tokenizer, arch: str, folder: Path) -> None:
 
     Args:
         tokenizer: the trained tokenizer.
-        arch: ``"llama"`` or ``"qwen2"`` (selects ``tokenizer_class``).
+        arch: one of :data:`TINY_ARCHS` (selects ``tokenizer_class``).
         folder: where to write ``tokenizer.json`` and ``tokenizer_config.json``.
     """
     from transformers import PreTrainedTokenizerFast
@@ -463,7 +468,7 @@ def _save_tokenizer(tokenizer: Tokenizer, arch: str, folder: Path) -> None:
     config = json.loads(config_path.read_text(encoding="utf-8"))
     config.update(
         {
-            "tokenizer_class": "Qwen2Tokenizer" if arch == "qwen2" else "PreTrainedTokenizerFast",
+            "tokenizer_class": "Qwen2Tokenizer" if arch in _QWEN_TOKENIZER_ARCHS else "PreTrainedTokenizerFast",
             "bos_token": None,
             "eos_token": "<|im_end|>",
             "pad_token": "<|endoftext|>",
@@ -490,11 +495,11 @@ def _model_config(arch: str, vocab_size: int) -> Any:
     """Build the ``transformers`` config of a tiny model.
 
     Args:
-        arch: ``"llama"`` or ``"qwen2"``.
+        arch: one of :data:`TINY_ARCHS`.
         vocab_size: the tokenizer's size (``len(tokenizer)``).
 
     Returns:
-        A ``LlamaConfig`` or ``Qwen2Config``.
+        A ``LlamaConfig``, ``Qwen2Config`` or ``Qwen3_5TextConfig``.
     """
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -515,6 +520,8 @@ def _model_config(arch: str, vocab_size: int) -> Any:
         architectures=[_ARCH_CLASSES[arch]],
         dtype="float32",
     )
+    if arch == "qwen3_5":
+        return _qwen3_5_config(common)
     if arch == "qwen2":
         from transformers import Qwen2Config
 
@@ -522,6 +529,40 @@ def _model_config(arch: str, vocab_size: int) -> Any:
     from transformers import LlamaConfig
 
     return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
+
+
+def _qwen3_5_config(common: dict[str, Any]) -> Any:
+    """The tiny Qwen3.5 text model: the real family's 3:1 hybrid, at sizes vLLM's CPU kernels take.
+
+    Four layers, three Gated DeltaNet then one gated full attention (the
+    real ``full_attention_interval`` of 4). The GDN heads are 64 wide for
+    keys and values alike (vLLM's CPU prefill kernel takes ``Dk == Dv`` in
+    {64, 128} only), with one key head shared by two value heads as in the
+    real checkpoints, and the convolution is 4 wide (the packed CPU path's
+    only width). Attention keeps the other tiny models' 2 query heads and 1
+    KV head of 64 (a CPU attention head size). The rotary embedding is the
+    real one's shape scaled down: a quarter of each head rotated, with the
+    interleaved multimodal sections summing to that quarter's frequencies.
+    """
+    from transformers import Qwen3_5TextConfig
+
+    rotary_pairs = common["head_dim"] // 4 // 2
+    return Qwen3_5TextConfig(
+        **{**common, "num_hidden_layers": 4},
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_num_key_heads=1,
+        linear_num_value_heads=2,
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 10_000_000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_interleaved": True,
+            "mrope_section": [rotary_pairs - 2 * (rotary_pairs // 3), rotary_pairs // 3, rotary_pairs // 3],
+        },
+    )
 
 
 def _batches(token_lists: list[list[int]], steps: int, batch_size: int) -> Iterator[list[list[int]]]:
@@ -621,7 +662,7 @@ def write_tiny_model(
 
     Args:
         folder: the output folder (created; existing files are overwritten).
-        arch: ``"llama"`` or ``"qwen2"``.
+        arch: one of :data:`TINY_ARCHS`.
         train_steps: optimizer steps (0 leaves the random initialisation).
 
     Returns:
@@ -683,8 +724,9 @@ def build_tiny_model(arch: str = "llama", cache_dir: str | Path | None = None) -
 
     The model is a two-layer ``LlamaForCausalLM`` or ``Qwen2ForCausalLM``
     (hidden 128, 2 query heads and 1 KV head of size 64, float32, untied
-    embeddings, context 512) with a byte-level BPE tokenizer of 768 tokens, a
-    ChatML chat template and a ``generation_config.json`` whose
+    embeddings, context 512), or a four-layer hybrid ``Qwen3_5ForCausalLM``
+    (three Gated DeltaNet layers, then one attention layer of those sizes),
+    with a byte-level BPE tokenizer of 768 tokens, a ChatML chat template and a ``generation_config.json`` whose
     ``eos_token_id`` is ``<|im_end|>``. Building is deterministic and offline.
 
     The folder is ``<cache_dir>/tiny-models/<arch>-v<TINY_MODEL_VERSION>``. It
@@ -693,7 +735,7 @@ def build_tiny_model(arch: str = "llama", cache_dir: str | Path | None = None) -
     folder is never seen.
 
     Args:
-        arch: ``"llama"`` or ``"qwen2"``.
+        arch: one of :data:`TINY_ARCHS`.
         cache_dir: the cache root; defaults to :func:`twinkle_core.hub.cache_root`
             (``$TWINKLE_CACHE`` or ``~/.cache/twinkle``).
 
@@ -725,7 +767,7 @@ def perturbed_tiny_model(arch: str = "llama", seed: int = 1, scale: float = 0.05
     developer's own machine. Cached next to the base model.
 
     Args:
-        arch: ``"llama"`` or ``"qwen2"``.
+        arch: one of :data:`TINY_ARCHS`.
         seed: the noise's seed; each seed is another model.
         scale: the noise relative to each tensor's standard deviation.
 

@@ -22,6 +22,11 @@ def tiny_qwen2() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_5() -> Path:
+    return build_tiny_model("qwen3_5")
+
+
+@pytest.fixture(scope="session")
 def chat_prompts() -> list[Trajectory]:
     return [Trajectory(messages=m) for m in TINY_CHAT_PROMPTS]
 

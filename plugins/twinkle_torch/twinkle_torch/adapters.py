@@ -23,6 +23,7 @@ import torch
 
 from twinkle_core.engine import AdapterInput
 from twinkle_core.errors import AdapterError, did_you_mean
+from twinkle_core.names import known_adapter_name
 
 __all__ = ["AdapterSet"]
 
@@ -108,7 +109,9 @@ class AdapterSet:
         """
         name, folder = adapter.name, adapter.folder
         config = _peft_config(adapter)
-        state = adapter.state_dict()
+        # a checkpoint's nested module names or a trainer's: as this model spells them (twinkle_core.names)
+        weights = self._weight_names()
+        state = {known_adapter_name(key, weights): value for key, value in adapter.tensors}
         if getattr(config, "is_prompt_learning", False):
             raise AdapterError(
                 f"Adapter {name!r} is a prompt-learning PEFT method ({config.peft_type}); only injectable adapters"
@@ -124,6 +127,10 @@ class AdapterSet:
             self._delete(old)
         self._refresh_layers()
         return adapter.source
+
+    def _weight_names(self) -> set[str]:
+        """The model's own weight names (PEFT's layers looked through)."""
+        return {name.replace(".base_layer.", ".") for name in self.model.state_dict()}
 
     def _inject(self, internal: str, config: Any, state: dict[str, torch.Tensor], label: str) -> None:
         from peft import inject_adapter_in_model, set_peft_model_state_dict

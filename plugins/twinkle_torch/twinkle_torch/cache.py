@@ -12,7 +12,10 @@ also resizes the buffers and can drop leading columns no row attends to any
 more. :func:`join_caches` stacks the rows of two caches, right-aligned: the
 continuous batch (:mod:`twinkle_torch.decoding`) merges newly prefilled
 requests into the running cache with it, and :func:`gather_prefills` builds
-one batch's cache from prefills run in several chunks.
+one batch's cache from prefills run in several chunks. A hybrid model's
+linear-attention layers hold per-row states instead (:mod:`twinkle_torch.state`),
+and these functions carry them along: selected and stacked like rows of keys
+and values, never trimmed or cropped.
 """
 
 from __future__ import annotations
@@ -21,9 +24,19 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, LinearAttentionLayer
 
-__all__ = ["PreallocatedLayer", "gather_prefills", "join_caches", "joinable", "make_cache", "select_rows"]
+from twinkle_torch.state import StateLayer, StateTensors, gather_states
+
+__all__ = [
+    "PreallocatedLayer",
+    "gather_prefills",
+    "join_caches",
+    "joinable",
+    "make_cache",
+    "rewindable",
+    "select_rows",
+]
 
 
 def _buffers(capacity: int, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -212,22 +225,30 @@ class PreallocatedLayer(DynamicLayer):
 def make_cache(config: Any, capacity: int) -> DynamicCache:
     """A ``DynamicCache`` for ``config`` whose plain full-attention layers are preallocated.
 
-    Layers of other kinds (sliding windows, linear attention) keep the type
+    Plain linear-attention layers become :class:`~twinkle_torch.state.StateLayer`;
+    layers of other kinds (sliding windows, mixed layers) keep the type
     ``transformers`` chose for them.
     """
     cache = DynamicCache(config=config)
     if cache.layers:
         plain = sum(1 for layer in cache.layers if type(layer) is DynamicLayer)
         reservation = _Reservation(plain)
-        cache.layers = [
-            PreallocatedLayer(capacity, reservation) if type(layer) is DynamicLayer else layer for layer in cache.layers
-        ]
+        cache.layers = [_ours(layer, capacity, reservation) for layer in cache.layers]
     else:  # a config transformers could not read: every layer is plain attention
         cache.layer_class_to_replicate = None
         layers = config.get_text_config(decoder=True).num_hidden_layers
         reservation = _Reservation(layers)
         cache.layers = [PreallocatedLayer(capacity, reservation) for _ in range(layers)]
     return cache
+
+
+def _ours(layer: Any, capacity: int, reservation: _Reservation) -> Any:
+    """The decode loop's layer for one ``transformers`` chose: preallocated keys and values, or a row state."""
+    if type(layer) is DynamicLayer:
+        return PreallocatedLayer(capacity, reservation)
+    if type(layer) is LinearAttentionLayer:
+        return StateLayer(number_of_states=layer.number_of_states)
+    return layer
 
 
 def select_rows(cache: DynamicCache, rows: torch.Tensor, capacity: int | None = None, start: int = 0) -> None:
@@ -238,14 +259,21 @@ def select_rows(cache: DynamicCache, rows: torch.Tensor, capacity: int | None = 
     for layer in cache.layers:
         if isinstance(layer, PreallocatedLayer):
             layer.select(rows, capacity, start)
+        elif isinstance(layer, StateLayer):
+            layer.select(rows)  # a state has no columns to trim
         else:
             assert start == 0, "only preallocated layers drop leading columns"
             layer.batch_select_indices(rows)
 
 
 def joinable(cache: DynamicCache) -> bool:
-    """Whether every layer of ``cache`` is preallocated: only those can be joined and trimmed."""
-    return all(isinstance(layer, PreallocatedLayer) for layer in cache.layers)
+    """Whether every layer of ``cache`` is preallocated or a row state: only those can be joined and trimmed."""
+    return all(isinstance(layer, (PreallocatedLayer, StateLayer)) for layer in cache.layers)
+
+
+def rewindable(cache: DynamicCache) -> bool:
+    """Whether a forward's writes to ``cache`` can be cut back: not where a layer holds a recurrent state."""
+    return not any(isinstance(layer, StateLayer) for layer in cache.layers)
 
 
 def join_caches(first: DynamicCache, second: DynamicCache, capacity: int) -> None:
@@ -253,13 +281,19 @@ def join_caches(first: DynamicCache, second: DynamicCache, capacity: int) -> Non
 
     Both must be :func:`joinable`; ``second`` is consumed.
     """
-    joined = []
+    joined: list[Any] = []
     for a, b in zip(first.layers, second.layers):
-        assert isinstance(a, PreallocatedLayer) and isinstance(b, PreallocatedLayer)
-        joined.append(a.joined(b, capacity))
-    for layer, (keys, values, length) in zip(first.layers, joined):
-        assert isinstance(layer, PreallocatedLayer)
-        layer.adopt(keys, values, length)
+        if isinstance(a, StateLayer) and isinstance(b, StateLayer):
+            joined.append(a.joined(b))
+        else:
+            assert isinstance(a, PreallocatedLayer) and isinstance(b, PreallocatedLayer)
+            joined.append(a.joined(b, capacity))
+    for layer, new in zip(first.layers, joined):
+        if isinstance(layer, StateLayer):
+            layer.adopt(new)
+        else:
+            assert isinstance(layer, PreallocatedLayer)
+            layer.adopt(*new)
 
 
 def gather_prefills(
@@ -279,19 +313,27 @@ def gather_prefills(
     """
     capacity = max(capacity, width)
     out = make_cache(config, capacity)
-    layers = [layer for layer in out.layers if isinstance(layer, PreallocatedLayer)]
-    assert len(layers) == len(out.layers)
-    buffers: list[list[torch.Tensor]] = []
+    assert joinable(out)
+    buffers: dict[int, list[torch.Tensor]] = {}
+    states: dict[int, StateTensors] = {}
     for cache, src, dest in parts:
         for index, layer in enumerate(cache.layers):
+            if isinstance(layer, StateLayer):
+                states[index] = gather_states(layer, states.get(index), rows, src, dest)
+                continue
             assert isinstance(layer, PreallocatedLayer) and layer._k is not None and layer._v is not None
             w = layer.length
-            if len(buffers) <= index:
-                buffers.append([t.new_empty(rows, t.shape[1], capacity, t.shape[-1]) for t in (layer._k, layer._v)])
+            if index not in buffers:
+                buffers[index] = [t.new_empty(rows, t.shape[1], capacity, t.shape[-1]) for t in (layer._k, layer._v)]
             for new, part in zip(buffers[index], (layer._k, layer._v)):
                 new[dest, :, : width - w] = 0
                 new[dest, :, width - w : width] = part[src, :, :w]
         del cache
-    for layer, (keys, values) in zip(layers, buffers):
-        layer.adopt(keys, values, width)
+    for index, layer in enumerate(out.layers):
+        if isinstance(layer, StateLayer):
+            layer.adopt(states[index])
+        else:
+            assert isinstance(layer, PreallocatedLayer)
+            keys, values = buffers[index]
+            layer.adopt(keys, values, width)
     return out

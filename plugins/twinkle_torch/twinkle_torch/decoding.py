@@ -8,8 +8,10 @@ Between two steps the loop:
 1. **Stops** the rows of runs whose ``stopped()`` is set: each ends with
    ``"abort"`` and the tokens it has.
 2. **Admits** waiting rows, first come first served, while the batch fits the
-   token budget (``rows x longest (prompt + max_tokens)`` within
-   ``max_batch_tokens``; an empty batch always takes one row). Admitted rows
+   token budget (``rows x (longest (prompt + max_tokens) + state)`` within
+   ``max_batch_tokens``, where a hybrid model's per-row linear-attention state
+   counts as the KV tokens of its size, :mod:`twinkle_torch.state`; an empty
+   batch always takes one row). Admitted rows
    are **prefilled** together, left-padded, one prefill per prompt shared by
    its samples, and their cache rows are **joined** to the running cache,
    right-aligned (the shorter side is padded on the left, and masked): a
@@ -52,11 +54,20 @@ import torch
 
 from twinkle_core.data_format import SamplingMask, SamplingParams
 from twinkle_core.errors import InvalidSamplingParams, NumericalError, SamplerClosedError
-from twinkle_torch.cache import PreallocatedLayer, gather_prefills, join_caches, joinable, make_cache, select_rows
+from twinkle_torch.cache import (
+    PreallocatedLayer,
+    gather_prefills,
+    join_caches,
+    joinable,
+    make_cache,
+    rewindable,
+    select_rows,
+)
 from twinkle_torch.constraints import LogitConstraints
 from twinkle_torch.openmp import release_idle_workers
 from twinkle_torch.routes import RouteRecorder
 from twinkle_torch.sampling import RowRandomness, TokenSampler, Workspace, derive_seed
+from twinkle_torch.state import state_tokens_per_row
 from twinkle_torch.stopping import StopStringMatcher
 
 __all__ = ["Decoder", "DecoderStats", "PromptScores", "RunControl", "SequenceResult"]
@@ -307,7 +318,8 @@ class Decoder:
             (``sdpa`` and ``twinkle_sdpa``); then decode steps pass their 4D
             mask directly instead of having ``transformers`` build one each step.
         max_batch_tokens: the KV-cache budget of the batch, in tokens:
-            rows x the longest (prompt + max_tokens) among them.
+            rows x the longest (prompt + max_tokens) among them, plus, for a
+            hybrid model, each row's recurrent state in tokens of the same memory.
         vocab_size: the width of the logits (token constraints are checked against it).
         native_kernels: whether the sampler may use :mod:`twinkle_torch.native`'s
             kernels (the engine's choice; see its ``attention_kernel``).
@@ -343,6 +355,8 @@ class Decoder:
         self.sdpa_masks = sdpa_masks
         # whether this model's caches are all preallocated layers: chunked prefills can be gathered
         self._gatherable = joinable(make_cache(model.config, 1))
+        # a hybrid model's per-row linear-attention state, charged to the budget as KV tokens of its size
+        self.state_tokens = state_tokens_per_row(model.config, next(model.parameters()).dtype)
         self.max_batch_tokens = max(1, int(max_batch_tokens))
         self.stats = DecoderStats()
         self._cond = threading.Condition()
@@ -597,7 +611,7 @@ class Decoder:
             return []  # a cache with sliding-window or other special layers cannot be joined
         adapter = self._adapter if live else None
         rows = len(live)
-        width = max((r.span for r in live), default=0)
+        width = max((r.span for r in live), default=0) + self.state_tokens
         taken: list[_Row] = []
         with self._cond:
             for row in self._queue:
@@ -606,7 +620,7 @@ class Decoder:
                 elif row.job.control.adapter != adapter:
                     break  # it waits for the batch to drain; nothing behind it overtakes it
                 cost_rows = 0 if row.score_only else 1
-                new_width = max(width, row.span)
+                new_width = max(width, row.span + self.state_tokens)
                 if rows + cost_rows > 0 and (live or taken):
                     if (rows + cost_rows) * new_width > self.max_batch_tokens:
                         break
@@ -1040,16 +1054,18 @@ class Decoder:
         """Out of memory in a decode step: the newest half of the rows goes back to the queue.
 
         They keep what they generated and are prefilled again with it; the
-        others retry the step. Layers the failed forward already wrote are cut back.
+        others retry the step. Layers the failed forward already wrote are cut
+        back; where a layer holds a recurrent state, which cannot be, every row
+        goes back (and is prefilled again, a half at a time).
         """
         _empty_cuda_cache()
         for layer in batch.cache.layers:
             if isinstance(layer, PreallocatedLayer) and layer.length > length:
                 layer.crop(length - layer.length)
         live = [i for i, r in enumerate(batch.rows) if not r.done]
-        back = live[len(live) // 2 :]
+        back = live[len(live) // 2 :] if rewindable(batch.cache) else live
         self.stats.out_of_memory += 1
-        self._row_cap = max(1, len(live) - len(back))
+        self._row_cap = max(1, len(live) - len(back), len(live) // 2)
         for i in back:
             batch.rows[i].done = True  # pruned below; the row itself lives on in the queue
         evicted = [batch.rows[i] for i in back]

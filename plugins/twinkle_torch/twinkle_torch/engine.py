@@ -65,6 +65,7 @@ from twinkle_torch.native import KernelUnavailable
 from twinkle_torch.native import load as load_native_kernel
 from twinkle_torch.openmp import release_idle_workers, releasing
 from twinkle_torch.routes import RouteRecorder
+from twinkle_torch.state import StateLayer, carries_state
 from twinkle_torch.weights import WeightTable
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "SUPPORTED_PARAMS", "TorchEngine"]
@@ -186,14 +187,16 @@ def _load_model(
     attention interface (``_supports_attention_backend``). Others (MPT, Bloom,
     XGLM...) compute attention in code of their own and read the masks made
     for it: they keep ``transformers``' default. A model with a recurrent state
-    (Mamba, RWKV, hybrids) is refused: the decode loop's cache cannot carry it.
+    is refused unless it is a Gated DeltaNet hybrid (Qwen3.5, Qwen3-Next),
+    whose state :mod:`twinkle_torch.state` carries; Mamba, RWKV and the other
+    hybrids are refused by name.
     """
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code, **model_kwargs}
     cls = _causal_lm_class(config)
-    if cls is not None and getattr(cls, "_is_stateful", False):
+    if cls is not None and getattr(cls, "_is_stateful", False) and not carries_state(config):
         raise _recurrent(cls.__name__)
     if cls is not None and not getattr(cls, "_supports_attention_backend", False):
         attention = None
@@ -230,8 +233,9 @@ _NOT_OPTIONS = frozenset({"self", "context", "model_kwargs"})
 
 def _recurrent(name: str) -> ConfigError:
     return ConfigError(
-        f"{name} keeps a recurrent state (its cache is not only keys and values), which the torch"
-        " engine's batched KV cache cannot carry; sample it with an engine that supports it (vllm)."
+        f"{name} keeps a recurrent state (its cache is not only keys and values) of a kind the torch"
+        " engine's batched cache cannot carry (it carries Gated DeltaNet states: Qwen3.5, Qwen3-Next);"
+        " sample it with an engine that supports it (vllm)."
     )
 
 
@@ -290,7 +294,9 @@ def _check_decodes(model: Any, device: torch.device) -> None:
     except ImportError:  # pragma: no cover - a transformers without such layers
         recurrent_layer = ()
     cache = make_cache(model.config, 8)
-    if recurrent_layer and any(isinstance(layer, recurrent_layer) for layer in cache.layers):
+    if recurrent_layer and any(
+        isinstance(layer, recurrent_layer) and not isinstance(layer, StateLayer) for layer in cache.layers
+    ):
         raise _recurrent(name)
     vocab = int(model.get_input_embeddings().num_embeddings)
     ids = torch.tensor([[1, 2, 3, 4]], device=device) % max(1, vocab)
@@ -638,7 +644,8 @@ class TorchEngine(Engine):
                     f"Cannot merge adapter {name!r}: adapter(s) {others or [merged]} are loaded, and a merged adapter"
                     " changes the weights they run on. Remove them first (one merged adapter at a time)."
                 )
-            plan = self._merged.plan_merge(name, lora_deltas(name, adapter.config, adapter.tensors), self._weights.read)
+            deltas = dict(self._weights.spelled(list(lora_deltas(name, adapter.config, adapter.tensors).items())))
+            plan = self._merged.plan_merge(name, deltas, self._weights.read)
             try:
                 pairs = self._weights.check(plan.tensors)
             except WeightUpdateError as exc:
@@ -688,6 +695,7 @@ class TorchEngine(Engine):
 
     @releasing
     def update_weights(self, named_tensors: list[tuple[str, Any]], *, version: int) -> None:
+        named_tensors = self._weights.spelled(named_tensors)
         pairs = self._weights.check(named_tensors)
         if self._merged.name is None:
             self._weights.apply(pairs)

@@ -15,6 +15,7 @@ import torch
 
 from twinkle_core.engine import TensorSpec, check_update
 from twinkle_core.errors import WeightUpdateError, did_you_mean
+from twinkle_core.names import known_names
 
 __all__ = ["WeightTable"]
 
@@ -105,6 +106,11 @@ class WeightTable:
                 ) from exc
             pairs.append((target, staged))
         return pairs
+
+    def spelled(self, named_tensors: Sequence[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """The pairs with each name as this model spells it: a checkpoint's nested names
+        (``model.language_model.*``) or a trainer's (``model.*``), see :mod:`twinkle_core.names`."""
+        return known_names(named_tensors, self._spec())
 
     def _spec(self) -> dict[str, TensorSpec]:
         if self._spec_cache is None:

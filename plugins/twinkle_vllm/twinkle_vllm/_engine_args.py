@@ -20,6 +20,7 @@ from typing import Any
 
 from twinkle_core.errors import ConfigError, did_you_mean
 from twinkle_vllm import IPC_TIMEOUT_ENV
+from twinkle_vllm._hybrid import hybrid_options
 
 __all__ = [
     "DEFAULT_IPC_TIMEOUT_S",
@@ -229,9 +230,11 @@ def build_engine_args(model_dir: Path, tp_size: int, options: dict[str, Any]) ->
 
     Raises:
         ConfigError: an unknown or reserved option, a ``tensor_parallel_size``
-            that contradicts the mesh, or a value vLLM rejects.
+            that contradicts the mesh, a dtype the model cannot run in on this
+            platform (:mod:`twinkle_vllm._hybrid`), or a value vLLM rejects.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
 
     valid = engine_option_names()
     for name in options:
@@ -270,8 +273,10 @@ def build_engine_args(model_dir: Path, tp_size: int, options: dict[str, Any]) ->
     kwargs: dict[str, Any] = {
         "disable_log_stats": True,
         **defaults,
-        # The user's options go last so they win over our defaults, False included.
+        # The user's options go last so they win over our defaults, False included; a hybrid
+        # model's dtype on CPU is the exception: one it cannot run in is refused above, "auto" resolved.
         **options,
+        **hybrid_options(model_dir, options, cpu=current_platform.is_cpu()),
         "model": str(model_dir),
         "tensor_parallel_size": tp_size,
         "worker_extension_cls": EXTENSION_CLS,

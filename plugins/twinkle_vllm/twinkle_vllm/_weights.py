@@ -16,6 +16,7 @@ from typing import Any
 
 from twinkle_core.engine import AdapterInput, TensorSpec, check_update
 from twinkle_core.errors import AdapterError, UnsupportedFeatureError, WeightUpdateError
+from twinkle_core.names import known_name, known_names
 
 __all__ = ["WeightSpec"]
 
@@ -153,13 +154,16 @@ class WeightSpec:
             WeightUpdateError: an unknown or repeated name, a non-tensor, a wrong
                 shape or dtype, or a fused layer sent in part. Nothing is sent then.
         """
+        # a trainer's names (model.*) or a checkpoint's nested ones (model.language_model.*): the checkpoint's
+        items = known_names(items, self.spec)
         names = [name for name, _ in items]
         if self.tied and "lm_head.weight" in names:
             # One tensor in the trainer; vLLM keeps only the embedding.
-            if "model.embed_tokens.weight" in names:
+            embed = known_name("model.embed_tokens.weight", self.spec)
+            if embed in names:
                 items = [(n, t) for n, t in items if n != "lm_head.weight"]
             else:
-                items = [("model.embed_tokens.weight" if n == "lm_head.weight" else n, t) for n, t in items]
+                items = [(embed if n == "lm_head.weight" else n, t) for n, t in items]
         checked = check_update(items, self.spec, float_dtype=self.engine_dtype)
         for name in checked:
             members = self.groups[self._layer_key(name)]
@@ -192,7 +196,7 @@ class WeightSpec:
                 if module.startswith(prefix):
                     module = module[len(prefix) :]
                     break
-            base = self.spec.get(f"{module}.weight")
+            base = self.spec.get(known_name(f"{module}.weight", self.spec))
             if base is None or len(base.shape) != 2:
                 raise AdapterError(
                     f"Adapter {adapter!r}: {name!r} targets {module!r}, which is not a linear layer of this model."

@@ -1,0 +1,155 @@
+"""A hybrid linear-attention model on vLLM's CPU build: the tiny Qwen3.5, with nothing set by hand.
+
+vLLM's CPU Gated DeltaNet kernels run bfloat16 only, so the engine resolves
+the dtype to bfloat16 itself and refuses an explicit float32 before it
+starts; its Qwen3.5 module imports a torchvision image processor, which
+twinkle-vllm's ``vllm.general_plugins`` entry point replaces where
+torchvision is missing (:mod:`twinkle_vllm._vllm_plugin`).
+
+**Parity with the torch engine, in bfloat16.** Both engines round every
+matmul, norm and state update to bfloat16's 8 significant bits, each in
+its own order, so their log-probs differ by rounding alone; how much is a
+property of this model, not of either engine. The tolerance is measured, not
+picked: ``transformers``' own forward of the same weights in bfloat16 against
+float32 gives the rounding a bfloat16 computation of this model carries
+(the largest gap over the compared tokens), and two computations that each
+carry that much differ by at most twice it. A state carried to the wrong row
+or a layer run in the wrong order moves log-probs by whole nats.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from twinkle_core.data_format import SamplingParams, Trajectory
+from twinkle_core.errors import ConfigError
+from twinkle_core.testing import TINY_CHAT_PROMPTS
+from twinkle_core.testing.parity import assert_greedy_parity
+from twinkle_vllm._hybrid import hybrid_options
+
+from .conftest import TEST_ENGINE_ARGS
+
+#: The test engine's options without a dtype: the engine must find bfloat16 itself.
+ENGINE_ARGS = {k: v for k, v in TEST_ENGINE_ARGS.items() if k != "dtype"}
+PROMPTS = [Trajectory(messages=m) for m in TINY_CHAT_PROMPTS[:8]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_5() -> Path:
+    from twinkle_core.testing import build_tiny_model
+
+    return build_tiny_model("qwen3_5")
+
+
+@pytest.fixture(scope="module")
+def vllm_sampler(tiny_qwen3_5: Path) -> Iterator[Any]:
+    from twinkle_vllm.sampler import vLLMSampler
+
+    with vLLMSampler(tiny_qwen3_5, engine_args=ENGINE_ARGS) as sampler:
+        yield sampler
+
+
+def _config(tmp_path: Path, config: dict[str, Any]) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    return tmp_path
+
+
+def test_the_cpu_dtype_of_a_hybrid_resolves_to_bfloat16_and_float32_is_refused(tiny_qwen3_5: Path) -> None:
+    assert hybrid_options(tiny_qwen3_5, {}, cpu=True)["dtype"] == "bfloat16"
+    assert hybrid_options(tiny_qwen3_5, {"dtype": "auto"}, cpu=True)["dtype"] == "bfloat16"
+    assert "dtype" not in hybrid_options(tiny_qwen3_5, {"dtype": "bfloat16"}, cpu=True)
+    assert hybrid_options(tiny_qwen3_5, {}, cpu=False) == {}  # other backends keep vLLM's choice
+    with pytest.raises(ConfigError, match=r"dtype='float32'.*Qwen3_5ForCausalLM.*bfloat16 only"):
+        hybrid_options(tiny_qwen3_5, {"dtype": "float32"}, cpu=True)
+
+
+def test_a_plain_model_keeps_its_options(tiny_model: Path) -> None:
+    assert hybrid_options(tiny_model, {"dtype": "float32"}, cpu=True) == {}
+
+
+def test_the_vision_tower_of_a_checkpoint_is_skipped_unless_asked_for(tmp_path: Path) -> None:
+    folder = _config(
+        tmp_path,
+        {
+            "model_type": "qwen3_5",
+            "architectures": ["Qwen3_5ForConditionalGeneration"],
+            "text_config": {"model_type": "qwen3_5_text", "layer_types": ["linear_attention", "full_attention"]},
+            "vision_config": {"depth": 2},
+        },
+    )
+    assert hybrid_options(folder, {}, cpu=False) == {"language_model_only": True}
+    assert hybrid_options(folder, {"language_model_only": False}, cpu=False) == {}
+
+
+def test_prefix_caching_is_off_on_cpu_where_chunked_prefill_is(tiny_qwen3_5: Path) -> None:
+    # vLLM's hybrid prefix cache needs chunked prefill, which twinkle turns off on CPU
+    assert hybrid_options(tiny_qwen3_5, {}, cpu=True)["enable_prefix_caching"] is False
+    assert "enable_prefix_caching" not in hybrid_options(tiny_qwen3_5, {"enable_prefix_caching": True}, cpu=True)
+
+
+def test_float32_is_refused_before_the_engine_starts(tiny_qwen3_5: Path) -> None:
+    from twinkle_vllm.sampler import vLLMSampler
+
+    with pytest.raises(ConfigError, match="bfloat16 only"):
+        vLLMSampler(tiny_qwen3_5, engine_args=TEST_ENGINE_ARGS)
+
+
+def test_it_samples_in_bfloat16_and_answers(vllm_sampler: Any) -> None:
+    assert str(vllm_sampler.engine._facts.dtype) == "torch.bfloat16"
+    out = vllm_sampler.sample(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=16))
+    assert "Paris" in (out[0].sequences[0].text or "")
+
+
+def _rounding_of_bfloat16(folder: Path, sequences: list[tuple[list[int], list[int]]]) -> float:
+    """The largest gap between transformers' bfloat16 and float32 forwards over these tokens' log-probs."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    gaps = []
+    models = [AutoModelForCausalLM.from_pretrained(str(folder), dtype=d) for d in (torch.bfloat16, torch.float32)]
+    for prompt, tokens in sequences:
+        ids = torch.tensor([prompt + tokens])
+        logprobs = []
+        for model in models:
+            with torch.no_grad():
+                full = torch.log_softmax(model(ids).logits[0].float(), dim=-1)[len(prompt) - 1 : -1]
+            logprobs.append(full.gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1))
+        gaps.append(float((logprobs[0] - logprobs[1]).abs().max()))
+    return max(gaps)
+
+
+def test_greedy_parity_with_the_torch_engine_in_bfloat16(vllm_sampler: Any, tiny_qwen3_5: Path) -> None:
+    from twinkle_torch.sampler import TorchSampler
+
+    vllm_out = vllm_sampler.sample(PROMPTS, GREEDY)
+    with TorchSampler(tiny_qwen3_5, dtype="bfloat16") as torch_sampler:
+        torch_out = torch_sampler.sample(PROMPTS, GREEDY)
+    sequences = [(r.prompt_token_ids, r.sequences[0].tokens) for r in torch_out]
+    atol = 2 * _rounding_of_bfloat16(tiny_qwen3_5, sequences)
+    assert_greedy_parity([r.sequences[0] for r in vllm_out], [r.sequences[0] for r in torch_out], atol=atol)
+
+
+def test_a_trainers_names_reach_a_nested_checkpoint_with_its_tied_head_folded() -> None:
+    """A VL checkpoint nests the language model; a trainer pushes AutoModelForCausalLM's names (twinkle_core.names)."""
+    import torch
+
+    from twinkle_core.errors import WeightUpdateError
+    from twinkle_vllm._weights import WeightSpec
+
+    nested = {
+        "model.language_model.embed_tokens.weight": (8, 4),
+        "model.language_model.layers.0.mlp.up_proj.weight": (6, 4),
+    }
+    spec = WeightSpec(nested, dict.fromkeys(nested, "bfloat16"), "bfloat16", {}, tied_embeddings=True)
+    up, head = torch.zeros(6, 4, dtype=torch.bfloat16), torch.ones(8, 4, dtype=torch.bfloat16)
+    sent = dict(spec.validate([("model.layers.0.mlp.up_proj.weight", up), ("lm_head.weight", head)]))
+    assert sorted(sent) == sorted(nested)
+    assert sent["model.language_model.embed_tokens.weight"] is head  # the tied head folded into the nested embedding
+    with pytest.raises(WeightUpdateError, match=r"model\.layers\.0\.mlp\.nope"):
+        spec.validate([("model.layers.0.mlp.nope.weight", up)])

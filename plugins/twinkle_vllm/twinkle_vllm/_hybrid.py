@@ -1,0 +1,91 @@
+"""What a hybrid linear-attention model (Qwen3.5, Qwen3-Next) needs from vLLM's engine options.
+
+Read from the model folder's ``config.json`` alone (no ``transformers``, no
+vLLM model import), before the engine starts:
+
+- **dtype.** vLLM's CPU Gated DeltaNet kernels take bfloat16 only: the engine
+  starts in float32 and then dies at the first request (``CPU GDN attention
+  requires BF16.``). On the CPU backend such a model therefore runs in
+  bfloat16 when no dtype (or ``"auto"``) is given, and an explicit other
+  dtype is a ``ConfigError`` that says why, before anything starts. On other
+  backends nothing changes.
+- **prefix caching.** vLLM caches a hybrid's prefixes by checkpointing its
+  state at block boundaries (mamba cache mode ``align``), which needs chunked
+  prefill; twinkle turns chunked prefill off on the CPU backend (a seeded
+  request prefilled in chunks kills the CPU engine,
+  :func:`twinkle_vllm._engine_args.platform_defaults`), so there prefix
+  caching is off for these models unless the user sets it.
+- **the vision tower.** A Qwen3.5 checkpoint is a vision-language model; the
+  engine samples text, so unless the user says otherwise the tower is not
+  loaded (vLLM's ``language_model_only``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from twinkle_core.errors import ConfigError
+
+__all__ = ["hybrid_options", "is_linear_attention_hybrid"]
+
+#: Model types whose layers include Gated DeltaNet mixers, whatever their layer list says.
+_GDN_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"})
+#: dtype spellings vLLM reads as bfloat16.
+_BFLOAT16 = frozenset({"bfloat16", "bf16", "torch.bfloat16"})
+
+
+def _read_config(model_dir: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}  # vLLM reports a missing or broken config in its own words
+    return config if isinstance(config, dict) else {}
+
+
+def is_linear_attention_hybrid(config: dict[str, Any]) -> bool:
+    """Whether a ``config.json`` (or its ``text_config``) describes a Gated DeltaNet hybrid."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    assert isinstance(text, dict)
+    if config.get("model_type") in _GDN_MODEL_TYPES or text.get("model_type") in _GDN_MODEL_TYPES:
+        return True
+    return "linear_attention" in (text.get("layer_types") or [])
+
+
+def hybrid_options(model_dir: Path, options: dict[str, Any], *, cpu: bool) -> dict[str, Any]:
+    """Engine options the model in ``model_dir`` needs (the user's ``options`` win where they may).
+
+    Args:
+        model_dir: the local model folder.
+        options: the engine options as the user gave them.
+        cpu: whether the engine runs on vLLM's CPU backend.
+
+    Returns:
+        Options to set under the user's: ``dtype``, ``enable_prefix_caching`` and
+        ``language_model_only``, where they apply.
+
+    Raises:
+        ConfigError: a dtype the CPU Gated DeltaNet kernels cannot run.
+    """
+    config = _read_config(model_dir)
+    if not config or not is_linear_attention_hybrid(config):
+        return {}
+    out: dict[str, Any] = {}
+    if isinstance(config.get("vision_config"), dict) and "language_model_only" not in options:
+        out["language_model_only"] = True
+    if cpu and "enable_prefix_caching" not in options and not options.get("enable_chunked_prefill"):
+        out["enable_prefix_caching"] = False
+    if cpu:
+        dtype = options.get("dtype")
+        name = None if dtype is None else str(dtype).lower()
+        if name in (None, "auto"):
+            out["dtype"] = "bfloat16"
+        elif name not in _BFLOAT16:
+            architecture = (config.get("architectures") or [config.get("model_type")])[0]
+            raise ConfigError(
+                f"dtype={dtype!r} cannot run {architecture} on vLLM's CPU backend: its Gated DeltaNet kernels take"
+                " bfloat16 only (vLLM would start and then fail at the first request). Use dtype='bfloat16' (or"
+                " leave dtype unset), or the torch engine, which runs this model in float32."
+            )
+    return out
