@@ -169,6 +169,10 @@ ENGINE_IMPORTS = {
     "twinkle_core.data_format",
     "twinkle_core.hub",
     "twinkle_core.weights",
+    # the one table between a trainer's weight names and a checkpoint's, which every engine's updates apply
+    "twinkle_core.names",
+    # the routers of the MoE families: the engine records by the same table the trainer's replay reads
+    "twinkle_core.rl",
 }
 
 

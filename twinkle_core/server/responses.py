@@ -31,7 +31,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 from fastapi import FastAPI, Request
@@ -40,7 +40,6 @@ from fastapi.responses import StreamingResponse
 from twinkle_core.data_format import Trajectory
 from twinkle_core.episode import Episode, Turn
 from twinkle_core.errors import ConfigError, TwinkleError
-from twinkle_core.server.app import _Call, _extras, _openai_calls, _Server, _session_id, _sse, _start, _text_pieces
 from twinkle_core.server.constraints import constrain
 from twinkle_core.server.protocol import (
     RESPONSES_SAMPLING,
@@ -54,6 +53,10 @@ from twinkle_core.server.protocol import (
     openai_tools,
 )
 from twinkle_core.server.shapes import TokenNames
+from twinkle_core.server.turns import _Call, _extras, _openai_calls, _session_id, _sse, _start, _text_pieces
+
+if TYPE_CHECKING:  # pragma: no cover
+    from twinkle_core.server.app import _Server
 
 __all__ = ["ResponseStore", "StoredResponse", "add_response_routes"]
 
