@@ -310,7 +310,7 @@ class _Server:
             error = ApiError(
                 500, f"Internal error ({type(exc).__name__}); the server is still up.", kind="server_error"
             )
-        self.limits.refuse(error.code or ("invalid_request" if error.status < 500 else "server_error"))
+        self.limits.refuse_answer(error)
         return error.event() + "data: [DONE]\n\n"
 
     # -- calls in flight, pause --------------------------------------------------------------------
@@ -422,7 +422,7 @@ def create_app(
         app.add_middleware(_KeyCheck, api_key=api_key)
 
     def refused(error: ApiError) -> JSONResponse:
-        limits.refuse(error.code or ("invalid_request" if error.status < 500 else "server_error"))
+        limits.refuse_answer(error)
         return error.response()
 
     @app.exception_handler(ApiError)

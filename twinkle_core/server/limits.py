@@ -96,6 +96,10 @@ class Limits:
         """Count one refusal."""
         self.refused[reason] += 1
 
+    def refuse_answer(self, error: ApiError) -> None:
+        """Count an error answer, by its code (else ``invalid_request`` or ``server_error``, by its status)."""
+        self.refuse(error.code or ("invalid_request" if error.status < 500 else "server_error"))
+
     def deadline(self, abort: Any) -> asyncio.TimerHandle | None:
         """Call ``abort()`` (a pending call's) at the deadline; the handle cancels it (``None``: no deadline)."""
         if self.request_timeout is None:
