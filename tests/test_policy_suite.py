@@ -39,12 +39,9 @@ FAKES: dict[str, str] = {
         super().update_weights(kept, version=version)
 """,
     "adapter_never_applied": """
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.context = Relabel(self.context, lambda seq: attrs.evolve(seq, adapter_name=self.asked))
-
     def run(self, run):
-        self.asked, run.adapter_name = run.adapter_name, ''
+        asked, run.adapter_name = run.adapter_name, ''
+        relabel(run, lambda seq: attrs.evolve(seq, adapter_name=asked))
         return super().run(run)
 """,
     "replaced_adapter_kept": """
@@ -55,9 +52,9 @@ FAKES: dict[str, str] = {
 """,
     "merge_left_in_on_removal": """
     def remove_adapter(self, name):
-        if self._merged.name == name:
-            from twinkle_core.engine import MergedLoRA
-            self._merged = MergedLoRA()
+        if self._merged.name == name:  # the merge state forgotten, the weights left merged
+            from twinkle_core.merge import MergedLoRA
+            self._merged._state = MergedLoRA()
         else:
             super().remove_adapter(name)
 """,
@@ -74,25 +71,17 @@ FAKES: dict[str, str] = {
         self._decoder.run = mixed
 """,
     "stale_version_label": """
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.context = Relabel(
-            self.context, lambda seq: attrs.evolve(seq, weights_version=max(0, seq.weights_version - 1))
-        )
+    def run(self, run):
+        relabel(run, lambda seq: attrs.evolve(seq, weights_version=max(0, seq.weights_version - 1)))
+        return super().run(run)
 """,
 }
 
-#: A context whose sequences a fake relabels (what an engine that mislabels them does).
+#: A run whose reported sequences a fake relabels (what an engine that mislabels them does).
 RELABEL = """
-class Relabel:
-    def __init__(self, context, change):
-        self._context, self._change = context, change
-
-    def __getattr__(self, name):
-        return getattr(self._context, name)
-
-    def make_sequence(self, *args, **kwargs):
-        return self._change(self._context.make_sequence(*args, **kwargs))
+def relabel(run, change):
+    finish = run.finish
+    run.finish = lambda p, s, seq: finish(p, s, change(seq))
 """
 
 

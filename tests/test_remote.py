@@ -31,7 +31,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("twinkle_torch")
 
 import twinkle_core as tw  # noqa: E402
-import twinkle_core.state  # noqa: E402
+import twinkle_core.sampler.policy  # noqa: E402
 from twinkle_core import DeviceGroup, DeviceMesh, InputFeature, Sampler, SampleResponse, Trajectory  # noqa: E402
 from twinkle_core.engine import BatchEngine, EngineContext, EngineInfo  # noqa: E402
 from twinkle_core.errors import (  # noqa: E402
@@ -637,7 +637,7 @@ def test_updates_wait_for_running_samples_so_no_call_mixes_versions(cluster, tmp
         locks.append(ReadWriteLock())
         return locks[-1]
 
-    monkeypatch.setattr(twinkle_core.state, "ReadWriteLock", recorded_lock)
+    monkeypatch.setattr(twinkle_core.sampler.policy, "ReadWriteLock", recorded_lock)
     hold = Hold(tmp_path / "hold")
     with EchoEngine(device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="aux", hold=str(hold.folder)) as s:
         (driver_lock,) = locks  # the replicas build theirs in their own processes

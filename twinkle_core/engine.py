@@ -19,6 +19,11 @@ adapters and takes new weights::
         def generate(self, prompts, params, adapter_name):
             return [...]  # one SampleResponse per prompt, sequences from context.make_sequence
 
+An engine that streams subclasses :class:`Engine` and reports each sequence
+once, as it ends, with one line: ``run.report(prompt, sample, tokens,
+stop_reason=...)``; the sampler builds the sequence (text, version, training
+feature) and assembles the responses.
+
     sampler = twinkle_core.Sampler(MyEngine, "my-model")   # or create_sampler("mine", "my-model")
 
 The ``Sampler`` builds the engine: ``MyEngine(context, *args, **kwargs)``.
@@ -52,24 +57,22 @@ import attrs
 from twinkle_core.adapter_input import AdapterInput
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingMask, SamplingParams
 from twinkle_core.errors import ConfigError, EngineDeadError, UnsupportedFeatureError
-from twinkle_core.merge import MergedLoRA, check_merge_flag, lora_deltas
+from twinkle_core.merge import AdapterMerger
 from twinkle_core.mesh import DeviceMesh
 from twinkle_core.requests import EngineRun
 from twinkle_core.weights import TensorSpec, check_update
 
 __all__ = [
     "AdapterInput",
+    "AdapterMerger",
     "BatchEngine",
     "DeviceMesh",
     "Engine",
     "EngineContext",
     "EngineInfo",
     "EngineRun",
-    "MergedLoRA",
     "TensorSpec",
-    "check_merge_flag",
     "check_update",
-    "lora_deltas",
 ]
 
 #: Fields every engine honours: the length of a completion and how many per prompt.
@@ -171,17 +174,23 @@ class EngineContext(ABC):
         *,
         stop_reason: str,
         adapter_name: str,
+        params: SamplingParams | None = None,
         text: str | None = None,
         stop: str | int | None = None,
         logprobs: list[float] | None = None,
         top_logprobs: Any = None,
         sampling_mask: SamplingMask | None = None,
+        routed_experts: Any = None,
     ) -> SampledSequence:
-        """A finished ``SampledSequence``: its text (decoded unless given), version and training feature.
+        """A finished ``SampledSequence``: its text, version and training feature.
 
         ``stop_reason`` is ``"stop"``, ``"length"`` or ``"abort"``; ``stop``
         the token id or string that ended it; ``adapter_name`` the adapter
-        that produced it (``""``: the base model).
+        that produced it (``""``: the base model). The text, unless given, is
+        the completion's text under ``params``' text options (cut at a stop
+        string), or the plain decode without ``params``. An engine that
+        streams needs none of this: :meth:`EngineRun.report` builds the
+        sequence from the run's own prompt, parameters and adapter.
         """
 
     @abstractmethod
@@ -211,20 +220,25 @@ class Engine(ABC):
         self.context = context
 
     @abstractmethod
-    def run(self, run: EngineRun) -> list[SampleResponse]:
-        """Generate ``run``: one ``SampleResponse`` per prompt, in order.
+    def run(self, run: EngineRun) -> list[SampleResponse] | None:
+        """Generate ``run``, reporting into it; the sampler assembles the responses from the reports.
 
-        Each response holds ``run.params.num_samples`` sequences built with
-        :meth:`EngineContext.make_sequence`; ``max_tokens=0`` means score the
-        prompt only (with ``prompt_logprobs``) and return empty sequences.
-        Between steps the engine checks ``run.stopped()`` and then ends its
-        unfinished sequences with ``stop_reason="abort"`` and their partial
-        tokens; it reports each final sequence with ``run.finish(prompt,
-        sample, sequence)`` as soon as it is final; it honours
+        The engine reports each final sequence once, as soon as it is final:
+        ``run.report(prompt, sample, tokens, stop_reason=..., ...)`` (the
+        sampler builds it), ``run.report_empty(prompt, stop_reason)`` for a
+        prompt that generates nothing, and a prompt's scores with
+        ``run.report_scores``. ``run.params.num_samples`` sequences per
+        prompt; ``max_tokens=0`` means score the prompt only (with
+        ``prompt_logprobs``) and report empty sequences. Between steps the
+        engine checks ``run.stopped()`` and then ends its unfinished sequences
+        with ``stop_reason="abort"`` and their partial tokens; it honours
         ``run.max_tokens`` per prompt and, for seeded sampling, keys its
         randomness on ``run.sample_base`` and ``run.generated`` so that a
         continued sequence draws what the uninterrupted one would have.
-        An engine that only generates whole batches subclasses :class:`BatchEngine`.
+
+        Returns ``None``. (Responses returned instead, as engines written
+        before reporting did, are reported for them.) An engine that only
+        generates whole batches subclasses :class:`BatchEngine`.
         """
 
     def max_prompt_len(self, params: SamplingParams) -> int:
@@ -278,12 +292,12 @@ class BatchEngine(Engine):
     def generate(self, prompts: list[InputFeature], params: SamplingParams, adapter_name: str) -> list[SampleResponse]:
         """One ``SampleResponse`` per prompt, in order, each with ``params.num_samples`` sequences."""
 
-    def run(self, run: EngineRun) -> list[SampleResponse]:
-        return run_in_batches(run, self.generate)
+    def run(self, run: EngineRun) -> None:
+        run_in_batches(run, self.generate)
 
 
-def run_in_batches(run: EngineRun, generate: Any) -> list[SampleResponse]:
-    """Run ``run`` through a whole-batch ``generate(prompts, params, adapter_name)``, one call per budget.
+def run_in_batches(run: EngineRun, generate: Any) -> None:
+    """Run ``run`` through a whole-batch ``generate(prompts, params, adapter_name)``, reporting each batch.
 
     What :meth:`BatchEngine.run` does.
 
@@ -295,10 +309,11 @@ def run_in_batches(run: EngineRun, generate: Any) -> list[SampleResponse]:
     groups: dict[tuple[int, int], list[int]] = {}
     for k, (budget, done) in enumerate(zip(run.max_tokens, run.generated)):
         groups.setdefault((budget, min(done, run.params.min_tokens)), []).append(k)
-    out: list[SampleResponse | None] = [None] * len(run.prompts)
     for (budget, done), picked in sorted(groups.items()):
         params = run.params.replace(max_tokens=budget, min_tokens=min(budget, run.params.min_tokens - done))
         part = generate([run.prompts[k] for k in picked], params, run.adapter_name)
         for k, response in zip(picked, part):
-            out[k] = response
-    return out  # type: ignore[return-value]
+            for s, sequence in enumerate(response.sequences):
+                run.finish(k, s, sequence)
+            if response.prompt_logprobs is not None:
+                run.report_scores(k, response.prompt_logprobs, response.prompt_top_logprobs)

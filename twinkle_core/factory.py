@@ -90,8 +90,10 @@ def build_sampler(
 class NamedSampler(Sampler):
     """A ``Sampler`` named after its engine: ``TorchSampler(...)`` is ``Sampler(TorchEngine, ...)``.
 
-    A subclass sets ``engine_class`` and may add accessors to what its engine
-    holds. Its constructor takes the engine's arguments, and ``remote_group=``:
+    A subclass sets ``engine_class`` and may name, in ``engine_accessors``,
+    the engine's own attributes and methods the sampler reads through
+    (``TorchSampler(...).model`` is its engine's ``model``; setting one sets
+    the engine's). Its constructor takes the engine's arguments, and ``remote_group=``:
     then it returns the Ray replicas :func:`build_sampler` builds (a
     ``RemoteSampler``, not an instance of the subclass). ``help()`` and
     ``inspect.signature`` show the engine's arguments.
@@ -99,6 +101,8 @@ class NamedSampler(Sampler):
 
     #: The engine this sampler builds (``engine_class(context, *args, **kwargs)``).
     engine_class: ClassVar[type[Engine]]
+    #: The engine's attributes and methods read (and set) through the sampler.
+    engine_accessors: ClassVar[frozenset[str]] = frozenset()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -116,6 +120,17 @@ class NamedSampler(Sampler):
 
     def __init__(self, *args: Any, remote_group: str | None = None, **kwargs: Any) -> None:
         super().__init__(type(self).engine_class, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # only for names the class does not have
+        if name in type(self).engine_accessors and "_engine" in self.__dict__:
+            return getattr(self.__dict__["_engine"], name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in type(self).engine_accessors:
+            setattr(self.engine, name, value)
+        else:
+            super().__setattr__(name, value)
 
 
 def _signature_of(engine: type[Engine]) -> inspect.Signature:

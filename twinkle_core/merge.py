@@ -36,10 +36,10 @@ from typing import Any
 import attrs
 
 from twinkle_core.adapter_input import peft_pattern_value
-from twinkle_core.errors import AdapterError, MergedAdapterError
+from twinkle_core.errors import AdapterError, IncompleteUpdateError, MergedAdapterError, WeightUpdateError
 from twinkle_core.weights import find_non_finite, find_not_floating
 
-__all__ = ["MergePlan", "MergedLoRA", "check_merge_flag", "lora_deltas"]
+__all__ = ["AdapterMerger", "MergePlan", "MergedLoRA", "check_merge_flag", "lora_deltas"]
 
 _PREFIXES = ("base_model.model.", "base_model.")
 _LORA_KINDS = ("lora_A", "lora_B")
@@ -283,3 +283,195 @@ class MergedLoRA:
     def commit(self, plan: MergePlan) -> None:
         """Record ``plan`` as applied by the engine."""
         self.name, self._base, self._deltas = plan.name, plan.base, plan.deltas
+
+
+def _as_is(adapter: Any) -> tuple[Mapping[str, Any], list[tuple[str, Any]]]:
+    return adapter.config, adapter.tensors
+
+
+def _same(pairs: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    return pairs
+
+
+def _always() -> bool:
+    return True
+
+
+@attrs.frozen
+class _Hooks:
+    """What an engine gives :class:`AdapterMerger`: its own weight and adapter operations.
+
+    Arguments of ``AdapterMerger(...)``:
+        engine: the engine's name, for messages.
+        read_base: the engine's current values of some weights, and of any
+            weight that must travel with them (vLLM: the rest of a fused layer).
+        check: validate ``(name, tensor)`` pairs against the model (a
+            ``WeightUpdateError`` changes nothing); returns what ``apply`` takes.
+        apply: apply what ``check`` returned, as one update.
+        loaded: the adapters loaded unmerged (through the engine's LoRA path).
+        load_unmerged: load an adapter unmerged; returns its source.
+        remove_unmerged: unload an adapter loaded unmerged (it may not be).
+        prepare: the adapter's LoRA config and tensors, refused where the
+            engine cannot take them (default: as read).
+        spell: weight names as the engine spells them (default: as they are).
+        can_undo: whether a failed push can be undone now (vLLM: not while its
+            engine is dead; the restart replays the weights instead).
+        on_lost: told which weights a failed push left unknown, and why.
+    """
+
+    engine: str
+    read_base: Callable[[list[str]], Mapping[str, Any]]
+    check: Callable[[list[tuple[str, Any]]], Any]
+    apply: Callable[[Any], None]
+    loaded: Callable[[], list[str]]
+    load_unmerged: Callable[[Any], str]
+    remove_unmerged: Callable[[str], None]
+    prepare: Callable[[Any], tuple[Mapping[str, Any], list[tuple[str, Any]]]] = _as_is
+    spell: Callable[[list[tuple[str, Any]]], list[tuple[str, Any]]] = _same
+    can_undo: Callable[[], bool] = _always
+    on_lost: Callable[[list[str], str], None] | None = None
+
+
+class AdapterMerger:
+    """``add_adapter_to_model(..., merge=True)`` for any engine: the one state machine of merged adapters.
+
+    An engine holds one, built with its own operations (see ``_Hooks`` for
+    each keyword), and routes its
+    adapter and weight changes through it: :meth:`load_adapter`,
+    :meth:`remove_adapter`, :meth:`update_weights`, and :meth:`running` for
+    each run (a merged adapter runs on the plain weights under its own name).
+    Every push is applied whole or undone; a push that fails part-way and
+    whose undo fails too raises ``IncompleteUpdateError`` naming the weights,
+    and the sampler refuses to sample until they are pushed again.
+    """
+
+    def __init__(
+        self,
+        *,
+        engine: str,
+        read_base: Callable[[list[str]], Mapping[str, Any]],
+        check: Callable[[list[tuple[str, Any]]], Any],
+        apply: Callable[[Any], None],
+        loaded: Callable[[], list[str]],
+        load_unmerged: Callable[[Any], str],
+        remove_unmerged: Callable[[str], None],
+        prepare: Callable[[Any], tuple[Mapping[str, Any], list[tuple[str, Any]]]] = _as_is,
+        spell: Callable[[list[tuple[str, Any]]], list[tuple[str, Any]]] = _same,
+        can_undo: Callable[[], bool] = _always,
+        on_lost: Callable[[list[str], str], None] | None = None,
+    ) -> None:
+        self._hooks = _Hooks(
+            engine, read_base, check, apply, loaded, load_unmerged, remove_unmerged, prepare, spell, can_undo, on_lost
+        )
+        self._state = MergedLoRA()
+        #: bumped by every merge: caches keyed on it never mix two merges' weights
+        self.merge_id = 0
+
+    @property
+    def name(self) -> str | None:
+        """The merged adapter, or ``None``."""
+        return self._state.name
+
+    @property
+    def kept_names(self) -> frozenset[str]:
+        """The weights whose base values are kept (empty when nothing is merged)."""
+        return self._state.kept_names
+
+    def running(self, adapter_name: str) -> str:
+        """The adapter a run of ``adapter_name`` uses on the engine: ``""`` (the plain weights) for the merged one.
+
+        Raises:
+            MergedAdapterError: an adapter is merged and ``adapter_name`` is another one, or the base model.
+        """
+        self._state.check_request(adapter_name)
+        return "" if adapter_name == self._state.name else adapter_name
+
+    def load_adapter(self, adapter: Any, options: Mapping[str, Any]) -> str:
+        """Load (or replace) ``adapter`` as ``add_adapter_to_model`` asks (``options``: ``merge=`` only); its source.
+
+        Raises:
+            AdapterError: an option other than ``merge``, an adapter that does
+                not fit, or a merge while other adapters are loaded (or the reverse).
+        """
+        options = dict(options)
+        merge = options.pop("merge", False)
+        if options:
+            raise AdapterError(
+                f"add_adapter_to_model got unexpected options {sorted(options)} for the {self._hooks.engine} engine"
+                " (it accepts merge=)."
+            )
+        name, merged = adapter.name, self._state.name
+        if check_merge_flag(merge):
+            return self._merge(adapter)
+        if merged is not None and merged != name:
+            raise AdapterError(
+                f"Cannot load adapter {name!r}: adapter {merged!r} is merged into the weights it would run on."
+                f" remove_adapter({merged!r}) first."
+            )
+        source = self._hooks.load_unmerged(adapter)
+        if merged == name:  # merged before, served unmerged now: the weights go back to base
+            self._push(self._state.plan_unmerge())
+        return source
+
+    def _merge(self, adapter: Any) -> str:
+        name = adapter.name
+        others = sorted(n for n in self._hooks.loaded() if n != name)
+        merged = self._state.name
+        if others or merged not in (None, name):
+            raise AdapterError(
+                f"Cannot merge adapter {name!r}: adapter(s) {others or [merged]} are loaded, and a merged adapter"
+                " changes the weights they run on. Remove them first (one merged adapter at a time)."
+            )
+        config, tensors = self._hooks.prepare(adapter)
+        deltas = dict(self._hooks.spell(list(lora_deltas(name, config, tensors).items())))
+        plan = self._state.plan_merge(name, deltas, self._hooks.read_base)
+        try:
+            self._push(plan)
+        except WeightUpdateError as exc:
+            raise AdapterError(f"Cannot merge adapter {name!r}: {exc}") from exc
+        self.merge_id += 1
+        if name in self._hooks.loaded():  # loaded unmerged before: that copy is stale now
+            self._hooks.remove_unmerged(name)
+        return str(adapter.source)
+
+    def remove_adapter(self, name: str) -> None:
+        """Unload ``name``: a merged adapter's weights go back to base."""
+        if self._state.name == name:
+            self._push(self._state.plan_unmerge())
+        else:
+            self._hooks.remove_unmerged(name)
+
+    def update_weights(self, named_tensors: list[tuple[str, Any]], apply: Callable[[Any], None]) -> None:
+        """New base weights (``apply`` takes the checked pairs); while merged, pushed base values are kept."""
+        named_tensors = self._hooks.spell(named_tensors)
+        checked = self._hooks.check(named_tensors)
+        if self._state.name is None:
+            apply(checked)
+            return
+        plan = self._state.plan_update(named_tensors)
+        apply(self._hooks.check(plan.tensors))
+        self._state.commit(plan)
+
+    def _push(self, plan: MergePlan) -> None:
+        """Apply a merge or unmerge whole, or stand where the engine stood.
+
+        A push that fails part-way (an interrupt, a failing copy) is undone:
+        the values from before it are pushed again. If that fails too, the
+        weights may be a mix of merged and unmerged values: an
+        ``IncompleteUpdateError`` names them.
+        """
+        checked = self._hooks.check(plan.tensors)
+        try:
+            self._hooks.apply(checked)
+        except BaseException as exc:
+            if self._hooks.can_undo():
+                names = [name for name, _ in plan.tensors]
+                try:
+                    self._hooks.apply(self._hooks.check(self._state.undo(plan)))
+                except BaseException as undo_exc:
+                    message = self._state.undo_failed(plan, exc, undo_exc)
+                    if self._hooks.on_lost is not None:
+                        self._hooks.on_lost(names, message)
+                    raise IncompleteUpdateError(message, tensors=names) from undo_exc
+            raise
+        self._state.commit(plan)

@@ -30,6 +30,7 @@ from typing import Any
 import attrs
 
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams
+from twinkle_core.errors import TwinkleError
 
 __all__ = ["IN_FLIGHT_POLICIES", "CallFeed", "EngineRun", "Finished", "InFlightPolicy", "SampleHandle", "StopSwitch"]
 
@@ -94,8 +95,13 @@ class EngineRun:
     a continued sequence draw what the uninterrupted one would have). While
     running, an engine checks :meth:`stopped` (or waits on ``stop_event``)
     between steps and then ends its unfinished sequences with
-    ``stop_reason="abort"``, keeping what they generated; it reports each
-    sequence through :meth:`finish` as soon as it is final.
+    ``stop_reason="abort"``, keeping what they generated.
+
+    The engine reports each sequence once, as soon as it is final, with
+    :meth:`report` (what it generated: the core builds the sequence) or
+    :meth:`finish` (a sequence it built with ``EngineContext.make_sequence``),
+    and a prompt's scores with :meth:`report_scores`; the core assembles the
+    responses from the reports (:meth:`responses`).
 
     Attributes:
         prompts: validated prompts.
@@ -120,6 +126,7 @@ class EngineRun:
         max_tokens: list[int] | None = None,
         on_finish: Callable[[int, int, SampledSequence], None] | None = None,
         stop_event: StopSwitch | None = None,
+        sequences: Any = None,
     ) -> None:
         self.prompts = prompts
         self.params = params
@@ -129,28 +136,119 @@ class EngineRun:
         self.max_tokens = max_tokens if max_tokens is not None else [params.max_tokens] * len(prompts)
         self.stop_event = stop_event if stop_event is not None else StopSwitch()
         self._on_finish = on_finish
-        self._reported: set[tuple[int, int]] = set()
+        self._builder = sequences  # the sampler's SequenceBuilder
+        self._sequences: dict[tuple[int, int], SampledSequence] = {}
+        self._scores: dict[int, tuple[Any, Any]] = {}
         self._report_lock = threading.Lock()
 
     def stopped(self) -> bool:
         """Whether the run should end now (an abort, or a weight change under the ``keep`` policy)."""
         return self.stop_event.is_set()
 
+    def report(
+        self,
+        prompt_index: int,
+        sample_index: int,
+        tokens: list[int],
+        *,
+        stop_reason: str,
+        stop: str | int | None = None,
+        logprobs: list[float] | None = None,
+        top_logprobs: Any = None,
+        sampling_mask: Any = None,
+        routed_experts: Any = None,
+    ) -> SampledSequence:
+        """Report one final sequence by what was generated; the core builds it (text, version, training feature).
+
+        ``stop_reason`` is ``"stop"``, ``"length"`` or ``"abort"``; ``stop`` the
+        token id or string that ended it. Returns the sequence as built.
+        """
+        sequence: SampledSequence = self._require_builder().make(
+            list(self.prompts[prompt_index].input_ids),
+            tokens,
+            stop_reason=stop_reason,
+            adapter_name=self.adapter_name,
+            params=self.params,
+            stop=stop,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            sampling_mask=sampling_mask,
+            routed_experts=routed_experts,
+        )
+        self.finish(prompt_index, sample_index, sequence)
+        return sequence
+
+    def report_empty(self, prompt_index: int, stop_reason: str) -> None:
+        """Report every sample of a prompt as generating nothing (no room to generate, or stopped before it began).
+
+        Each carries the per-token fields ``params`` asks for, empty.
+        """
+        ids = list(self.prompts[prompt_index].input_ids)
+        for s in range(self.params.num_samples):
+            self.finish(
+                prompt_index, s, self._require_builder().empty(ids, self.params, self.adapter_name, stop_reason)
+            )
+
+    def _require_builder(self) -> Any:
+        if self._builder is None:
+            raise TypeError("This EngineRun has no sequence builder: the sampler that makes a run gives it one.")
+        return self._builder
+
     def finish(self, prompt_index: int, sample_index: int, sequence: SampledSequence) -> None:
-        """Report one final sequence (``sample_index`` counts within this run's ``num_samples``)."""
+        """Report one final sequence, built already (``sample_index`` counts within this run's ``num_samples``).
+
+        The first report of a sequence stands; a later one is ignored.
+        """
         with self._report_lock:
             key = (prompt_index, sample_index)
-            if key in self._reported:
+            if key in self._sequences:
                 return
-            self._reported.add(key)
+            self._sequences[key] = sequence
         if self._on_finish is not None:
             self._on_finish(prompt_index, sample_index, sequence)
 
+    def reported(self, prompt_index: int, sample_index: int) -> bool:
+        """Whether that sequence was reported already."""
+        with self._report_lock:
+            return (prompt_index, sample_index) in self._sequences
+
+    def report_scores(self, prompt_index: int, logprobs: list[float | None] | None, top_logprobs: Any = None) -> None:
+        """Report a prompt's scores (``prompt_logprobs``: ``None`` at position 0, then one per prompt token)."""
+        with self._report_lock:
+            self._scores.setdefault(prompt_index, (logprobs, top_logprobs))
+
     def report_all(self, responses: list[SampleResponse]) -> None:
-        """Report every sequence of ``responses`` not reported yet (the base does this after a run)."""
+        """Report every sequence and score of ``responses`` not reported yet (an engine that returns responses)."""
         for p, response in enumerate(responses):
             for s, sequence in enumerate(response.sequences):
                 self.finish(p, s, sequence)
+            if response.prompt_logprobs is not None:
+                self.report_scores(p, response.prompt_logprobs, response.prompt_top_logprobs)
+
+    def responses(self) -> list[SampleResponse]:
+        """The run's responses, one per prompt, assembled from the reports.
+
+        Raises:
+            TwinkleError: the engine ended the run without reporting a sequence.
+        """
+        out: list[SampleResponse] = []
+        for p, prompt in enumerate(self.prompts):
+            missing = [s for s in range(self.params.num_samples) if (p, s) not in self._sequences]
+            if missing:
+                raise TwinkleError(
+                    f"The engine ended its run without reporting sample(s) {missing} of prompt {p}: every"
+                    " sequence must be reported once (EngineRun.report or EngineRun.finish)."
+                )
+            logprobs, top = self._scores.get(p, (None, None))
+            out.append(
+                SampleResponse(
+                    prompt_token_ids=list(prompt.input_ids),
+                    sequences=[self._sequences[(p, s)] for s in range(self.params.num_samples)],
+                    prompt_logprobs=logprobs,
+                    prompt_top_logprobs=top,
+                )
+            )
+        return out
 
 
 class SampleHandle:

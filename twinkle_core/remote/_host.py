@@ -17,8 +17,10 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import attrs
+
 from twinkle_core import placement
-from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams, Trajectory
+from twinkle_core.data_format import SampledSequence, SampleResponse, SamplingParams
 from twinkle_core.placement import ReplicaContext, current_replica
 
 __all__ = ["ReplayCopies", "ReplicaContext", "ReplicaHost", "current_replica"]
@@ -283,20 +285,6 @@ class ReplicaHost:
             _release_freed_memory()
 
     @_portable_errors
-    def sample_shard(
-        self,
-        items: list[InputFeature | Trajectory],
-        indices: list[int],
-        params: SamplingParams,
-        adapter_name: str,
-        on_invalid: str,
-    ) -> list[SampleResponse]:
-        """``sample()`` on this replica's share of a call; errors name each input's index in the whole call."""
-        # the driver checked the arguments as sample() does; each input is named by its place in the whole call
-        responses: list[SampleResponse] = self._target._sample(items, params, adapter_name, on_invalid, indices)
-        return responses
-
-    @_portable_errors
     def abort_shard(self, shard_id: str) -> None:
         """Stop a share started by :meth:`stream_shard` (harmless if it finished, or has not started yet)."""
         with self._shards_lock:
@@ -319,17 +307,18 @@ class ReplicaHost:
         on_invalid: str,
         cont: tuple[list[int], list[int], list[int]] | None,
     ) -> Iterator[tuple[int, int, SampledSequence] | list[SampleResponse]]:
-        """Run this replica's share of a call, yielding each sequence as it finishes, then the responses.
+        """Run this replica's share of a call, yielding each sequence as it finishes, then the prompts' scores.
 
         A Ray streaming generator: the driver reads ``(input, sample,
         sequence)`` items (``input`` counts within ``items``) while the engine
-        runs, and then the list of responses. ``cont``: the share is a
+        runs, and then the list of responses without their sequences (each
+        sequence crosses once, as it finishes: the driver assembles). ``cont``: the share is a
         continuation; per item, its sample index, the tokens it generated
         before, and its token budget (the driver merges each with its first
         part). :meth:`abort_shard` stops it.
         """
-        from twinkle_core.continuation import RunSpec
         from twinkle_core.requests import CallFeed
+        from twinkle_core.sampler.continuation import RunSpec
 
         feed = CallFeed(len(items), params.num_samples)
         handle = feed.handle
@@ -353,7 +342,7 @@ class ReplicaHost:
         try:
             for item in handle.as_completed():
                 yield item.input_index, item.sample_index, item.sequence
-            yield handle.result()
+            yield [attrs.evolve(response, sequences=[]) for response in handle.result()]
         except BaseException as exc:
             _make_picklable(exc)
             raise

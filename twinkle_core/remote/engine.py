@@ -21,7 +21,7 @@ from typing import Any
 import attrs
 
 from twinkle_core.adapter_input import AdapterInput
-from twinkle_core.data_format import SampledSequence, SampleResponse, SamplingParams
+from twinkle_core.data_format import SampleResponse, SamplingParams
 from twinkle_core.engine import Engine, EngineContext, EngineInfo, EngineRun
 from twinkle_core.errors import ConfigError, WeightUpdateError
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
@@ -31,7 +31,7 @@ from twinkle_core.remote._pool import Op, ReplicaPool, _Died, add_note
 from twinkle_core.remote._runtime import PlacedGroup, import_ray
 from twinkle_core.remote.errors import ReplicaLostError
 from twinkle_core.remote.remote_class import held_engine
-from twinkle_core.state import AppliedWithError
+from twinkle_core.sampler.policy import AppliedWithError
 from twinkle_core.transport import CollectiveOptions, TransportSetting, resolve_transport
 
 __all__ = ["RemoteEngine"]
@@ -480,7 +480,7 @@ class RemoteEngine(Engine):
         raise AppliedWithError(first)
 
     # -- runs ------------------------------------------------------------------------------
-    def run(self, run: EngineRun) -> list[SampleResponse]:
+    def run(self, run: EngineRun) -> None:
         """Run ``run``'s prompts on the replicas, each share streamed back into ``run`` as its sequences finish.
 
         Every share runs in its replica as one call (``ReplicaHost.stream_shard``,
@@ -489,8 +489,9 @@ class RemoteEngine(Engine):
         finish there. When ``run``'s stop switch is set, every replica's share
         is stopped. A replica that dies is rebuilt and its share run again once
         (what it had streamed stands: ``run.finish`` keeps the first report of
-        each sequence, and so does the result). If a share fails, the others
-        are stopped and the first failure (in input order) is raised.
+        each sequence). Each sequence crosses from its replica once; a share
+        ends with its prompts' scores. If a share fails, the others are
+        stopped and the first failure (in input order) is raised.
         """
         self.pool.check_open()
         prompts, params = run.prompts, run.params
@@ -499,7 +500,6 @@ class RemoteEngine(Engine):
             item_cost(len(p.input_ids), params.replace(max_tokens=budget)) for p, budget in zip(prompts, run.max_tokens)
         ]
         shards = [(replica, shard) for replica, shard in zip(alive, split_by_cost(costs, len(alive))) if shard]
-        out: list[SampleResponse | None] = [None] * len(prompts)
         errors: dict[int, BaseException] = {}
         started: list[tuple[int, str]] = []
         started_lock = threading.Lock()
@@ -517,7 +517,7 @@ class RemoteEngine(Engine):
                 [run.generated[k] for k in shard],
                 [run.max_tokens[k] for k in shard],
             )
-            streamed: dict[tuple[int, int], SampledSequence] = {}
+            streamed: set[tuple[int, int]] = set()  # reported already (a retried share skips them)
             for attempt in range(2):
                 shard_id = uuid.uuid4().hex
                 with started_lock:
@@ -540,10 +540,9 @@ class RemoteEngine(Engine):
                 except BaseException as exc:
                     errors[order] = exc
                     break
-                for (k, s), seq in streamed.items():  # a retried share: what was streamed stands
-                    responses[k].sequences[s] = seq
                 for k, response in zip(shard, responses):
-                    out[k] = response
+                    if response.prompt_logprobs is not None:
+                        run.report_scores(k, response.prompt_logprobs, response.prompt_top_logprobs)
                 return
             failed.set()
             stop_all()
@@ -562,7 +561,6 @@ class RemoteEngine(Engine):
             run.stop_event.remove_callback(stop_all)
         if errors:
             raise errors[min(errors)]
-        return out  # type: ignore[return-value]
 
     def _read_stream(
         self,
@@ -570,10 +568,10 @@ class RemoteEngine(Engine):
         args: tuple[Any, ...],
         shard: list[int],
         run: EngineRun,
-        streamed: dict[tuple[int, int], SampledSequence],
+        streamed: set[tuple[int, int]],
         failed: threading.Event,
     ) -> list[SampleResponse]:
-        """Read one share's stream: report each sequence to ``run``; return the share's responses."""
+        """Read one share's stream: report each sequence to ``run``; return the share's responses, without sequences."""
         incarnation, stream = self.pool.stream(replica, "stream_shard", *args)
         ray = import_ray()
         while True:
@@ -589,7 +587,7 @@ class RemoteEngine(Engine):
             k, s, seq = value
             if failed.is_set() or (k, s) in streamed:
                 continue  # another share failed: the call raises; or already reported before a retry
-            streamed[(k, s)] = seq
+            streamed.add((k, s))
             run.finish(shard[k], s, seq)
 
     # -- lifecycle -------------------------------------------------------------------------

@@ -65,7 +65,6 @@ class RemoteSampler(ReplicaViews, Sampler):
     """
 
     # What is known before the replicas start; the engine's info says the rest.
-    concurrent_samples = True
 
     def __init__(
         self,

@@ -228,7 +228,7 @@ def test_a_continued_sequence_stops_and_reads_as_the_uninterrupted_one(
 ) -> None:
     """A sequence continued after an abort (``resume()``, ``keep``) joins its parts as if never stopped: a stop
     string begun before the join and completed after it ends it, and the text follows the call's text options."""
-    from twinkle_core.continuation import merge_sequences
+    from twinkle_core.sampler.continuation import merge_sequences
 
     with TorchSampler(tiny_llama, device="cpu") as s:
         plain = {"max_tokens": 30, "temperature": 0, "ignore_eos": True, "skip_special_tokens": False}
@@ -250,7 +250,7 @@ def test_a_continued_sequence_stops_and_reads_as_the_uninterrupted_one(
         first = attrs.evolve(first, stop_reason="abort")
         rest = s.sample(InputFeature(input_ids=prompt + tokens[:k]), params.replace(max_tokens=30 - k))[0]
         merged = merge_sequences(
-            prompt, first, rest.sequences[0], params=params, template=s.template, make_sequence=s._make_sequence
+            prompt, first, rest.sequences[0], params=params, template=s.template, make_sequence=s._sequences.make
         )
         assert (merged.tokens, merged.text, merged.stop, merged.stop_reason) == (
             reference.tokens,

@@ -32,25 +32,19 @@ from typing import Any
 
 import torch
 
-from twinkle_core.data_format import SampledSequence, SampleResponse
 from twinkle_core.engine import (
     AdapterInput,
+    AdapterMerger,
     DeviceMesh,
     Engine,
     EngineContext,
     EngineInfo,
     EngineRun,
-    MergedLoRA,
-    check_merge_flag,
-    lora_deltas,
 )
 from twinkle_core.errors import (
-    AdapterError,
     ConfigError,
-    IncompleteUpdateError,
     InvalidMeshError,
     UnsupportedFeatureError,
-    WeightUpdateError,
     did_you_mean,
 )
 from twinkle_core.hub import resolve_model_id
@@ -512,7 +506,16 @@ class TorchEngine(Engine):
         self._weights = WeightTable(self._model)
         self._adapter_set = AdapterSet(self._model, self.device)
         # add_adapter_to_model(..., merge=True): the merged adapter and the base values it replaced.
-        self._merged = MergedLoRA()
+        self._merged = AdapterMerger(
+            engine="torch",
+            read_base=self._weights.read,
+            check=self._weights.check,
+            apply=self._weights.apply,
+            loaded=lambda: self._adapter_set.names,
+            load_unmerged=self._adapter_set.load,
+            remove_unmerged=self._adapter_set.remove,
+            spell=self._weights.spelled,
+        )
         pad = getattr(self.tokenizer, "pad_token_id", None)
         eos = _eos_ids(self._model, self.tokenizer)
         if pad is None or not 0 <= pad < vocab_size:
@@ -570,58 +573,49 @@ class TorchEngine(Engine):
         if decoder is not None:
             decoder.tokenizer = self.tokenizer
 
-    def run(self, run: EngineRun) -> list[SampleResponse]:
+    def run(self, run: EngineRun) -> None:
         # The sampler holds its lock shared (no adapter or weight change meanwhile); runs in several
         # threads share the decoder's one continuous batch.
-        prompts, params, adapter_name = run.prompts, run.params, run.adapter_name
-        ids_of = [list(p.input_ids) for p in prompts]
+        params = run.params
         if params.return_routed_experts and not (self._decoder.routes and self._decoder.routes.layers):
             raise UnsupportedFeatureError(
                 f"SamplingParams.return_routed_experts=True: {type(self._model).__name__} has no mixture-of-experts"
                 " router the torch engine records (families: twinkle_core.rl.ROUTER_RULES)."
             )
 
-        def build(prompt_index: int, result: SequenceResult) -> SampledSequence:
-            sequence = self.context.make_sequence(
-                ids_of[prompt_index],
+        def report(prompt_index: int, sample_index: int, result: SequenceResult) -> None:
+            run.report(
+                prompt_index,
+                sample_index,
                 result.tokens,
                 stop_reason=result.stop_reason,
-                adapter_name=adapter_name,
-                text=self.context.template.completion_text(result.tokens, params, result.stop),
                 stop=result.stop,
                 logprobs=result.logprobs,
                 top_logprobs=result.top_logprobs,
                 sampling_mask=result.sampling_mask,
+                routed_experts=result.routed_experts,
             )
-            sequence.routed_experts = result.routed_experts
-            return sequence
 
-        merged = self._merged.name
-        self._merged.check_request(adapter_name)
         # A merged adapter runs on the plain modules: its sequences still carry its name.
-        active = "" if adapter_name == merged else adapter_name
+        active = self._merged.running(run.adapter_name)
         control = RunControl(
             max_tokens=list(run.max_tokens),
             sample_base=list(run.sample_base),
             generated=list(run.generated),
             stopped=run.stopped,
-            on_finish=lambda p, s, result: run.finish(p, s, build(p, result)),
+            on_finish=report,
             activate=lambda: self._adapter_set.activate(active),
             adapter=active,
         )
-        sequences, scores = self._decoder.run(ids_of, params, control=control)
-        return [
-            SampleResponse(
-                prompt_token_ids=ids_of[p],
-                sequences=[build(p, result) for result in seqs],
-                prompt_logprobs=score.logprobs if score is not None else None,
-                prompt_top_logprobs=score.top_logprobs if score is not None else None,
-            )
-            for p, (seqs, score) in enumerate(zip(sequences, scores))
-        ]
+        _, scores = self._decoder.run([list(p.input_ids) for p in run.prompts], params, control=control)
+        for p, score in enumerate(scores):
+            if params.max_tokens == 0:  # scoring only: each sample is an empty completion
+                run.report_empty(p, "length")
+            if score is not None:
+                run.report_scores(p, score.logprobs, score.top_logprobs)
 
     @releasing
-    def load_adapter(self, adapter: AdapterInput, *, version: int, merge: bool = False, **kwargs: Any) -> str:
+    def load_adapter(self, adapter: AdapterInput, *, version: int, **options: Any) -> str:
         """Load (or replace) ``adapter``; with ``merge=True``, merge it into the weights.
 
         A merged adapter must be the only one loaded (the base weights it
@@ -631,79 +625,16 @@ class TorchEngine(Engine):
             AdapterError: unknown options, an adapter that does not fit, or a
                 merge while other adapters are loaded (or the reverse).
         """
-        if kwargs:
-            raise AdapterError(
-                f"add_adapter_to_model got unexpected arguments {sorted(kwargs)} for the torch engine"
-                " (it accepts merge=)."
-            )
-        name, merged = adapter.name, self._merged.name
-        if check_merge_flag(merge):
-            others = sorted(n for n in self._adapter_set.names if n != name)
-            if others or merged not in (None, name):
-                raise AdapterError(
-                    f"Cannot merge adapter {name!r}: adapter(s) {others or [merged]} are loaded, and a merged adapter"
-                    " changes the weights they run on. Remove them first (one merged adapter at a time)."
-                )
-            deltas = dict(self._weights.spelled(list(lora_deltas(name, adapter.config, adapter.tensors).items())))
-            plan = self._merged.plan_merge(name, deltas, self._weights.read)
-            try:
-                pairs = self._weights.check(plan.tensors)
-            except WeightUpdateError as exc:
-                raise AdapterError(f"Cannot merge adapter {name!r}: {exc}") from exc
-            self._apply_plan(plan, pairs)
-            self._adapter_set.remove(name)  # it was loaded unmerged before: that copy is stale now
-            return adapter.source
-        if merged is not None and merged != name:
-            raise AdapterError(
-                f"Cannot load adapter {name!r}: adapter {merged!r} is merged into the weights it would run on."
-                f" remove_adapter({merged!r}) first."
-            )
-        source = self._adapter_set.load(adapter)
-        if merged == name:  # merged before, unmerged now: the weights go back to base
-            self._unmerge()
-        return source
-
-    def _unmerge(self) -> None:
-        plan = self._merged.plan_unmerge()
-        self._apply_plan(plan, self._weights.check(plan.tensors))
-
-    def _apply_plan(self, plan: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Apply a merge or unmerge whole, or not at all: a copy that fails part-way is undone, then re-raised.
-
-        If the undo fails too (a second interrupt), the weights may be a mix of
-        merged and unmerged values: an ``IncompleteUpdateError`` names them, and
-        the sampler refuses to sample until they are pushed again.
-        """
-        try:
-            self._weights.apply(pairs)
-        except BaseException as exc:
-            try:
-                self._weights.apply(self._weights.check(self._merged.undo(plan)))
-            except BaseException as undo_exc:
-                raise IncompleteUpdateError(
-                    self._merged.undo_failed(plan, exc, undo_exc), tensors=[name for name, _ in plan.tensors]
-                ) from undo_exc
-            raise
-        self._merged.commit(plan)
+        return self._merged.load_adapter(adapter, options)
 
     @releasing
     def remove_adapter(self, name: str) -> None:
-        if self._merged.name == name:
-            self._unmerge()
-        else:
-            self._adapter_set.remove(name)
+        self._merged.remove_adapter(name)
 
     @releasing
     def update_weights(self, named_tensors: list[tuple[str, Any]], *, version: int) -> None:
-        named_tensors = self._weights.spelled(named_tensors)
-        pairs = self._weights.check(named_tensors)
-        if self._merged.name is None:
-            self._weights.apply(pairs)
-            return
         # While merged, pushed base values of merged weights are kept and applied merged.
-        plan = self._merged.plan_update(named_tensors)
-        self._weights.apply(self._weights.check(plan.tensors))
-        self._merged.commit(plan)
+        self._merged.update_weights(named_tensors, self._weights.apply)
 
     def close(self) -> None:
         with self.context.exclusive():

@@ -25,9 +25,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from twinkle_core.data_format import SampledSequence, SampleResponse, SamplingParams
+from twinkle_core.data_format import SamplingParams
 from twinkle_core.data_format.structured import no_token_left
-from twinkle_core.engine import EngineContext
+from twinkle_core.engine import EngineRun
 from twinkle_core.errors import InvalidSamplingParams, NumericalError, TwinkleError, UnsupportedFeatureError
 from twinkle_vllm._logits import EXTRA_ARG
 
@@ -36,9 +36,9 @@ __all__ = [
     "Plan",
     "flat_entries",
     "make_plan",
+    "report_completion",
+    "report_final",
     "scoring_params",
-    "to_response",
-    "to_sequence",
     "vllm_seed",
 ]
 
@@ -250,52 +250,32 @@ def _drawn_nan(flat: Any, positions: range) -> bool:
 
 
 # -- vLLM outputs -> twinkle sequences ------------------------------------------------------
-def to_response(
-    context: EngineContext, prompt_ids: list[int], result: tuple[Any, list[Any] | None], plan: Plan, adapter: str
-) -> SampleResponse:
-    """One prompt's final vLLM output (and its raw re-scores) as a twinkle ``SampleResponse``."""
+def report_final(
+    run: EngineRun, p: int, prompt_ids: list[int], result: tuple[Any, list[Any] | None], plan: Plan
+) -> None:
+    """Report what prompt ``p``'s final vLLM output adds: completions not reported as they ended, and scores."""
     params = plan.params
     final, rescored = result
-    if final is None:
-        # A raw request whose prompt leaves no room to generate (see Plan.for_prompt).
-        empty = [
-            context.make_sequence(
-                prompt_ids,
-                [],
-                text="",
-                stop_reason="length",
-                adapter_name=adapter,
-                logprobs=[] if params.logprobs is not None else None,
-                top_logprobs=[] if params.logprobs else None,
-            )
-            for _ in range(params.num_samples)
-        ]
-        return SampleResponse(prompt_token_ids=list(prompt_ids), sequences=empty)
+    if final is None:  # a raw request whose prompt leaves no room to generate (see Plan.for_prompt)
+        run.report_empty(p, "length")
+        return
     if final.prompt_logprobs is not None and _drawn_nan(final.prompt_logprobs, range(1, len(prompt_ids))):
-        raise NumericalError.in_logits(adapter)  # a prompt token's NaN log-prob: NaN logits, as for a drawn token
-    sequences: list[SampledSequence] = []
+        # a prompt token's NaN log-prob: NaN logits, as for a drawn token
+        raise NumericalError.in_logits(run.adapter_name)
     for index, output in enumerate(final.outputs):
-        raw = rescored[index] if rescored is not None else None
-        sequences.append(to_sequence(context, prompt_ids, output, raw, plan, adapter))
-    if plan.copies > 1:
-        sequences = sequences + [copy.deepcopy(sequences[0]) for _ in range(plan.copies - 1)]
-    prompt_lps, prompt_top = None, None
+        if not run.reported(p, output.index * plan.copies):
+            raw = rescored[index] if rescored is not None else None
+            report_completion(run, p, list(prompt_ids), output, raw, plan)
     if params.prompt_logprobs is not None and final.prompt_logprobs is not None:
         values, tops, _ = flat_entries(final.prompt_logprobs, range(1, len(prompt_ids)), params.prompt_logprobs > 0)
-        prompt_lps = [None, *values]
-        prompt_top = [None, *tops] if tops is not None else None
-    return SampleResponse(
-        prompt_token_ids=list(prompt_ids),
-        sequences=sequences,
-        prompt_logprobs=prompt_lps,
-        prompt_top_logprobs=prompt_top,
-    )
+        run.report_scores(p, [None, *values], [None, *tops] if tops is not None else None)
 
 
-def to_sequence(
-    context: EngineContext, prompt_ids: list[int], output: Any, raw: Any, plan: Plan, adapter: str
-) -> SampledSequence:
-    """One vLLM completion (``raw``: its re-score, for raw log-probs) as a finished twinkle sequence."""
+def report_completion(run: EngineRun, p: int, prompt_ids: list[int], output: Any, raw: Any, plan: Plan) -> None:
+    """Report one finished vLLM completion of prompt ``p`` (``raw``: its re-score, for raw log-probs).
+
+    A completion vLLM generated once for several samples (``plan.copies``) is reported as each of them.
+    """
     params = plan.params
     tokens = [] if plan.scoring else list(output.token_ids)
     reason = "length" if plan.scoring else (output.finish_reason or "length")
@@ -311,8 +291,7 @@ def to_sequence(
     # Every request asks for the drawn tokens' (make_plan), so this holds whether or not the call wants log-probs,
     # and for the token a scoring request draws and drops.
     if output.logprobs is not None and _drawn_nan(output.logprobs, range(len(output.token_ids))):
-        raise NumericalError.in_logits(adapter)
-    text = context.template.completion_text(tokens, params, stop)
+        raise NumericalError.in_logits(run.adapter_name)
     logprobs: list[float] | None = None
     top: list[list[tuple[int, float]]] | None = None
     if params.logprobs is not None:
@@ -323,13 +302,7 @@ def to_sequence(
             flat = raw.prompt_logprobs if raw is not None else output.logprobs
             positions = range(len(prompt_ids), len(prompt_ids) + len(tokens)) if raw is not None else range(len(tokens))
             logprobs, top, _ = flat_entries(flat, positions, want_top)
-    return context.make_sequence(
-        prompt_ids,
-        tokens,
-        text=text,
-        stop_reason=reason,
-        stop=stop,
-        adapter_name=adapter,
-        logprobs=logprobs,
-        top_logprobs=top,
-    )
+    first = output.index * plan.copies
+    sequence = run.report(p, first, tokens, stop_reason=reason, stop=stop, logprobs=logprobs, top_logprobs=top)
+    for s in range(first + 1, first + plan.copies):  # each sample its own object
+        run.finish(p, s, copy.deepcopy(sequence))

@@ -38,18 +38,16 @@ from vllm.lora.request import LoRARequest
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 from vllm.v1.engine.async_llm import AsyncLLM
 
-from twinkle_core.data_format import SampleResponse, SamplingParams, bad_word_token_ids, check_constraints
+from twinkle_core.data_format import SamplingParams, bad_word_token_ids, check_constraints
 from twinkle_core.data_format.structured import compiled_grammar
 from twinkle_core.engine import (
     AdapterInput,
+    AdapterMerger,
     DeviceMesh,
     Engine,
     EngineContext,
     EngineInfo,
     EngineRun,
-    MergedLoRA,
-    check_merge_flag,
-    lora_deltas,
 )
 from twinkle_core.errors import (
     AdapterError,
@@ -63,7 +61,8 @@ from twinkle_core.errors import (
     WeightUpdateError,
 )
 from twinkle_core.hub import resolve_model_id
-from twinkle_vllm._convert import Plan, make_plan, scoring_params, to_response, to_sequence
+from twinkle_core.names import known_names
+from twinkle_vllm._convert import Plan, make_plan, report_completion, report_final, scoring_params
 from twinkle_vllm._engine_args import (
     GRAMMAR_PROCESSOR,
     LOGITS_PROCESSOR,
@@ -290,8 +289,19 @@ class vLLMEngine(Engine):
 
         self._loras = LoraSlots()
         # add_adapter_to_model(..., merge=True): the merged adapter and the base values it replaced.
-        self._merged = MergedLoRA()
-        self._merge_id = 0
+        self._merged = AdapterMerger(
+            engine="vllm",
+            read_base=self._read_base,
+            check=lambda pairs: self._push.spec.validate(pairs),
+            apply=self._push_weights,
+            loaded=lambda: list(self._loras),
+            load_unmerged=self._load_lora,
+            remove_unmerged=self._remove_lora,
+            prepare=self._merge_input,
+            spell=lambda pairs: known_names(pairs, self._push.spec.spec),
+            can_undo=lambda: not self._recovery.engine_dead(),
+            on_lost=lambda names, message: self._replay.mark_lost(names, message),
+        )
         self._asleep = False
         self._engine_args_obj = engine_args_obj
         self._loop = LoopThread()
@@ -411,7 +421,7 @@ class vLLMEngine(Engine):
         # prompt may use at most max_model_len - 1 tokens whatever max_tokens is.
         return self._facts.max_model_len - 1
 
-    def run(self, run: EngineRun) -> list[SampleResponse]:
+    def run(self, run: EngineRun) -> None:
         """Every prompt of ``run`` as one vLLM request; finished sequences are reported as vLLM ends them,
         and a stopped run aborts its requests (their partial outputs come back with ``stop_reason="abort"``).
         """
@@ -441,13 +451,12 @@ class vLLMEngine(Engine):
         elif plan.rescore_raw:  # raw log-probs re-score prompt + completion as a prompt
             self._refuse_prompt_scores("SamplingParams.logprobs_mode='raw'")
         generation = self._recovery.generation  # no restart runs while the base's lock is held shared
-        merged = self._merged.name
-        self._merged.check_request(adapter_name)
         # A merged adapter runs on the base path (no LoRA kernels); its sequences still carry its name.
-        if adapter_name and adapter_name != merged and adapter_name not in self._loras:
+        active = self._merged.running(adapter_name)
+        if active and active not in self._loras:
             # Never run the base model under an adapter's name (say, one a failed restart lost).
             raise UnknownAdapterError(f"Adapter {adapter_name!r} is not loaded in the vLLM engine.")
-        lora = self._loras.get(adapter_name) if adapter_name and adapter_name != merged else None
+        lora = self._loras.get(active) if active else None
         version = self.context.weights_version
         try:
             outputs = self._loop.run(self._run_all(run, plan, lora, version))
@@ -465,7 +474,8 @@ class vLLMEngine(Engine):
                 raise _EngineDied("sample()", generation) from exc
             # vLLM's own errors (a request rejected): one type to catch, the cause chained.
             raise TwinkleError(f"vLLM failed to sample: {type(exc).__name__}: {exc}") from exc
-        return [to_response(self.context, p.input_ids, out, plan, adapter_name) for p, out in zip(prompts, outputs)]
+        for p, (prompt, out) in enumerate(zip(prompts, outputs)):
+            report_final(run, p, prompt.input_ids, out, plan)
 
     # -- async request handling -----------------------------------------------------------
     async def _run_all(self, run: EngineRun, plan: Plan, lora: LoRARequest | None, version: int) -> list[Any]:
@@ -536,7 +546,7 @@ class vLLMEngine(Engine):
         self, run: EngineRun, p: int, request_id: str, plan: Plan, lora: LoRARequest | None, version: int
     ) -> tuple[Any, list[Any] | None]:
         ids = list(run.prompts[p].input_ids)
-        salt = _cache_salt(version, lora, self._merge_id if self._merged.name is not None else 0)
+        salt = _cache_salt(version, lora, self._merged.merge_id if self._merged.name is not None else 0)
         kwargs = plan.for_prompt(len(ids), self._facts.max_model_len)
         if kwargs is None:
             return None, None
@@ -561,9 +571,7 @@ class vLLMEngine(Engine):
                 if plan.rescore_raw and not plan.scoring:
                     raw = await self._request(ids + list(completion.token_ids), scoring_params(k), lora, salt)
                     rescored[completion.index] = raw
-                sequence = to_sequence(self.context, ids, completion, raw, plan, run.adapter_name)
-                for copy_index in range(plan.copies):
-                    run.finish(p, completion.index * plan.copies + copy_index, sequence)
+                report_completion(run, p, ids, completion, raw, plan)
 
         final = await self._request(ids, kwargs, lora, salt, request_id, on_output=report)
         if not plan.rescore_raw:
@@ -601,7 +609,7 @@ class vLLMEngine(Engine):
         return {**kwargs, "structured_outputs": None, "extra_args": extra}
 
     # -- LoRA -----------------------------------------------------------------------------
-    def load_adapter(self, adapter: AdapterInput, *, version: int, merge: bool = False, **kwargs: Any) -> str:
+    def load_adapter(self, adapter: AdapterInput, *, version: int, **options: Any) -> str:
         """Load a PEFT LoRA adapter (folder, or config + tensors in memory), or replace it.
 
         With ``merge=True`` the adapter is merged into the base weights
@@ -614,44 +622,13 @@ class vLLMEngine(Engine):
                 no slot is free (``max_cpu_loras``), the adapter does not fit the
                 model, or a merge while other adapters are loaded (or the reverse).
         """
-        if kwargs:
-            raise AdapterError(
-                f"add_adapter_to_model got unexpected options {sorted(kwargs)} (the vllm engine accepts merge=)."
-            )
-        name, merged = adapter.name, self._merged.name
-        if check_merge_flag(merge):
-            return self._merge_adapter(adapter)
-        if merged is not None and merged != name:
-            raise AdapterError(
-                f"Cannot load adapter {name!r}: adapter {merged!r} is merged into the weights it would run on."
-                f" remove_adapter({merged!r}) first."
-            )
-        source = self._load_lora(adapter)
-        if merged == name:  # merged before, served by the LoRA kernels now: the weights go back to base
-            self._unmerge()
-        return source
+        return self._merged.load_adapter(adapter, options)
 
-    def _merge_adapter(self, adapter: AdapterInput) -> str:
-        name = adapter.name
-        others = sorted(n for n in self._loras if n != name)
-        merged = self._merged.name
-        if others or merged not in (None, name):
-            raise AdapterError(
-                f"Cannot merge adapter {name!r}: adapter(s) {others or [merged]} are loaded, and a merged adapter"
-                " changes the weights they run on. Remove them first (one merged adapter at a time)."
-            )
+    def _merge_input(self, adapter: AdapterInput) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
+        """The config and CPU tensors of an adapter to merge, refused if it does not fit the model."""
         config, tensors = lora_config(adapter), cpu_tensors(adapter)
         self._check_lora(adapter)
-        plan = self._merged.plan_merge(name, lora_deltas(name, config, tensors), self._read_base)
-        try:
-            self._apply_plan(plan)
-        except WeightUpdateError as exc:
-            raise AdapterError(f"Cannot merge adapter {name!r}: {exc}") from exc
-        self._merge_id += 1
-        request = self._loras.pop(name)  # loaded unmerged before: that copy is stale now
-        if request is not None:
-            self._rpc("twinkle_remove_lora", request.lora_int_id)
-        return adapter.source
+        return config, tensors
 
     def _read_base(self, names: list[str]) -> dict[str, torch.Tensor]:
         """The engine's values of ``names`` and of the rest of their fused layers (none of them is merged).
@@ -672,29 +649,6 @@ class vLLMEngine(Engine):
             )
         # MergedLoRA keeps these; the replay copies are written over by later pushes.
         return {name: value.clone() if value is self._replay.tensors.get(name) else value for name, value in held}
-
-    def _unmerge(self) -> None:
-        self._apply_plan(self._merged.plan_unmerge())
-
-    def _apply_plan(self, plan: Any) -> None:
-        """Push a merge or unmerge whole, or stand where the engine stood.
-
-        A push that fails (or is interrupted) may have changed some layers, or
-        all of them with its bookkeeping half done: the values from before the
-        plan are pushed again. If that fails too, sampling is refused until the
-        tensors are pushed again (as for a failed update).
-        """
-        try:
-            self._push_weights(self._push.spec.validate(plan.tensors))
-        except BaseException as exc:
-            if not self._recovery.engine_dead():
-                names = [name for name, _ in plan.tensors]
-                try:
-                    self._push_weights(self._push.spec.validate(self._merged.undo(plan)))
-                except Exception as undo_exc:
-                    self._replay.mark_lost(names, self._merged.undo_failed(plan, exc, undo_exc))
-            raise
-        self._merged.commit(plan)
 
     def _load_lora(self, adapter: AdapterInput) -> str:
         name = adapter.name
@@ -780,9 +734,10 @@ class vLLMEngine(Engine):
         return f"twinkle-memory://{name}/{lora_id}"
 
     def remove_adapter(self, name: str) -> None:
-        if self._merged.name == name:
-            self._unmerge()
-            return
+        self._merged.remove_adapter(name)
+
+    def _remove_lora(self, name: str) -> None:
+        """Unload an adapter served by vLLM's LoRA kernels (harmless if it is not loaded)."""
         request = self._loras.pop(name)
         how = self._replay.adapters.get(name)
         self._replay.record_adapter(name, None)
@@ -821,15 +776,15 @@ class vLLMEngine(Engine):
                 or a worker rejected a bucket.
             WeightSyncTimeoutError: a worker did not answer within ``TWINKLE_VLLM_IPC_TIMEOUT_S``.
         """
-        tensors = self._push.spec.validate(named_tensors)
-        if self._merged.name is not None:
-            # While merged, pushed base values of merged weights are kept and sent merged.
-            plan = self._merged.plan_update(tensors)
-            self._push_weights(self._push.spec.validate(plan.tensors))
-            self._merged.commit(plan)
-        else:
+        pushed: list[str] = []
+
+        def push(tensors: list[tuple[str, Any]]) -> None:
             self._push_weights(tensors)
-        self._push.updated.update(name for name, _ in tensors)
+            pushed.extend(name for name, _ in tensors)
+
+        # While merged, pushed base values of merged weights are kept and sent merged.
+        self._merged.update_weights(named_tensors, push)
+        self._push.updated.update(pushed)
 
     def _push_weights(self, tensors: list[tuple[str, Any]]) -> None:
         """Push validated tensors into every worker; a failure on a dead engine is ``EngineDeadError``."""

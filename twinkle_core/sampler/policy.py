@@ -19,6 +19,7 @@ import attrs
 from twinkle_core.errors import (
     IncompleteUpdateError,
     InvalidInputError,
+    SamplerClosedError,
     UnknownAdapterError,
     WeightUpdateError,
     did_you_mean,
@@ -26,7 +27,7 @@ from twinkle_core.errors import (
 from twinkle_core.locks import ReadWriteLock
 from twinkle_core.requests import IN_FLIGHT_POLICIES, CallFeed
 
-__all__ = ["AdapterInfo", "AppliedWithError", "PolicyState"]
+__all__ = ["AdapterInfo", "AppliedWithError", "Lifecycle", "PolicyState"]
 
 
 @attrs.frozen
@@ -57,6 +58,19 @@ class AppliedWithError(Exception):
     def __init__(self, error: BaseException) -> None:
         super().__init__(str(error))
         self.error = error
+
+
+class Lifecycle:
+    """Whether a sampler is closed; every call checks it first."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self.closed = False
+
+    def check_open(self) -> None:
+        """Raises ``SamplerClosedError`` once closed."""
+        if self.closed:
+            raise SamplerClosedError(f"This {self.label} is closed; create a new sampler.")
 
 
 class PolicyState:

@@ -14,20 +14,19 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 
-from twinkle_core.continuation import RunSpec, merge_sequences, plan_continuation
 from twinkle_core.data_format import (
     InputFeature,
     SampledSequence,
     SampleResponse,
-    SamplingMask,
     SamplingParams,
     Trajectory,
 )
 from twinkle_core.data_format.params import resolve_params
+from twinkle_core.engine import Engine
 from twinkle_core.errors import (
     EngineDeadError,
     IncompleteUpdateError,
@@ -49,10 +48,10 @@ from twinkle_core.inputs import (
     unpadded,
 )
 from twinkle_core.requests import CallFeed, EngineRun, Finished, SampleHandle
-from twinkle_core.state import PolicyState
-
-if TYPE_CHECKING:  # pragma: no cover
-    from twinkle_core.sampler import Sampler
+from twinkle_core.sampler.continuation import RunSpec, merge_sequences, plan_continuation
+from twinkle_core.sampler.policy import Lifecycle, PolicyState
+from twinkle_core.sampler.sequences import SequenceBuilder
+from twinkle_core.sampler.templates import TemplateSlot
 
 __all__ = ["Call", "Calls"]
 
@@ -68,11 +67,21 @@ class Call:
 
 
 class Calls:
-    """The call path of one sampler (its ``_calls``); it reads the engine, template and limits from ``owner``."""
+    """The call path of one sampler: its engine, state, template and sequence builder are given, none owned."""
 
-    def __init__(self, owner: Sampler, state: PolicyState) -> None:
-        self._owner = owner
+    def __init__(
+        self,
+        engine: Engine,
+        state: PolicyState,
+        templates: TemplateSlot,
+        sequences: SequenceBuilder,
+        lifecycle: Lifecycle,
+    ) -> None:
+        self._engine = engine
         self._state = state
+        self._templates = templates
+        self._sequences = sequences
+        self._lifecycle = lifecycle
         # Serialises the runs of engines that cannot run concurrently.
         self._serial = threading.Lock()
 
@@ -85,12 +94,13 @@ class Calls:
         on_invalid: OnInvalid,
     ) -> tuple[CallFeed, Call | None]:
         """Check the arguments of a call; its feed, and the work (``None``: nothing to do)."""
-        self._owner._check_open()
+        self._lifecycle.check_open()
         self._state.require_settled()
         if on_invalid not in ("raise", "skip"):
             raise InvalidInputError(f"on_invalid={on_invalid!r} is invalid: expected 'raise' or 'skip'.")
         params = resolve_params(sampling_params, num_samples)
-        check_params(params, self._owner.supported_params, self._owner.vocab_size, self._owner._label())
+        info = self._engine.info
+        check_params(params, info.supported_params, info.vocab_size, info.name or type(self._engine).__name__)
         items = normalize_inputs(inputs, on_invalid=on_invalid)
         if not isinstance(adapter_name, str):
             raise UnknownAdapterError(f"adapter_name={adapter_name!r} is invalid: expected a string ('' = base model).")
@@ -166,7 +176,7 @@ class Calls:
             self._state.untrack(feed)
 
     def _resume(self, previous: SampleHandle, params: SamplingParams) -> SampleHandle:
-        self._owner._check_open()
+        self._lifecycle.check_open()
         responses = previous.result()
         adapters = {seq.adapter_name for r in responses for seq in r.sequences}
         adapter = adapters.pop() if len(adapters) == 1 else ""
@@ -196,7 +206,7 @@ class Calls:
         sample index and position, so seeded engines draw what the
         uninterrupted sequence would have.
         """
-        limit = self._owner._max_prompt_len(params.replace(max_tokens=1))
+        limit = self._engine.max_prompt_len(params.replace(max_tokens=1))
         out, todo = plan_continuation(feed, responses, params, limit, emit_all=emit_all)
         if todo is None:
             return out
@@ -208,8 +218,8 @@ class Calls:
                 out[i].sequences[j],
                 result.sequences[0],
                 params=cont_params,
-                template=self._owner.template,
-                make_sequence=self._owner._make_sequence,
+                template=self._templates.template,
+                make_sequence=self._sequences.make,
             )
             out[i].sequences[j] = merged
         return out
@@ -232,13 +242,13 @@ class Calls:
         """
         try:
             with self._state.lock.read():
-                self._owner._check_open()
+                self._lifecycle.check_open()
                 self._state.require_settled()
                 if adapter_name:
                     self._state.require_adapter(adapter_name)
                 return self._process(Call(items, params, adapter_name, on_invalid), indices, feed, spec)
         except EngineDeadError as exc:
-            error = self._owner._after_engine_death(exc)  # no lock held: the engine may restart itself
+            error = self._engine.after_death(exc)  # no lock held: the engine may restart itself
             if error is exc:
                 raise
             raise error from exc.__cause__
@@ -260,9 +270,9 @@ class Calls:
         features: list[InputFeature | None] = []
         errors: dict[int, TwinkleError] = {}
         limit, vocab, max_model_len = (
-            self._owner._max_prompt_len(params),
-            self._owner.vocab_size,
-            self._owner.max_model_len,
+            self._engine.max_prompt_len(params),
+            self._engine.info.vocab_size,
+            self._engine.info.max_model_len,
         )
         for k, item in enumerate(items):
             index = k if indices is None else indices[k]
@@ -284,14 +294,14 @@ class Calls:
             check_alternatives([len(features[k].input_ids) for k in valid_at], params, max_model_len)  # type: ignore[union-attr]
             run = self._engine_run([features[k] for k in valid_at], params, adapter_name, valid_at, feed, spec)  # type: ignore[misc]
             if run.stopped():  # aborted before it started: nothing generated
-                responses = [self._aborted_response(p, params, adapter_name) for p in run.prompts]
-            elif self._owner.concurrent_samples:
-                responses = self._owner.engine.run(run)
+                for p in range(len(run.prompts)):
+                    run.report_empty(p, "abort")
+            elif self._engine.info.concurrent:
+                self._run_engine(run)
             else:
                 with self._serial:
-                    responses = self._owner.engine.run(run)
-            run.report_all(responses)
-            generated = iter(responses)
+                    self._run_engine(run)
+            generated = iter(run.responses())
         out: list[SampleResponse] = []
         for k, feature in enumerate(features):
             if k in errors:
@@ -300,6 +310,11 @@ class Calls:
             else:
                 out.append(next(generated))
         return out
+
+    def _run_engine(self, run: EngineRun) -> None:
+        returned = self._engine.run(run)
+        if returned is not None:  # an engine written before reporting: its responses count as reports
+            run.report_all(returned)
 
     def _engine_run(
         self,
@@ -318,7 +333,9 @@ class Calls:
                 if feed is not None and not (seq.stop_reason == "abort" and feed.suspended):
                     feed.emit(Finished(positions[p], s, seq))
 
-            return EngineRun(prompts, params, adapter_name, on_finish=on_finish, stop_event=stop)
+            return EngineRun(
+                prompts, params, adapter_name, on_finish=on_finish, stop_event=stop, sequences=self._sequences
+            )
         sample_base = [spec.sample_base[k] for k in positions]
         generated = [spec.generated[k] for k in positions]
 
@@ -334,8 +351,8 @@ class Calls:
                 spec.responses[i].sequences[j],
                 seq,
                 params=params,
-                template=self._owner.template,
-                make_sequence=self._owner._make_sequence,
+                template=self._templates.template,
+                make_sequence=self._sequences.make,
             )
             spec.feed.emit(Finished(i, j, merged))
 
@@ -348,23 +365,8 @@ class Calls:
             max_tokens=[spec.budgets[k] for k in positions],
             on_finish=on_continued,
             stop_event=stop,
+            sequences=self._sequences,
         )
-
-    def _aborted_response(self, prompt: InputFeature, params: SamplingParams, adapter_name: str) -> SampleResponse:
-        empty = [
-            self._owner._make_sequence(
-                list(prompt.input_ids),
-                [],
-                stop_reason="abort",
-                adapter_name=adapter_name,
-                text="",
-                logprobs=[] if params.logprobs is not None else None,
-                top_logprobs=[] if params.logprobs else None,
-                sampling_mask=SamplingMask.from_rows([]) if params.return_sampling_mask else None,
-            )
-            for _ in range(params.num_samples)
-        ]
-        return SampleResponse(prompt_token_ids=list(prompt.input_ids), sequences=empty)
 
     def _encode_checked(
         self, item: InputFeature | Trajectory, index: int, params: SamplingParams, limit: int, max_model_len: int
@@ -378,8 +380,8 @@ class Calls:
         keep = params.truncate_prompt_tokens
         try:
             if keep is not None:
-                return self._owner.encode(item, keep_last=limit if keep == -1 else keep)
-            return self._owner.encode(item, max_tokens=limit)
+                return self._templates.encode(item, keep_last=limit if keep == -1 else keep)
+            return self._templates.encode(item, max_tokens=limit)
         except PromptTooLongError as exc:
             raise prompt_too_long(index, exc.length, limit, max_model_len, at_least=exc.at_least) from None
         except TwinkleError:

@@ -1,0 +1,99 @@
+"""The sequence builder: every ``SampledSequence`` a sampler returns is made here, once.
+
+An engine reports what it generated (tokens, why it stopped, log-probs...);
+the builder adds what is the same for every engine: the text (the template's
+``completion_text`` under the call's text options), the weights version, the
+adapter's name and the training feature. The empty sequences a call gets for
+a prompt that generated nothing (aborted before it started, or no room left)
+are made by :meth:`SequenceBuilder.empty`, the one place that knows which
+per-token fields a call's parameters ask for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from twinkle_core.data_format import SampledSequence, SamplingMask, SamplingParams, training_feature
+from twinkle_core.sampler.templates import TemplateSlot
+
+__all__ = ["SequenceBuilder"]
+
+
+class SequenceBuilder:
+    """Builds finished sequences with the sampler's template and weights version.
+
+    Args:
+        templates: the template slot (text and training features come from its template).
+        version: returns the current ``weights_version`` (stable while a run holds the lock).
+    """
+
+    def __init__(self, templates: TemplateSlot, version: Callable[[], int]) -> None:
+        self._templates = templates
+        self._version = version
+
+    def make(
+        self,
+        prompt_ids: list[int],
+        tokens: list[int],
+        *,
+        stop_reason: str,
+        adapter_name: str,
+        params: SamplingParams | None = None,
+        text: str | None = None,
+        stop: str | int | None = None,
+        logprobs: list[float] | None = None,
+        top_logprobs: Any = None,
+        weights_version: int | None = None,
+        sampling_mask: SamplingMask | None = None,
+        routed_experts: Any = None,
+    ) -> SampledSequence:
+        """A finished sequence: its text, version and training feature added to what was generated.
+
+        The text, unless given, is the template's ``completion_text`` under
+        ``params``' text options (cut at the stop string ``stop``), or the
+        plain decode without ``params``. ``weights_version`` defaults to the
+        current one.
+        """
+        tokens = [int(t) for t in tokens]
+        template = self._templates.current
+        if text is None:
+            if template is None:
+                raise RuntimeError("No template is set: a sequence cannot be decoded.")
+            text = template.decode(tokens) if params is None else template.completion_text(tokens, params, stop)
+        feature = (
+            template.training_feature(prompt_ids, tokens)
+            if template is not None
+            else training_feature(prompt_ids, tokens)
+        )
+        return SampledSequence(
+            tokens=tokens,
+            text=text,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            stop_reason=stop_reason,  # type: ignore[arg-type]
+            stop=stop,
+            weights_version=self._version() if weights_version is None else weights_version,
+            adapter_name=adapter_name,
+            training_feature=feature,
+            sampling_mask=sampling_mask,
+            routed_experts=routed_experts,
+        )
+
+    def empty(
+        self, prompt_ids: list[int], params: SamplingParams, adapter_name: str, stop_reason: str
+    ) -> SampledSequence:
+        """A sequence that generated nothing, with the per-token fields ``params`` asks for, empty.
+
+        Routed experts are left out: no forward ran for it.
+        """
+        return self.make(
+            prompt_ids,
+            [],
+            stop_reason=stop_reason,
+            adapter_name=adapter_name,
+            text="",
+            logprobs=[] if params.logprobs is not None else None,
+            top_logprobs=[] if params.logprobs else None,
+            sampling_mask=SamplingMask.from_rows([]) if params.return_sampling_mask else None,
+        )
