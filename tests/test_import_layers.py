@@ -1,7 +1,8 @@
 """The core's modules import in one direction: no circle, and nothing from a floor above.
 
-Every import counts, at module level or inside a function (a late import is
-still a dependency); only ``if TYPE_CHECKING:`` blocks are left out. The
+Every import counts, at module level, inside a function (a late import is
+still a dependency) or under ``if TYPE_CHECKING:`` (a circle hidden from the
+interpreter is still a circle: each module needs the other to be read). The
 floors, bottom up: everything else (data formats, errors, templates, the
 hub, ...), then ``sampler``, then what is built on it: ``episode``,
 ``remote``, ``server``, ``factory``, ``cli`` and ``integrations`` (the
@@ -21,28 +22,14 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
-    """Every node but those under ``if TYPE_CHECKING:``."""
-    out: list[ast.AST] = []
-    stack = [tree]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            stack.extend(node.orelse)
-            continue
-        out.append(node)
-        stack.extend(ast.iter_child_nodes(node))
-    return out
-
-
 def import_graph() -> dict[str, set[str]]:
-    """Module -> the core modules it imports at run time."""
+    """Module -> the core modules it imports (at run time or for type checking)."""
     modules = {_module_name(p): p for p in CORE.rglob("*.py")}
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         targets: set[str] = set()
-        for node in _runtime_nodes(ast.parse(path.read_text())):
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets.update(alias.name for alias in node.names)
             elif isinstance(node, ast.ImportFrom):

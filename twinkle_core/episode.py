@@ -39,8 +39,9 @@ one-message context, recording the choice on the episode
 Sampling goes through :func:`_sample_turn` (``Sampler.sample``) and
 :func:`_asample_turn` (``Sampler.asample``, which never blocks the event
 loop), the only places this module calls the engine. Code that drives the
-engine itself (the rollout server submits ``episode.prompt()`` to get an
-abortable handle) appends the result with :meth:`Episode.append_sampled`.
+engine itself (the rollout server submits ``episode.prompt()`` with
+:meth:`Episode.turn_params` to get an abortable handle) appends the result
+with :meth:`Episode.extend_sampled` or :meth:`Episode.append_sampled`.
 """
 
 from __future__ import annotations
@@ -330,6 +331,22 @@ class Episode:
         self._awaiting = False
         return turn
 
+    @staticmethod
+    def turn_params(sampler: Any, sampling_params: SamplingParams) -> SamplingParams:
+        """``sampling_params`` as a turn is sampled with on ``sampler`` (for code that submits :meth:`prompt`
+        itself): the sampled log-probs are asked for when the engine gives them (the training feature needs them)."""
+        if sampling_params.logprobs is None and "logprobs" in getattr(sampler, "supported_params", ()):
+            return sampling_params.replace(logprobs=0)
+        return sampling_params
+
+    def extend_sampled(self, response: SampleResponse) -> list[Episode]:
+        """Append the sequences of one reply to :meth:`prompt`: the first to this episode, each other to a fork
+        (see :meth:`append_sampled`). Returns ``[self, fork_1, ..., fork_{n-1}]``, each extended by one turn."""
+        forks = [self] + [self.fork() for _ in response.sequences[1:]]  # fork before extending
+        for fork, seq in zip(forks, response.sequences):
+            fork.append_sampled(seq)
+        return forks
+
     # -- appending messages -------------------------------------------------------------------
     def add_messages(self, messages: Sequence[Message | dict[str, Any]]) -> list[int]:
         """Append tool results or user turns, then the next generation prompt, as the template's delta.
@@ -510,13 +527,6 @@ class Episode:
         }
 
 
-def _episode_params(sampler: Any, params: SamplingParams) -> SamplingParams:
-    # The training feature needs the sampled log-probs: ask for them when the engine can give them.
-    if params.logprobs is None and "logprobs" in getattr(sampler, "supported_params", ()):
-        return params.replace(logprobs=0)
-    return params
-
-
 def _sample_turn(
     sampler: Any, prompts: list[InputFeature], params: SamplingParams, adapter_name: str
 ) -> list[SampleResponse]:
@@ -552,18 +562,8 @@ def _prepare(
                 f"episodes[{i}] is episodes[{j}]: an episode takes one turn per call; pass num_samples=, or"
                 " episode.fork() for a second copy."
             )
-    params = _episode_params(sampler, resolve_params(sampling_params, num_samples))
+    params = Episode.turn_params(sampler, resolve_params(sampling_params, num_samples))
     return [e.prompt() for e in episodes], params
-
-
-def _extend(episodes: list[Episode], responses: list[SampleResponse]) -> list[list[Episode]]:
-    out: list[list[Episode]] = []
-    for episode, response in zip(episodes, responses):
-        forks = [episode] + [episode.fork() for _ in response.sequences[1:]]  # fork before extending
-        for fork, seq in zip(forks, response.sequences):
-            fork.append_sampled(seq)
-        out.append(forks)
-    return out
 
 
 def sample_episodes(
@@ -580,7 +580,8 @@ def sample_episodes(
         Per episode, ``[episode, forks...]`` (``num_samples`` of them), each extended by one turn.
     """
     prompts, params = _prepare(sampler, episodes, sampling_params, num_samples)
-    return _extend(list(episodes), _sample_turn(sampler, prompts, params, adapter_name))
+    responses = _sample_turn(sampler, prompts, params, adapter_name)
+    return [episode.extend_sampled(response) for episode, response in zip(episodes, responses)]
 
 
 async def asample_episodes(
@@ -594,4 +595,4 @@ async def asample_episodes(
     """:func:`sample_episodes` for asyncio (the engine call runs in a worker thread)."""
     prompts, params = _prepare(sampler, episodes, sampling_params, num_samples)
     responses = await _asample_turn(sampler, prompts, params, adapter_name)
-    return _extend(list(episodes), responses)
+    return [episode.extend_sampled(response) for episode, response in zip(episodes, responses)]

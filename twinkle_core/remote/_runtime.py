@@ -326,20 +326,9 @@ def initialize(
         RemoteError: Ray is missing, or a group cannot be placed.
     """
     global _session, _atexit_registered
-    if mode not in MODES:
-        raise ConfigError(f"initialize(mode={mode!r}) is invalid: expected 'local' or 'ray'.")
-    if placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
-        raise ConfigError(
-            f"placement_strategy={placement_strategy!r} is invalid:"
-            " expected PACK, SPREAD, STRICT_PACK or STRICT_SPREAD."
-        )
+    _check_options(mode, placement_strategy)
     wanted = _coerce_groups(groups)
-    if replica_niceness is not None and (
-        isinstance(replica_niceness, bool) or not isinstance(replica_niceness, int) or not -20 <= replica_niceness <= 19
-    ):
-        raise ConfigError(
-            f"replica_niceness={replica_niceness!r} is invalid: expected an integer in [-20, 19] or None."
-        )
+    _check_niceness(replica_niceness)
     options = {
         "address": address,
         "namespace": namespace,
@@ -351,28 +340,7 @@ def initialize(
     with _lock:
         session = _session
         if session is not None:
-            if session.mode != mode:
-                raise ConfigError(
-                    f"twinkle is already initialised in mode {session.mode!r}; call twinkle_core.shutdown() before"
-                    f" initialize(mode={mode!r})."
-                )
-            if session._init_options != options:
-                changed = sorted(
-                    k
-                    for k in set(options) | set(session._init_options)
-                    if options.get(k) != session._init_options.get(k)
-                )
-                raise ConfigError(
-                    f"twinkle is already initialised with other options ({', '.join(changed)} differ); call"
-                    " twinkle_core.shutdown() first to change them, or call initialize() with the same options."
-                )
-            for g in wanted:
-                old = session._groups.get(g.name)
-                if old is not None and old.group != g:
-                    raise InvalidMeshError(
-                        f"Device group {g.name!r} is already initialised as {old.group!r}; it cannot be changed to"
-                        f" {g!r} while the session lives. Use another name, or call twinkle_core.shutdown() first."
-                    )
+            _check_same_session(session, mode, options, wanted)
         else:
             session = RemoteSession(
                 mode,
@@ -383,51 +351,112 @@ def initialize(
                 replica_niceness=replica_niceness,
             )
             if mode == "ray":
-                ray = import_ray()
-                if ray.is_initialized():
-                    if address is not None or num_cpus is not None or ray_init_kwargs:
-                        raise ConfigError(
-                            "Ray is already running in this process, so address, num_cpus and ray.init options"
-                            " cannot apply; drop them to join it, or call ray.shutdown() first."
-                        )
-                else:
-                    kwargs = {"include_dashboard": False, "log_to_driver": True, **ray_init_kwargs}
-                    if num_cpus is not None:
-                        kwargs["num_cpus"] = num_cpus
-                    if _starts_local_cluster(address) and "_node_ip_address" not in kwargs:
-                        with _loopback_only(ray):
-                            ray.init(address=address, namespace=namespace, _node_ip_address=LOOPBACK, **kwargs)
-                    elif _is_loopback(address):
-                        # Joining a loopback cluster (one started above, by another driver):
-                        # Ray would otherwise dial the machine's public address, where nothing listens.
-                        with _loopback_only(ray):
-                            ray.init(address=address, namespace=namespace, **kwargs)
-                    else:
-                        ray.init(address=address, namespace=namespace, **kwargs)
-                    session.owns_ray = True
+                _start_ray(session, address, namespace, num_cpus, ray_init_kwargs)
             if not _atexit_registered:
                 atexit.register(shutdown)
                 _atexit_registered = True
-        placed_now: list[PlacedGroup] = []
-        try:
-            for g in wanted:
-                if g.name in session._groups:
-                    continue
-                if mode == "ray":
-                    placed = _place(import_ray(), g, placement_strategy, placement_timeout_s)
-                else:
-                    placed = PlacedGroup(g)
-                placed_now.append(placed)
-                session._groups[g.name] = placed
-        except BaseException:
-            for p in placed_now:
-                session._groups.pop(p.name, None)
-                _remove_pg(p)
-            if _session is None and session.owns_ray:
-                import_ray().shutdown()
-            raise
+        _place_new(session, wanted, placement_strategy, placement_timeout_s, new=_session is None)
         _session = session
         return session
+
+
+def _check_options(mode: str, placement_strategy: str) -> None:
+    """Refuse a bad mode or placement strategy."""
+    if mode not in MODES:
+        raise ConfigError(f"initialize(mode={mode!r}) is invalid: expected 'local' or 'ray'.")
+    if placement_strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
+        raise ConfigError(
+            f"placement_strategy={placement_strategy!r} is invalid:"
+            " expected PACK, SPREAD, STRICT_PACK or STRICT_SPREAD."
+        )
+
+
+def _check_niceness(replica_niceness: int | None) -> None:
+    """Refuse a niceness that is not an integer Unix allows."""
+    if replica_niceness is not None and (
+        isinstance(replica_niceness, bool) or not isinstance(replica_niceness, int) or not -20 <= replica_niceness <= 19
+    ):
+        raise ConfigError(
+            f"replica_niceness={replica_niceness!r} is invalid: expected an integer in [-20, 19] or None."
+        )
+
+
+def _check_same_session(session: RemoteSession, mode: str, options: dict[str, Any], wanted: list[DeviceGroup]) -> None:
+    """Refuse another mode, other options or a changed group while a session lives."""
+    if session.mode != mode:
+        raise ConfigError(
+            f"twinkle is already initialised in mode {session.mode!r}; call twinkle_core.shutdown() before"
+            f" initialize(mode={mode!r})."
+        )
+    if session._init_options != options:
+        changed = sorted(
+            k for k in set(options) | set(session._init_options) if options.get(k) != session._init_options.get(k)
+        )
+        raise ConfigError(
+            f"twinkle is already initialised with other options ({', '.join(changed)} differ); call"
+            " twinkle_core.shutdown() first to change them, or call initialize() with the same options."
+        )
+    for g in wanted:
+        old = session._groups.get(g.name)
+        if old is not None and old.group != g:
+            raise InvalidMeshError(
+                f"Device group {g.name!r} is already initialised as {old.group!r}; it cannot be changed to"
+                f" {g!r} while the session lives. Use another name, or call twinkle_core.shutdown() first."
+            )
+
+
+def _start_ray(
+    session: RemoteSession,
+    address: str | None,
+    namespace: str | None,
+    num_cpus: int | None,
+    ray_init_kwargs: dict[str, Any],
+) -> None:
+    """Join the Ray already running in this process, or start or connect to a cluster (the session then owns it)."""
+    ray = import_ray()
+    if ray.is_initialized():
+        if address is not None or num_cpus is not None or ray_init_kwargs:
+            raise ConfigError(
+                "Ray is already running in this process, so address, num_cpus and ray.init options"
+                " cannot apply; drop them to join it, or call ray.shutdown() first."
+            )
+        return
+    kwargs = {"include_dashboard": False, "log_to_driver": True, **ray_init_kwargs}
+    if num_cpus is not None:
+        kwargs["num_cpus"] = num_cpus
+    if _starts_local_cluster(address) and "_node_ip_address" not in kwargs:
+        with _loopback_only(ray):
+            ray.init(address=address, namespace=namespace, _node_ip_address=LOOPBACK, **kwargs)
+    elif _is_loopback(address):
+        # Joining a loopback cluster (one started above, by another driver):
+        # Ray would otherwise dial the machine's public address, where nothing listens.
+        with _loopback_only(ray):
+            ray.init(address=address, namespace=namespace, **kwargs)
+    else:
+        ray.init(address=address, namespace=namespace, **kwargs)
+    session.owns_ray = True
+
+
+def _place_new(
+    session: RemoteSession, wanted: list[DeviceGroup], strategy: str, timeout_s: float, *, new: bool
+) -> None:
+    """Place the groups the session does not hold yet; on a failure, undo this call's placements (and the
+    Ray it started, for a ``new`` session)."""
+    placed_now: list[PlacedGroup] = []
+    try:
+        for g in wanted:
+            if g.name in session._groups:
+                continue
+            placed = _place(import_ray(), g, strategy, timeout_s) if session.mode == "ray" else PlacedGroup(g)
+            placed_now.append(placed)
+            session._groups[g.name] = placed
+    except BaseException:
+        for p in placed_now:
+            session._groups.pop(p.name, None)
+            _remove_pg(p)
+        if new and session.owns_ray:
+            import_ray().shutdown()
+        raise
 
 
 #: Where a local cluster started by initialize() listens, unless the user says otherwise.

@@ -35,6 +35,7 @@ __all__ = [
     "SessionStore",
     "create_app",
     "is_loopback",
+    "resolve_key",
     "serve",
     "start_server",
 ]
@@ -43,7 +44,12 @@ __all__ = [
 API_KEY_ENV = "TWINKLE_API_KEY"
 
 
-def _resolve_key(host: str, api_key: str | None) -> str | None:
+def resolve_key(host: str, api_key: str | None) -> str | None:
+    """The API key a server bound to ``host`` checks: ``api_key``, else :data:`API_KEY_ENV`; required off loopback.
+
+    Raises:
+        ConfigError: an empty key, or none for an address beyond this machine.
+    """
     key = api_key if api_key is not None else (os.environ.get(API_KEY_ENV) or None)
     if key is not None and (not isinstance(key, str) or not key.strip()):
         raise ConfigError(f"api_key={key!r} is invalid: expected a non-empty string.")
@@ -70,7 +76,7 @@ def _config(sampler: Any, host: str, port: int, api_key: str | None, log_level: 
     import uvicorn
 
     check_port(port)
-    app = create_app(sampler, api_key=_resolve_key(host, api_key), **kwargs)
+    app = create_app(sampler, api_key=resolve_key(host, api_key), **kwargs)
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
 
 

@@ -14,29 +14,28 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from fastapi import Request
+from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse
 from twinkle_core.data_format.params import MAX_NUM_SAMPLES
 from twinkle_core.errors import PromptTooLongError, TwinkleError
+from twinkle_core.server.bodies import CompletionRequest
 from twinkle_core.server.calls import Pending
-from twinkle_core.server.protocol import ApiError, CompletionRequest, body_names
+from twinkle_core.server.protocol import ApiError, body_names
 from twinkle_core.server.shapes import TokenNames, choice_text, routes_field, stop_reason
+from twinkle_core.server.state import ServerState
 
-if TYPE_CHECKING:
-    from twinkle_core.server.app import _Server
-
-__all__ = ["MAX_SEQUENCES", "complete"]
+__all__ = ["MAX_SEQUENCES", "add_completion_routes", "complete"]
 
 #: The most sequences (prompts x ``n``) one completions request may ask for: the engine holds every one
 #: until the reply goes out, so a short body could otherwise ask for more memory than the machine has.
 MAX_SEQUENCES = 65536
 
 
-def _prompts(state: _Server, req: CompletionRequest) -> tuple[list[InputFeature], list[str | None]]:
+def _prompts(state: ServerState, req: CompletionRequest) -> tuple[list[InputFeature], list[str | None]]:
     """The prompts as features, and each one's text when it was given as text (for ``echo``)."""
     raw = req.prompt
     if isinstance(raw, str):
@@ -84,7 +83,7 @@ def _prompts(state: _Server, req: CompletionRequest) -> tuple[list[InputFeature]
     return features, texts
 
 
-def _tokenize(state: _Server, text: str, req: CompletionRequest, keep: int | None, limit: int) -> list[int]:
+def _tokenize(state: ServerState, text: str, req: CompletionRequest, keep: int | None, limit: int) -> list[int]:
     """A text prompt's ids, tokenizing only what it takes: refused past ``limit``, or (with ``keep``) at most
     ``keep + 1`` from the body's side, so the caller sees whether the text was cut."""
     template = state.sampler.template
@@ -99,7 +98,7 @@ def _tokenize(state: _Server, text: str, req: CompletionRequest, keep: int | Non
 class _Choices:
     """Builds the choices of one body (shared by the whole reply and the stream)."""
 
-    def __init__(self, state: _Server, req: CompletionRequest, features: list[InputFeature], texts: list[Any]):
+    def __init__(self, state: ServerState, req: CompletionRequest, features: list[InputFeature], texts: list[Any]):
         self.state, self.req, self.features, self.texts = state, req, features, texts
         self.names = TokenNames(state.sampler.template, bool(req.return_tokens_as_token_ids))
         self.eos = state.sampler.template.eos_token_id
@@ -149,7 +148,15 @@ class _Choices:
         return out
 
 
-async def complete(state: _Server, req: CompletionRequest, request: Request) -> Any:
+def add_completion_routes(app: FastAPI, state: ServerState) -> None:
+    """Add ``/v1/completions`` to ``app``."""
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request) -> Any:
+        return await complete(state, req, request)
+
+
+async def complete(state: ServerState, req: CompletionRequest, request: Request) -> Any:
     """The ``/v1/completions`` route."""
     adapter = state.adapter(req.model or "")
     features, texts = _prompts(state, req)
@@ -202,7 +209,7 @@ async def complete(state: _Server, req: CompletionRequest, request: Request) -> 
 
 
 async def _stream(
-    state: _Server, rid: str, req: CompletionRequest, pending: Any, build: _Choices, prompt_tokens: int
+    state: ServerState, rid: str, req: CompletionRequest, pending: Any, build: _Choices, prompt_tokens: int
 ) -> AsyncIterator[str]:
     """Each choice as one chunk when the engine finishes it (prompt log-probs come with the whole reply)."""
     created, used, complete = int(time.time()), 0, False

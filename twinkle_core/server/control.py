@@ -19,7 +19,7 @@ and an adapter change made while paused then applies to them at once
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import FastAPI, Query
 from fastapi.responses import PlainTextResponse
@@ -28,10 +28,9 @@ from pydantic import Field
 from twinkle_core._version import __version__
 from twinkle_core.data_format import Trajectory
 from twinkle_core.errors import PromptTooLongError, TwinkleError
-from twinkle_core.server.protocol import ApiError, TextBody, openai_messages, openai_tools
-
-if TYPE_CHECKING:
-    from twinkle_core.server.app import _Server
+from twinkle_core.server.bodies import TextBody
+from twinkle_core.server.protocol import ApiError, openai_messages, openai_tools
+from twinkle_core.server.state import ServerState
 
 __all__ = ["add_control_routes"]
 
@@ -85,15 +84,23 @@ def _tp_size(sampler: Any) -> int:
     return int(getattr(mesh, "tp_size", 1) or 1)
 
 
-def add_control_routes(app: FastAPI, state: _Server, transfer_config: dict[str, Any] | None = None) -> None:
+def add_control_routes(app: FastAPI, state: ServerState, transfer_config: dict[str, Any] | None = None) -> None:
     """Add the non-OpenAI routes of vLLM's server to ``app``."""
-    sampler = state.sampler
 
     @app.get("/version")
     async def version() -> dict[str, Any]:
         return {"version": __version__, "server": "twinkle"}
 
-    # -- tokenizer --------------------------------------------------------------------------------
+    _add_tokenizer_routes(app, state)
+    _add_description_routes(app, state, transfer_config)
+    _add_rl_controls(app, state)
+    _add_lora_routes(app, state)
+
+
+def _add_tokenizer_routes(app: FastAPI, state: ServerState) -> None:
+    """``/tokenize``, ``/detokenize`` and ``/tokenizer_info``."""
+    sampler = state.sampler
+
     @app.post("/tokenize")
     async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
         state.adapter(req.model or "")  # an unknown model is a 404, as on the completion routes
@@ -160,7 +167,11 @@ def add_control_routes(app: FastAPI, state: _Server, transfer_config: dict[str, 
             "vocab_size": sampler.vocab_size,
         }
 
-    # -- what the server is -----------------------------------------------------------------------
+
+def _add_description_routes(app: FastAPI, state: ServerState, transfer_config: dict[str, Any] | None) -> None:
+    """What the server is: ``/get_world_size``, ``/server_info`` and ``/metrics``."""
+    sampler = state.sampler
+
     @app.get("/get_world_size")
     async def get_world_size(include_dp: bool = Query(True)) -> dict[str, Any]:
         if transfer_config is not None:  # what a trainer's group counts: this process is one rank
@@ -217,7 +228,10 @@ def add_control_routes(app: FastAPI, state: _Server, transfer_config: dict[str, 
             lines.append(f'{refused}{{model_name="{state.model_name}",reason="{reason}"}} {count}')
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
-    # -- RL controls ------------------------------------------------------------------------------
+
+def _add_rl_controls(app: FastAPI, state: ServerState) -> None:
+    """``/pause``, ``/resume``, ``/is_paused``, ``/abort_requests`` and ``/reset_prefix_cache``."""
+
     @app.post("/pause")
     async def pause(mode: str = Query("abort"), clear_cache: bool = Query(True)) -> dict[str, Any]:
         if mode not in PAUSE_MODES:
@@ -260,7 +274,11 @@ def add_control_routes(app: FastAPI, state: _Server, transfer_config: dict[str, 
         # other weights is never reused, so there is nothing stale to drop.
         return {"success": True}
 
-    # -- runtime LoRA -----------------------------------------------------------------------------
+
+def _add_lora_routes(app: FastAPI, state: ServerState) -> None:
+    """Runtime LoRA: ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``."""
+    sampler = state.sampler
+
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoraRequest) -> dict[str, Any]:
         if req.lora_name in ("base", state.model_name):

@@ -31,7 +31,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 from fastapi import FastAPI, Request
@@ -40,12 +40,11 @@ from fastapi.responses import StreamingResponse
 from twinkle_core.data_format import Trajectory
 from twinkle_core.episode import Episode, Turn
 from twinkle_core.errors import ConfigError, TwinkleError
+from twinkle_core.server.bodies import ChatRequest, ResponsesRequest
 from twinkle_core.server.constraints import constrain
 from twinkle_core.server.protocol import (
     RESPONSES_SAMPLING,
     ApiError,
-    ChatRequest,
-    ResponsesRequest,
     body_names,
     brief,
     neutral_violation,
@@ -53,10 +52,16 @@ from twinkle_core.server.protocol import (
     openai_tools,
 )
 from twinkle_core.server.shapes import TokenNames
-from twinkle_core.server.turns import _Call, _extras, _openai_calls, _session_id, _sse, _start, _text_pieces
-
-if TYPE_CHECKING:  # pragma: no cover
-    from twinkle_core.server.app import _Server
+from twinkle_core.server.state import ServerState
+from twinkle_core.server.turns import (
+    TurnCall,
+    openai_tool_calls,
+    request_session_id,
+    sse,
+    start_turn,
+    text_pieces,
+    turn_extras,
+)
 
 __all__ = ["ResponseStore", "StoredResponse", "add_response_routes"]
 
@@ -216,7 +221,7 @@ def _chat_request(req: ResponsesRequest) -> ChatRequest:
         raise ApiError(400, f"Invalid request: {exc}") from None
 
 
-def add_response_routes(app: FastAPI, state: _Server, max_stored_responses: int) -> None:
+def add_response_routes(app: FastAPI, state: ServerState, max_stored_responses: int) -> None:
     """Serve ``POST /v1/responses`` and ``GET /v1/responses/{response_id}`` over ``state``'s sessions."""
     store = ResponseStore(max_stored_responses)
 
@@ -243,7 +248,7 @@ def add_response_routes(app: FastAPI, state: _Server, max_stored_responses: int)
         items = len(req.input) if isinstance(req.input, list) else 1  # each item renders to a token at least
         state.check_parts(items + len(req.tools or []) + bool(req.instructions), fields)
         new = input_messages(req.input)
-        session_id = _session_id(request, req)
+        session_id = request_session_id(request, req)
         previous = _previous(store, req.previous_response_id, session_id)
         if previous is not None:
             session_id = previous.session_id
@@ -276,7 +281,7 @@ def add_response_routes(app: FastAPI, state: _Server, max_stored_responses: int)
         parser = state.no_parser if req.tool_choice == "none" else state.tool_parser
         await state.unpaused()
         base = previous.episode if previous is not None else None
-        call = await _start(state, session_id, trajectory, parser, params, adapter, None, fields, constraint, base)
+        call = await start_turn(state, session_id, trajectory, parser, params, adapter, None, fields, constraint, base)
         names = TokenNames(state.sampler.template, False)
         if req.stream:
             events = _stream(state, store, rid, req, call, session_id, names)
@@ -355,7 +360,7 @@ def _output(turn: Turn, names: TokenNames, logprobs: bool) -> list[dict[str, Any
                 "content": [part],
             }
         )
-    for call in _openai_calls(calls):
+    for call in openai_tool_calls(calls):
         fn = call["function"]
         items.append(
             {
@@ -371,7 +376,7 @@ def _output(turn: Turn, names: TokenNames, logprobs: bool) -> list[dict[str, Any
 
 
 def _body(
-    state: _Server, rid: str, req: ResponsesRequest, status: str, output: list[dict[str, Any]], **extra: Any
+    state: ServerState, rid: str, req: ResponsesRequest, status: str, output: list[dict[str, Any]], **extra: Any
 ) -> dict[str, Any]:
     return {
         "id": rid,
@@ -402,7 +407,7 @@ def _body(
 
 
 def _finish(
-    state: _Server,
+    state: ServerState,
     store: ResponseStore,
     rid: str,
     req: ResponsesRequest,
@@ -418,7 +423,7 @@ def _finish(
     status = {"length": "incomplete", "abort": "cancelled"}.get(turn.stop_reason, "completed")
     body = _body(
         state, rid, req, status, _output(turn, names, _LOGPROBS in (req.include or ())),
-        usage=_usage(prompt, len(turn.tokens)), session_id=session_id, **_extras(turn),
+        usage=_usage(prompt, len(turn.tokens)), session_id=session_id, **turn_extras(turn),
     )  # fmt: skip
     if status == "incomplete":
         body["incomplete_details"] = {"reason": "max_output_tokens"}
@@ -428,11 +433,11 @@ def _finish(
 
 
 async def _stream(
-    state: _Server,
+    state: ServerState,
     store: ResponseStore,
     rid: str,
     req: ResponsesRequest,
-    call: _Call,
+    call: TurnCall,
     session_id: str | None,
     names: TokenNames,
 ) -> AsyncIterator[str]:
@@ -442,7 +447,7 @@ async def _stream(
     def event(kind: str, **fields: Any) -> str:
         nonlocal seq
         seq += 1
-        return _sse({"type": kind, "sequence_number": seq - 1, **fields})
+        return sse({"type": kind, "sequence_number": seq - 1, **fields})
 
     complete = False
     try:
@@ -469,7 +474,7 @@ async def _stream(
                 [part] = item["content"]
                 where = {"item_id": item["id"], "output_index": index, "content_index": 0}
                 yield event("response.content_part.added", **where, part={**part, "text": "", "logprobs": []})
-                for piece in _text_pieces(state.sampler.template.decode, turn):
+                for piece in text_pieces(state.sampler.template.decode, turn):
                     yield event("response.output_text.delta", **where, delta=piece, logprobs=[])
                 yield event("response.output_text.done", **where, text=part["text"], logprobs=part["logprobs"])
                 yield event("response.content_part.done", **where, part=part)

@@ -1,8 +1,8 @@
 """A chat turn of the server: its engine call, the episode it extends, and the pieces of its reply.
 
-Shared by the chat route (:mod:`twinkle_core.server.app`) and the Responses
+Shared by the chat route (:mod:`twinkle_core.server.chat`) and the Responses
 route (:mod:`twinkle_core.server.responses`): both find or start a session's
-episode (:func:`_start`), run one turn of it as a :class:`_Call`, and build
+episode (:func:`start_turn`), run one turn of it as a :class:`TurnCall`, and build
 their replies from the recorded :class:`~twinkle_core.episode.Turn`.
 """
 
@@ -11,29 +11,37 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 
 from twinkle_core.data_format import Message, SamplingParams, Trajectory
-from twinkle_core.episode import Episode, Turn, _extend, _prepare
+from twinkle_core.episode import Episode, Turn
 from twinkle_core.errors import TwinkleError
 from twinkle_core.requests import Finished
 from twinkle_core.server.calls import Pending
 from twinkle_core.server.protocol import ApiError
 from twinkle_core.server.sessions import Session
 from twinkle_core.server.shapes import routes_field
+from twinkle_core.server.state import ServerState
 
-if TYPE_CHECKING:  # pragma: no cover
-    from twinkle_core.server.app import _Server
-
-__all__ = ["SESSION_HEADER"]
+__all__ = [
+    "SESSION_HEADER",
+    "TurnCall",
+    "openai_tool_calls",
+    "request_session_id",
+    "sse",
+    "start_turn",
+    "text_pieces",
+    "turn_extras",
+]
 
 #: The header that names a session (the body's ``user`` field is the fallback).
 SESSION_HEADER = "X-Session-Id"
 
 
-def _openai_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def openai_tool_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A turn's parsed tool calls as OpenAI's ``tool_calls`` (``arguments`` a JSON string)."""
     return [
         {
             "id": c["id"],
@@ -44,7 +52,7 @@ def _openai_calls(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-class _Call:
+class TurnCall:
     """A chat call in flight: the engine call, and the task that records its episodes.
 
     The task extends the episode with the sampled turn (aborted ones too)
@@ -62,8 +70,8 @@ class _Call:
         params: SamplingParams,
         adapter: str,
     ) -> None:
-        prompts, params = _prepare(sampler, [target], params, None)
-        self.pending = Pending(sampler, prompts, params, adapter)
+        params = Episode.turn_params(sampler, params)
+        self.pending = Pending(sampler, [target.prompt()], params, adapter)
         self.session, self.base, self.target, self.n = session, base, target, params.num_samples
         self.episodes: asyncio.Future[list[Episode]] = asyncio.get_running_loop().create_future()
         # Retrieved here so that a stream whose client left never logs "exception never retrieved".
@@ -73,7 +81,8 @@ class _Call:
     async def _record(self) -> None:
         try:
             responses = await self.pending.responses()
-            [episodes] = _extend([self.target], responses)
+            [response] = responses
+            episodes = self.target.extend_sampled(response)
             if self.session is not None:
                 stored = self.session.episodes
                 if self.base is not None and self.base in stored:
@@ -96,11 +105,12 @@ class _Call:
         return self.target.fork().append_sampled(item.sequence)
 
 
-def _sse(obj: Any) -> str:
+def sse(obj: Any) -> str:
+    """One server-sent event holding ``obj`` as JSON."""
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _session_id(request: Request, req: Any) -> str | None:
+def request_session_id(request: Request, req: Any) -> str | None:
     """The session a chat call joins: the header, else the body's ``session_id``, else its ``user``.
 
     ``export`` and ids ending in ``/export`` are refused: the session routes
@@ -123,8 +133,8 @@ def _session_id(request: Request, req: Any) -> str | None:
     return None
 
 
-async def _start(
-    state: _Server,
+async def start_turn(
+    state: ServerState,
     session_id: str | None,
     trajectory: Trajectory,
     parser: Any,
@@ -134,7 +144,7 @@ async def _start(
     names: Mapping[str, str] | None = None,
     constraint: dict[str, Any] | None = None,
     continues: Episode | None = None,
-) -> _Call:
+) -> TurnCall:
     """Find or start the episode and submit its next turn (``n > 1`` forks it).
 
     A session's calls run one at a time: its lock is taken here and released
@@ -174,7 +184,7 @@ async def _start(
                 max_prompt_tokens=state.sampler.max_model_len - 1,  # one token left to generate
             )
         target.constraint = constraint
-        return _Call(state.sampler, session, base, target, params, adapter)
+        return TurnCall(state.sampler, session, base, target, params, adapter)
     except BaseException as exc:
         if session is not None:
             session.lock.release()
@@ -187,7 +197,8 @@ def _tool_specs(tools: list[Any]) -> list[dict[str, Any]]:
     return [t.to_hf() for t in tools]
 
 
-def _extras(turn: Turn) -> dict[str, Any]:
+def turn_extras(turn: Turn) -> dict[str, Any]:
+    """What twinkle adds to each choice of a reply: the sampled tokens, their log-probs and provenance."""
     return {
         "token_ids": turn.tokens,
         "sampled_logprobs": turn.logprobs,
@@ -198,7 +209,7 @@ def _extras(turn: Turn) -> dict[str, Any]:
     }
 
 
-def _text_pieces(decode: Any, turn: Turn) -> list[str]:
+def text_pieces(decode: Any, turn: Turn) -> list[str]:
     """A turn's text as a stream sends it: one piece per token (its calls' content whole, if any)."""
     if turn.tool_calls:
         return [str(turn.message.content)] if turn.message.content else []

@@ -36,16 +36,14 @@ import math
 import os
 import threading
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Body, FastAPI
 
 from twinkle_core.errors import ConfigError
 from twinkle_core.server.protocol import ApiError
+from twinkle_core.server.state import ServerState
 from twinkle_core.weights import TRANSFER_DTYPES
-
-if TYPE_CHECKING:
-    from twinkle_core.server.app import _Server
 
 __all__ = ["BACKENDS", "add_weight_routes", "check_config"]
 
@@ -190,7 +188,7 @@ def _available_memory() -> int | None:
         return None
 
 
-def add_weight_routes(app: FastAPI, state: _Server, config: dict[str, Any] | None) -> None:
+def add_weight_routes(app: FastAPI, state: ServerState, config: dict[str, Any] | None) -> None:
     """Add vLLM's weight-transfer routes to ``app`` (off when ``config`` is ``None``)."""
     sampler = state.sampler
     transfer = _Transfer(config) if config is not None else None
