@@ -114,8 +114,11 @@ _GREEDY = {"max_tokens": 8, "temperature": 0}
 
 
 def _steps_stay(stats: DecoderStats, settle_s: float = 0.5) -> bool:
-    """Whether the decode loop runs no forward for ``settle_s`` (after one step's grace)."""
-    time.sleep(0.2)
+    """Whether the decode loop runs no forward for ``settle_s`` (after the grace of a step in flight).
+
+    The grace is generous: on a loaded machine (CI's two cores) a step of 64 rows can take 0.2 s.
+    """
+    time.sleep(1.0)
     steps = stats.steps
     time.sleep(settle_s)
     return stats.steps == steps

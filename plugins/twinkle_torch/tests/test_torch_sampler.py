@@ -497,7 +497,8 @@ def test_cpu_only_kernels_are_refused_on_a_cuda_device() -> None:
 
     The construction checks run on the resolved device; no CUDA is needed to call them with one.
     """
-    from twinkle_torch.engine import _attention_for, _check_linear_kernel
+    from twinkle_torch.loading import attention_for as _attention_for
+    from twinkle_torch.loading import check_linear_kernel as _check_linear_kernel
 
     cuda = torch.device("cuda", 0)
     for kernel in ("onednn", "onednn-packed"):
