@@ -18,15 +18,7 @@ pytest.importorskip("fastapi")
 from twinkle_core import ConfigError  # noqa: E402 - after the optional-dependency skips
 from twinkle_core.server import RunningServer, start_server  # noqa: E402
 from twinkle_core.testing.expect import tool_calls_of  # noqa: E402
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
+from twinkle_core.testing.tiny_model import TINY_WEATHER_TOOL as WEATHER  # noqa: E402
 
 
 @pytest.fixture(scope="module")
