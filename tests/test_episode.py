@@ -21,6 +21,7 @@ from twinkle_core.data_format import IGNORE_INDEX
 from twinkle_core.episode import Episode, asample_episodes, sample_episodes
 from twinkle_core.errors import InvalidInputError
 from twinkle_core.testing.expect import tool_calls_of
+from twinkle_core.testing.tiny_model import TINY_WEATHER_TOOL as WEATHER
 from twinkle_core.tools import (
     HermesToolParser,
     ParsedToolCalls,
@@ -33,14 +34,6 @@ from twinkle_core.tools import (
 if importlib.util.find_spec("twinkle_echo") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "twinkle_echo"))
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 GREEDY = SamplingParams(temperature=0.0, max_tokens=48)
 
 #: ChatML that, like Qwen3's template, drops the reasoning of assistant turns that are not the last message.

@@ -13,15 +13,7 @@ import twinkle_core as tw
 from twinkle_core import DeviceGroup, DeviceMesh, SamplingParams
 from twinkle_core.episode import Episode
 from twinkle_core.testing import build_tiny_model
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
+from twinkle_core.testing.tiny_model import TINY_WEATHER_TOOL as WEATHER
 
 
 def test_episode_through_ray_matches_local() -> None:

@@ -6,7 +6,6 @@ Each test talks to a real uvicorn server on a free loopback port.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -18,35 +17,7 @@ pytest.importorskip("fastapi")
 from twinkle_core import ConfigError  # noqa: E402 - after the optional-dependency skips
 from twinkle_core.server import RunningServer, start_server  # noqa: E402
 from twinkle_core.testing.expect import tool_calls_of  # noqa: E402
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
-
-
-@pytest.fixture(scope="module")
-def sampler() -> Iterator[Any]:
-    from twinkle_core.testing import build_tiny_model
-    from twinkle_torch.sampler import TorchSampler
-
-    with TorchSampler(build_tiny_model("llama"), device="cpu") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def server(sampler: Any) -> Iterator[RunningServer]:
-    with start_server(sampler, model_name="tiny") as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server: RunningServer) -> Any:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+from twinkle_core.testing.tiny_model import TINY_WEATHER_TOOL as WEATHER  # noqa: E402
 
 
 def test_plain_chat_and_logprobs(client: Any, sampler: Any) -> None:

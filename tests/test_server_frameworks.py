@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -27,9 +26,8 @@ openai = pytest.importorskip("openai")
 
 from pydantic import BaseModel  # noqa: E402
 
-from twinkle_core.server import RunningServer, start_server  # noqa: E402
+from twinkle_core.server import RunningServer  # noqa: E402
 from twinkle_core.server.protocol import openai_messages, openai_tools  # noqa: E402
-from twinkle_core.testing import build_tiny_model  # noqa: E402
 from twinkle_core.tool_choice import tool_constraint  # noqa: E402
 from twinkle_core.tools import get_tool_parser  # noqa: E402
 
@@ -38,20 +36,6 @@ ASK = "What is the weather in Paris?"
 
 class City(BaseModel):
     city: str
-
-
-@pytest.fixture(scope="module")
-def sampler() -> Iterator[Any]:
-    from twinkle_torch.sampler import TorchSampler
-
-    with TorchSampler(build_tiny_model("llama"), device="cpu") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def server(sampler: Any) -> Iterator[RunningServer]:
-    with start_server(sampler, model_name="tiny") as srv:
-        yield srv
 
 
 class Traffic:

@@ -38,15 +38,6 @@ LONG = {**HI, "max_tokens": 480, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def sampler() -> Iterator[Any]:
-    from twinkle_core.testing import build_tiny_model
-    from twinkle_torch.sampler import TorchSampler
-
-    with TorchSampler(build_tiny_model("llama"), device="cpu") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
 def server(sampler: Any) -> Iterator[RunningServer]:
     with start_server(sampler, model_name="tiny", max_body_bytes=BODY_BOUND, max_pending_requests=PENDING_BOUND) as srv:
         yield srv

@@ -17,7 +17,6 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from twinkle_core.server import RunningServer, start_server  # noqa: E402
-from twinkle_core.testing import build_tiny_model  # noqa: E402
 from twinkle_core.testing.tiny_model import TINY_WEATHER_TOOL  # noqa: E402
 
 # the Responses shape of the tool the tiny model learnt to call
@@ -26,22 +25,9 @@ ASK = "What is the weather in Paris?"
 
 
 @pytest.fixture(scope="module")
-def sampler() -> Iterator[Any]:
-    from twinkle_torch.sampler import TorchSampler
-
-    with TorchSampler(build_tiny_model("llama"), device="cpu") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
 def server(sampler: Any) -> Iterator[RunningServer]:
     with start_server(sampler, model_name="tiny", max_stored_responses=4) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server: RunningServer) -> Any:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def test_a_string_input_is_the_engines_greedy_turn(client: Any, sampler: Any) -> None:

@@ -8,7 +8,6 @@ given the constraint the server builds (:func:`twinkle_core.tool_choice.tool_con
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -43,25 +42,6 @@ TOOLS = [WEATHER, ADD]
 RENDERED = [WEATHER, {**ADD, "function": {k: v for k, v in ADD["function"].items() if k != "strict"}}]
 HELLO = [{"role": "user", "content": "Say hello."}]  # the tiny model answers it without a call
 NAMED_ADD = {"type": "function", "function": {"name": "add"}}
-
-
-@pytest.fixture(scope="module")
-def sampler() -> Iterator[Any]:
-    from twinkle_torch.sampler import TorchSampler
-
-    with TorchSampler(build_tiny_model("llama"), device="cpu") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def server(sampler: Any) -> Iterator[RunningServer]:
-    with start_server(sampler, model_name="tiny") as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server: RunningServer) -> Any:
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def _direct(sampler: Any, messages: Any, tool_choice: Any, parallel: bool | None, **params: Any) -> Any:

@@ -127,6 +127,14 @@ def masked_logprobs(
         z = z - params.frequency_penalty * before - params.presence_penalty * (before > 0).float()
     if not params.greedy and params.temperature != 1.0:
         z = z / params.temperature
+    keep = _kept_support(mask, positions, vocab, device)
+    return torch.log_softmax(z.masked_fill(~keep, -torch.inf), dim=-1)
+
+
+def _kept_support(mask: SamplingMask, positions: int, vocab: int, device: torch.device) -> torch.Tensor:
+    """``[T, V]`` booleans: the ids ``mask`` kept at each position (all of them where its row is empty)."""
+    import torch
+
     counts = torch.tensor(
         [mask.offsets[i + 1] - mask.offsets[i] for i in range(positions)], dtype=torch.long, device=device
     )
@@ -139,7 +147,7 @@ def masked_logprobs(
     keep = torch.zeros(positions, vocab, dtype=torch.bool, device=device)
     keep[torch.repeat_interleave(torch.arange(positions, device=device), counts), ids] = True
     keep[counts == 0] = True  # an empty row is the whole vocabulary
-    return torch.log_softmax(z.masked_fill(~keep, -torch.inf), dim=-1)
+    return keep
 
 
 def replay_logprobs(

@@ -182,6 +182,126 @@ class SoakReport:
     seconds: float = 0.0
 
 
+def _soak_references(
+    sampler: Sampler, prompts: Prompts, weight_states: Sequence[Mapping[str, Any]], names: list[str], max_tokens: int
+) -> dict[tuple[int, str], list[list[int]]]:
+    """The greedy tokens of every ``(weight state, adapter)``; each state must change some of them."""
+    reference: dict[tuple[int, str], list[list[int]]] = {}
+    for i, state in enumerate(weight_states):
+        sampler.update_weights(dict(state))
+        for name in names:
+            reference[(i, name)] = _tokens(sampler, prompts, name, max_tokens)
+    for i in range(len(weight_states)):
+        assert any(reference[(i, n)] != reference[((i + 1) % len(weight_states), n)] for n in names), (
+            "the weight states must change the greedy outputs"
+        )
+    return reference
+
+
+class _Soak:
+    """What the soak's threads share (the sequences seen, the updates applied, the pacing events), and their loops."""
+
+    def __init__(
+        self,
+        sampler: Sampler,
+        prompts: Prompts,
+        weight_states: Sequence[Mapping[str, Any]],
+        adapters: Mapping[str, str | os.PathLike[str]],
+        names: list[str],
+        swapped: str,
+        max_tokens: int,
+    ) -> None:
+        self.sampler, self.prompts, self.weight_states = sampler, prompts, weight_states
+        self.adapters, self.names, self.swapped, self.max_tokens = adapters, names, swapped, max_tokens
+        self.applied: list[tuple[int, int]] = [(sampler.weights_version, len(weight_states) - 1)]  # (version, state)
+        self.applied_lock = threading.Lock()
+        self.seen: list[tuple[str, int, list[list[int]]]] = []
+        self.report = SoakReport()
+        self.stop = threading.Event()
+        # set by samplers after each call: each writer waits for one, so writers never starve the samplers
+        self.sampled, self.sampled_for_swap = threading.Event(), threading.Event()
+        self.errors: list[BaseException] = []
+
+    def guarded(self, fn: Callable[[], None]) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:  # reported by the main thread
+                self.errors.append(exc)
+                self.stop.set()
+
+        return run
+
+    def sample_loop(self, offset: int) -> None:
+        k = offset
+        while not self.stop.is_set():
+            name = self.names[k % len(self.names)]
+            k += 1
+            try:
+                out = self.sampler.sample(list(self.prompts), _greedy(self.max_tokens), adapter_name=name)
+            except UnknownAdapterError:
+                if name != self.swapped:
+                    raise
+                with self.applied_lock:
+                    self.report.unknown_adapter += 1
+                continue
+            versions = {r.sequences[0].weights_version for r in out}
+            labels = {r.sequences[0].adapter_name for r in out}
+            assert len(versions) == 1 and labels == {name}, (versions, labels, name)
+            with self.applied_lock:
+                self.seen.append((name, versions.pop(), [r.sequences[0].tokens for r in out]))
+            self.sampled.set()
+            self.sampled_for_swap.set()
+
+    def update_loop(self) -> None:
+        i = 0
+        while not self.stop.is_set():
+            self.sampled.wait()
+            self.sampled.clear()
+            if self.stop.is_set():
+                return
+            version = self.sampler.update_weights(dict(self.weight_states[i % len(self.weight_states)]))
+            with self.applied_lock:
+                self.applied.append((version, i % len(self.weight_states)))
+                self.report.updates += 1
+            i += 1
+
+    def swap_loop(self) -> None:
+        while not self.stop.is_set():
+            self.sampled_for_swap.wait()
+            self.sampled_for_swap.clear()
+            if self.stop.is_set():
+                return
+            self.sampler.remove_adapter(self.swapped)
+            self.sampler.add_adapter_to_model(self.swapped, self.adapters[self.swapped])
+            with self.applied_lock:
+                self.report.swaps += 1
+
+    def run(self, seconds: float, sample_threads: int) -> None:
+        """Run the loops for ``seconds``; re-raise the first error of any thread."""
+        threads = [
+            threading.Thread(target=self.guarded(functools.partial(self.sample_loop, o)), daemon=True)
+            for o in range(sample_threads)
+        ]
+        threads += [
+            threading.Thread(target=self.guarded(self.update_loop), daemon=True),
+            threading.Thread(target=self.guarded(self.swap_loop), daemon=True),
+        ]
+        started = time.monotonic()
+        for t in threads:
+            t.start()
+        self.stop.wait(seconds)
+        self.stop.set()
+        self.sampled.set()
+        self.sampled_for_swap.set()
+        for t in threads:
+            t.join(300)
+        self.report.seconds = time.monotonic() - started
+        if self.errors:
+            raise self.errors[0]
+        assert not any(t.is_alive() for t in threads), "a soak thread did not finish"
+
+
 def run_soak(
     sampler: Sampler,
     prompts: Prompts,
@@ -216,106 +336,15 @@ def run_soak(
     swapped = swapped if swapped is not None else list(adapters)[-1]
     for name, folder in adapters.items():
         sampler.add_adapter_to_model(name, folder)
-    # references: the greedy tokens of every (weights, adapter)
-    reference: dict[tuple[int, str], list[list[int]]] = {}
-    for i, state in enumerate(weight_states):
-        sampler.update_weights(dict(state))
-        for name in names:
-            reference[(i, name)] = _tokens(sampler, prompts, name, max_tokens)
-    for i in range(len(weight_states)):
-        assert any(reference[(i, n)] != reference[((i + 1) % len(weight_states), n)] for n in names), (
-            "the weight states must change the greedy outputs"
-        )
-    applied: list[tuple[int, int]] = [(sampler.weights_version, len(weight_states) - 1)]  # (version, state)
-    applied_lock = threading.Lock()
-    seen: list[tuple[str, int, list[list[int]]]] = []
-    report = SoakReport()
-    stop = threading.Event()
-    # set by samplers after each call: each writer waits for one, so writers never starve the samplers
-    sampled, sampled_for_swap = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
-
-    def guarded(fn: Callable[[], None]) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as exc:  # reported by the main thread
-                errors.append(exc)
-                stop.set()
-
-        return run
-
-    def sample_loop(offset: int) -> None:
-        k = offset
-        while not stop.is_set():
-            name = names[k % len(names)]
-            k += 1
-            try:
-                out = sampler.sample(list(prompts), _greedy(max_tokens), adapter_name=name)
-            except UnknownAdapterError:
-                if name != swapped:
-                    raise
-                with applied_lock:
-                    report.unknown_adapter += 1
-                continue
-            versions = {r.sequences[0].weights_version for r in out}
-            labels = {r.sequences[0].adapter_name for r in out}
-            assert len(versions) == 1 and labels == {name}, (versions, labels, name)
-            with applied_lock:
-                seen.append((name, versions.pop(), [r.sequences[0].tokens for r in out]))
-            sampled.set()
-            sampled_for_swap.set()
-
-    def update_loop() -> None:
-        i = 0
-        while not stop.is_set():
-            sampled.wait()
-            sampled.clear()
-            if stop.is_set():
-                return
-            version = sampler.update_weights(dict(weight_states[i % len(weight_states)]))
-            with applied_lock:
-                applied.append((version, i % len(weight_states)))
-                report.updates += 1
-            i += 1
-
-    def swap_loop() -> None:
-        while not stop.is_set():
-            sampled_for_swap.wait()
-            sampled_for_swap.clear()
-            if stop.is_set():
-                return
-            sampler.remove_adapter(swapped)
-            sampler.add_adapter_to_model(swapped, adapters[swapped])
-            with applied_lock:
-                report.swaps += 1
-
-    threads = [
-        threading.Thread(target=guarded(functools.partial(sample_loop, o)), daemon=True) for o in range(sample_threads)
-    ]
-    threads += [
-        threading.Thread(target=guarded(update_loop), daemon=True),
-        threading.Thread(target=guarded(swap_loop), daemon=True),
-    ]
-    started = time.monotonic()
-    for t in threads:
-        t.start()
-    stop.wait(seconds)
-    stop.set()
-    sampled.set()
-    sampled_for_swap.set()
-    for t in threads:
-        t.join(300)
-    report.seconds = time.monotonic() - started
-    if errors:
-        raise errors[0]
-    assert not any(t.is_alive() for t in threads), "a soak thread did not finish"
-    applied.sort()
-    for name, version, tokens in seen:
+    reference = _soak_references(sampler, prompts, weight_states, names, max_tokens)
+    soak = _Soak(sampler, prompts, weight_states, adapters, names, swapped, max_tokens)
+    soak.run(seconds, sample_threads)
+    applied = sorted(soak.applied)
+    for name, version, tokens in soak.seen:
         state_index = max((a for a in applied if a[0] <= version), key=lambda a: a[0])[1]
         assert tokens == reference[(state_index, name)], (
             f"a sequence labelled adapter={name!r}, weights_version={version} does not match the outputs of"
             f" weight state {state_index} with that adapter"
         )
-    report.sequences = sum(len(t) for _, _, t in seen)
-    return report
+    soak.report.sequences = sum(len(t) for _, _, t in soak.seen)
+    return soak.report

@@ -14,19 +14,11 @@ from twinkle_core import SamplingParams
 from twinkle_core.episode import Episode
 from twinkle_core.server import RunningServer, start_server
 from twinkle_core.testing.expect import tool_calls_of
+from twinkle_core.testing.tiny_model import TINY_WEATHER_TOOL as WEATHER
 
 from .conftest import make_sampler
 
 openai = pytest.importorskip("openai")
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 
 
 @pytest.fixture(scope="module")
