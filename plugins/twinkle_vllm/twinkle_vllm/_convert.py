@@ -172,7 +172,7 @@ def make_plan(
         "logit_bias": dict(params.logit_bias) or None,
         "allowed_token_ids": list(params.allowed_token_ids) if params.allowed_token_ids is not None else None,
         "bad_words": list(params.bad_words) or None,
-        # vLLM's StructuredOutputsParams, built where vLLM is imported (the engine's _request)
+        # vLLM's StructuredOutputsParams, built where vLLM is imported (RunRequests.request)
         "structured_outputs": params.structured_outputs.to_vllm() if params.structured_outputs is not None else None,
     }
     temperature = params.temperature
