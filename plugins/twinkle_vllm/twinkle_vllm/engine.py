@@ -371,7 +371,7 @@ class vLLMEngine(Engine):
     def update_weights(self, named_tensors: list[tuple[str, Any]], *, version: int) -> None:
         """Push new base weights into every worker (validated first).
 
-        The prefix cache is keyed by weights version (see :func:`_cache_salt`),
+        The prefix cache is keyed by weights version (see :func:`twinkle_vllm._requests.cache_salt`),
         so a successful push needs no reset: later requests carry the new
         version and never hit KV computed by the old weights. A failed push
         resets the whole cache, since it may have changed some layers while
