@@ -57,18 +57,20 @@ def _sampler(model: Path, caching: bool) -> Any:
     from twinkle_core import Sampler
     from twinkle_vllm.engine import vLLMEngine
 
-    class Recording(vLLMEngine):
-        prompt_tokens = 0
-        cached_tokens = 0
+    sampler = Sampler(vLLMEngine, model, engine_args={**ENGINE_ARGS, "enable_prefix_caching": caching})
+    engine = sampler.engine
+    engine.prompt_tokens = engine.cached_tokens = 0
+    send = engine._requests.request
 
-        async def _request(self, ids: list[int], *args: Any, **kwargs: Any) -> Any:
-            out = await super()._request(ids, *args, **kwargs)
-            # vLLM prefills a prompt once per request and fans the samples out from it
-            self.prompt_tokens += len(ids)
-            self.cached_tokens += int(out.num_cached_tokens or 0)
-            return out
+    async def recording(ids: list[int], *args: Any, **kwargs: Any) -> Any:
+        out = await send(ids, *args, **kwargs)
+        # vLLM prefills a prompt once per request and fans the samples out from it
+        engine.prompt_tokens += len(ids)
+        engine.cached_tokens += int(out.num_cached_tokens or 0)
+        return out
 
-    return Sampler(Recording, model, engine_args={**ENGINE_ARGS, "enable_prefix_caching": caching})
+    engine._requests.request = recording
+    return sampler
 
 
 def run(sampler: Any, mode: str, steps: int, calls: int, system_repeats: int, samples: int) -> dict[str, float]:
@@ -92,7 +94,7 @@ def run(sampler: Any, mode: str, steps: int, calls: int, system_repeats: int, sa
     for _ in range(steps):
         sampler.update_weights([(k, v) for k, v in state.items()], check_finite=False)
         if mode == "reset":  # the previous behaviour, emulated on this branch
-            sampler.engine._loop.run(sampler.engine._engine.reset_prefix_cache())
+            sampler.engine._process.loop.run(sampler.engine._process.engine.reset_prefix_cache())
         start = time.perf_counter()
         for _ in range(calls):
             sampler.sample(prompts, params)

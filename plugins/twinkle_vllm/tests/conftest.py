@@ -41,7 +41,7 @@ def engine_sockets(sampler: Any) -> set[str]:
     from twinkle_vllm._reaper import _bound_sockets
 
     paths: set[str] = set()
-    for pid in sampler.engine._reaper.pids:
+    for pid in sampler.engine._process.reaper.pids:
         try:
             paths |= _bound_sockets(psutil.Process(pid))
         except psutil.Error:

@@ -1,8 +1,8 @@
 """The prefix cache is keyed by weights version and adapter: hits within a version, none across.
 
 Observed through vLLM's own ``RequestOutput.num_cached_tokens`` (the prompt
-tokens served from the prefix cache), recorded by a subclass of the engine around
-the one coroutine that talks to vLLM.
+tokens served from the prefix cache), recorded around the one coroutine that
+talks to vLLM (``RunRequests.request``, the engine's request path).
 """
 
 from __future__ import annotations
@@ -26,16 +26,18 @@ def _recording_sampler(model: Path) -> Any:
     from twinkle_core import Sampler
     from twinkle_vllm.engine import vLLMEngine
 
-    class Recording(vLLMEngine):
-        cached: list[int]
+    s = Sampler(vLLMEngine, model, engine_args=dict(TEST_ENGINE_ARGS))
+    cached: list[int] = []
+    requests = s.engine._requests
+    send = requests.request
 
-        async def _request(self, *args: Any, **kwargs: Any) -> Any:
-            out = await super()._request(*args, **kwargs)
-            self.cached.append(int(out.num_cached_tokens or 0))
-            return out
+    async def recording(*args: Any, **kwargs: Any) -> Any:
+        out = await send(*args, **kwargs)
+        cached.append(int(out.num_cached_tokens or 0))
+        return out
 
-    s = Sampler(Recording, model, engine_args=dict(TEST_ENGINE_ARGS))
-    s.engine.cached = []
+    requests.request = recording
+    s.engine.cached = cached
     return s
 
 

@@ -133,7 +133,8 @@ def test_killed_engine_process_during_sample_is_a_typed_error_and_the_engine_com
     thread.start()
     started.wait()
     # The requests are in the engine once it reports them unfinished.
-    wait_for(lambda: sampler.engine._engine.output_processor.get_num_unfinished_requests() > 0, "the requests to start")
+    engine = sampler.engine._process.engine
+    wait_for(lambda: engine.output_processor.get_num_unfinished_requests() > 0, "the requests to start")
     victims = engine_processes(os.getpid(), victim)
     assert victims
     for proc in victims:
@@ -218,8 +219,9 @@ def main():
     for p in [me, *procs]:
         paths |= {c.laddr for c in p.net_connections(kind="unix") if isinstance(c.laddr, str) and c.laddr}
         paths |= {m.path for m in p.memory_maps() if m.path.startswith("/dev/shm/")}
-    report = {"pids": [[p.pid, p.create_time()] for p in procs if p.pid != sampler.engine._reaper.pid],
-              "paths": sorted(paths), "reaper": sampler.engine._reaper.pid, "files": sampler.engine._engine_files}
+    process = sampler.engine._process
+    report = {"pids": [[p.pid, p.create_time()] for p in procs if p.pid != process.reaper.pid],
+              "paths": sorted(paths), "reaper": process.reaper.pid, "files": process.engine_files}
     print("REPORT", json.dumps(report), flush=True)
     time.sleep(3600)
 
@@ -370,12 +372,12 @@ def test_without_auto_restart_or_weight_replay_the_user_restarts_and_repushes(
     assert updated != before
     sockets = engine_sockets(s)
     assert sockets and all(in_a_session_folder(p) for p in sockets), sockets
-    rendezvous = list(s.engine._engine_files)
+    rendezvous = list(s.engine._process.engine_files)
     assert rendezvous and all(os.path.isfile(f) for f in rendezvous)
     for proc in engine_processes(os.getpid()):
-        if proc.pid in s.engine._reaper.pids:
+        if proc.pid in s.engine._process.reaper.pids:
             proc.send_signal(signal.SIGKILL)
-    wait_for(lambda: s.engine._engine.errored, "vLLM to notice its worker died")
+    wait_for(lambda: s.engine._process.engine.errored, "vLLM to notice its worker died")
     with pytest.raises(EngineDeadError, match=r"sampler\.restart\(\)"):
         s.sample(PROMPTS, GREEDY)
     assert s.restarts == 0  # auto_restart=False: nothing restarted behind the user's back

@@ -114,7 +114,8 @@ def test_prompt_logprobs_under_an_lm_head_adapter_are_refused_and_the_engine_liv
 def test_folder_adapter_matches_transformers_and_peft(clean: Any, tiny_model: Path, adapters: dict[str, Path]) -> None:
     sampler = clean
     # On CPU the workers serve LoRA with twinkle's per-adapter ops (vLLM's gather per token is far slower).
-    assert all(w["cpu_lora_ops"] == ("grouped" if w["device"] == "cpu" else "") for w in sampler.engine._workers)
+    workers = sampler.engine._process.workers
+    assert all(w["cpu_lora_ops"] == ("grouped" if w["device"] == "cpu" else "") for w in workers)
     base = tokens(sampler)
     version = sampler.add_adapter_to_model("a", adapters["a"])
     assert version == sampler.weights_version

@@ -92,7 +92,7 @@ def tokens(out: list[Any]) -> list[list[int]]:
 
 
 def test_two_workers_start_without_a_user_binding(tp2: Any) -> None:
-    assert len(tp2.engine._workers) == 2
+    assert len(tp2.engine._process.workers) == 2
     assert "VLLM_CPU_OMP_THREADS_BIND" not in os.environ  # set only while the engine was spawned
 
 

@@ -116,23 +116,7 @@ def make_plan(
             a temperature vLLM cannot reach when the temperature processor is off,
             or a seed where ``seeds_crash`` says why the engine cannot take one.
     """
-    if params.seed is not None and seeds_crash:
-        raise UnsupportedFeatureError(f"SamplingParams.seed={params.seed} cannot be used here: {seeds_crash}")
-    for name in ("logprobs", "prompt_logprobs"):
-        k = getattr(params, name)
-        if k is not None and k > max_logprobs:
-            raise UnsupportedFeatureError(
-                f"SamplingParams.{name}={k} exceeds this engine's max_logprobs={max_logprobs}:"
-                f" start the sampler with engine_args={{'max_logprobs': {k}}} (or more)."
-            )
-    bad = [t for t in params.stop_token_ids if t >= vocab_size]
-    if bad:
-        raise InvalidSamplingParams(
-            f"SamplingParams.stop_token_ids={list(params.stop_token_ids)!r} is invalid: token id {bad[0]} is"
-            f" outside the vocabulary [0, {vocab_size}).",
-            field="stop_token_ids",
-        )
-
+    _refuse(params, max_logprobs=max_logprobs, vocab_size=vocab_size, seeds_crash=seeds_crash)
     plan = Plan(params=params)
     greedy = params.greedy
     raw = params.logprobs_mode == "raw"
@@ -172,9 +156,37 @@ def make_plan(
         "logit_bias": dict(params.logit_bias) or None,
         "allowed_token_ids": list(params.allowed_token_ids) if params.allowed_token_ids is not None else None,
         "bad_words": list(params.bad_words) or None,
-        # vLLM's StructuredOutputsParams, built where vLLM is imported (the engine's _request)
+        # vLLM's StructuredOutputsParams, built where vLLM is imported (RunRequests.request)
         "structured_outputs": params.structured_outputs.to_vllm() if params.structured_outputs is not None else None,
     }
+    _set_temperature(kw, params, temperature_processor=temperature_processor)
+    plan.vllm = kw
+    return plan
+
+
+def _refuse(params: SamplingParams, *, max_logprobs: int, vocab_size: int, seeds_crash: str) -> None:
+    """Raise if the engine cannot honour ``params`` (see :func:`make_plan`)."""
+    if params.seed is not None and seeds_crash:
+        raise UnsupportedFeatureError(f"SamplingParams.seed={params.seed} cannot be used here: {seeds_crash}")
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and k > max_logprobs:
+            raise UnsupportedFeatureError(
+                f"SamplingParams.{name}={k} exceeds this engine's max_logprobs={max_logprobs}:"
+                f" start the sampler with engine_args={{'max_logprobs': {k}}} (or more)."
+            )
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise InvalidSamplingParams(
+            f"SamplingParams.stop_token_ids={list(params.stop_token_ids)!r} is invalid: token id {bad[0]} is"
+            f" outside the vocabulary [0, {vocab_size}).",
+            field="stop_token_ids",
+        )
+
+
+def _set_temperature(kw: dict[str, Any], params: SamplingParams, *, temperature_processor: bool) -> None:
+    """Put the temperature into ``kw``: vLLM's own where it can, else twinkle's processor (then min-p too)."""
+    greedy = params.greedy
     temperature = params.temperature
     reorder = not greedy and params.min_p > 0.0 and params.top_p < 1.0
     in_range = VLLM_MIN_TEMPERATURE <= temperature <= VLLM_MAX_TEMPERATURE
@@ -200,8 +212,6 @@ def make_plan(
             f" [{VLLM_MIN_TEMPERATURE}, {VLLM_MAX_TEMPERATURE}] and twinkle's temperature processor is off"
             " (speculative decoding disables custom logits processors)."
         )
-    plan.vllm = kw
-    return plan
 
 
 def scoring_params(num_logprobs: int) -> dict[str, Any]:

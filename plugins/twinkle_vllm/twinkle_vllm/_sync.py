@@ -183,43 +183,12 @@ class SyncChannel:
                 "extra": extra or {},
             }
             rpc = self._start_rpc("twinkle_sync", (session,))
-            for rank in range(self._world_size):
-                sock = self._ctx.socket(zmq.REQ)
-                sock.setsockopt(zmq.LINGER, 0)
-                # The worker binds its socket only once its RPC runs, usually after this connect; ZMQ then
-                # retries after RECONNECT_IVL, 100 ms by default, which every sync paid as dead time.
-                sock.setsockopt(zmq.RECONNECT_IVL, 2)
-                sock.connect(socket_address(folder, rank))
-                sockets.append(sock)
+            self._connect(sockets, folder)
             # Stage (fill and checksum) the first slot while the workers' RPC starts up, then shake hands.
             by_name = dict(tensors)
             checksum = self._stage(buffer, buckets[0], by_name, 0) if buckets else 0
             self._round(sockets, {"op": "hello", "session": session_id}, "handshake", rpc)
-            for i, bucket in enumerate(buckets):
-                message = {
-                    "op": "bucket",
-                    "index": i,
-                    "count": len(buckets),
-                    "offset": (i % 2) * slot,
-                    "nbytes": bucket[-1].offset + bucket[-1].nbytes,
-                    "checksum": checksum,
-                    "items": bucket,
-                }
-                for sock in sockets:
-                    sock.send_pyobj(message)
-                self.buckets_sent += 1
-                # Stage the next bucket in the other slot while the workers consume this one, checksum
-                # included: its message then goes out the moment they answer, so a worker never waits
-                # for a bucket the driver could already have ready.
-                if i + 1 < len(buckets):
-                    checksum = self._stage(buffer, buckets[i + 1], by_name, ((i + 1) % 2) * slot)
-                if while_applying is not None:
-                    clock = time.perf_counter()
-                    while_applying(list(dict.fromkeys(item.name for item in bucket)))
-                    self._timings["driver_side_work"] += time.perf_counter() - clock
-                clock = time.perf_counter()
-                self._collect(sockets, f"bucket {i + 1}/{len(buckets)}", rpc)
-                self._timings["driver_wait"] += time.perf_counter() - clock
+            self._send_buckets(sockets, buffer, buckets, by_name, slot, checksum, rpc, while_applying)
             self._round(sockets, {"op": "commit", "count": len(buckets)}, "commit", rpc)
             results = self._wait_rpc(rpc, "finish")
         except BaseException:
@@ -238,6 +207,55 @@ class SyncChannel:
         for key, value in (results[0].get("timings") or {}).items():
             self.last_stats[f"worker_{key}"] = float(value)
         return results
+
+    def _connect(self, sockets: list[zmq.Socket[bytes]], folder: str) -> None:
+        """Connect one socket per worker into ``sockets`` (the caller closes them, those of a failed connect too)."""
+        for rank in range(self._world_size):
+            sock = self._ctx.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            # The worker binds its socket only once its RPC runs, usually after this connect; ZMQ then
+            # retries after RECONNECT_IVL, 100 ms by default, which every sync paid as dead time.
+            sock.setsockopt(zmq.RECONNECT_IVL, 2)
+            sock.connect(socket_address(folder, rank))
+            sockets.append(sock)
+
+    def _send_buckets(
+        self,
+        sockets: list[zmq.Socket[bytes]],
+        buffer: StagingBuffer,
+        buckets: list[list[Item]],
+        by_name: dict[str, torch.Tensor],
+        slot: int,
+        checksum: int,
+        rpc: concurrent.futures.Future[list[Any]],
+        while_applying: Callable[[list[str]], None] | None,
+    ) -> None:
+        """Send every bucket (the first already staged in slot 0, ``checksum`` its checksum), staging the next."""
+        for i, bucket in enumerate(buckets):
+            message = {
+                "op": "bucket",
+                "index": i,
+                "count": len(buckets),
+                "offset": (i % 2) * slot,
+                "nbytes": bucket[-1].offset + bucket[-1].nbytes,
+                "checksum": checksum,
+                "items": bucket,
+            }
+            for sock in sockets:
+                sock.send_pyobj(message)
+            self.buckets_sent += 1
+            # Stage the next bucket in the other slot while the workers consume this one, checksum
+            # included: its message then goes out the moment they answer, so a worker never waits
+            # for a bucket the driver could already have ready.
+            if i + 1 < len(buckets):
+                checksum = self._stage(buffer, buckets[i + 1], by_name, ((i + 1) % 2) * slot)
+            if while_applying is not None:
+                clock = time.perf_counter()
+                while_applying(list(dict.fromkeys(item.name for item in bucket)))
+                self._timings["driver_side_work"] += time.perf_counter() - clock
+            clock = time.perf_counter()
+            self._collect(sockets, f"bucket {i + 1}/{len(buckets)}", rpc)
+            self._timings["driver_wait"] += time.perf_counter() - clock
 
     def reset(self) -> None:
         """Forget the RPC of a cancelled session: its engine was replaced (the staging buffer is kept)."""

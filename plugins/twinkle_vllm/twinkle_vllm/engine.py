@@ -22,21 +22,11 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
-import copy
 import os
-import uuid
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
-
-import attrs
-import torch
-from vllm import SamplingParams as VllmSamplingParams
-from vllm.inputs import tokens_input
-from vllm.lora.request import LoRARequest
-from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
-from vllm.v1.engine.async_llm import AsyncLLM
 
 from twinkle_core.data_format import SamplingParams, bad_word_token_ids, check_constraints
 from twinkle_core.data_format.structured import compiled_grammar
@@ -50,7 +40,6 @@ from twinkle_core.engine import (
     EngineRun,
 )
 from twinkle_core.errors import (
-    AdapterError,
     ConfigError,
     EngineDeadError,
     InvalidMeshError,
@@ -58,27 +47,22 @@ from twinkle_core.errors import (
     TwinkleError,
     UnknownAdapterError,
     UnsupportedFeatureError,
-    WeightUpdateError,
 )
 from twinkle_core.hub import resolve_model_id
 from twinkle_core.names import known_names
-from twinkle_vllm._convert import Plan, make_plan, report_completion, report_final, scoring_params
+from twinkle_vllm._adapters import LoraAdapters
+from twinkle_vllm._convert import make_plan, report_final
 from twinkle_vllm._engine_args import (
     GRAMMAR_PROCESSOR,
     LOGITS_PROCESSOR,
     build_engine_args,
-    environment,
     platform_environment,
     read_ipc_timeout,
 )
-from twinkle_vllm._files import PREFIX, remove, session_folder, sweep_stale
-from twinkle_vllm._logits import GRAMMAR_ARG
-from twinkle_vllm._loop import LoopThread
-from twinkle_vllm._lora import LoraSlots, adapts_lm_head, cpu_tensors, lora_config
+from twinkle_vllm._process import EngineFacts, EngineProcess
 from twinkle_vllm._push import WeightPush
-from twinkle_vllm._reaper import Reaper
-from twinkle_vllm._reaper import snapshot as process_snapshot
 from twinkle_vllm._recovery import EngineRecovery, ReplayStore, RestartHooks
+from twinkle_vllm._requests import RunRequests
 from twinkle_vllm._sync import DEFAULT_BUCKET_BYTES, SyncChannel
 from twinkle_vllm._weights import WeightSpec
 
@@ -95,77 +79,9 @@ SUPPORTED_PARAMS = frozenset(
     }
 )  # fmt: skip
 
-#: How long close() lets vLLM's processes exit on their own before killing them.
-#: vLLM's default (5 s) is shorter than a CPU worker takes to exit, which made
-#: every close end in a force-kill.
-_SHUTDOWN_GRACE_S = 30.0
-#: Where vLLM's processes bind their ZMQ sockets (vLLM reads it; the user's setting wins).
-_SOCKET_DIR_ENV = "VLLM_RPC_BASE_PATH"
-
 
 def _resolve_model(model_id: str | os.PathLike[str]) -> Path:
     return Path(resolve_model_id(model_id))
-
-
-def _cache_salt(version: int, lora: LoRARequest | None, merge_id: int = 0) -> str:
-    """vLLM's per-request prefix-cache salt: the weights version and the adapter load.
-
-    Requests share cached KV only when their salts are equal, so a prompt is
-    prefilled once per version and adapter and never reused across a weight
-    update. The adapter part is vLLM's id of the load, fresh on every
-    (re)load, so a replaced adapter never meets its predecessor's KV. A
-    merged adapter (``merge_id``, fresh on every merge) has its own part:
-    removing it restores the base weights without a new version, and the
-    base model must not meet KV computed by the merged weights.
-    """
-    if merge_id:
-        return f"twinkle-w{version}-m{merge_id}"
-    return f"twinkle-w{version}-a{lora.lora_int_id if lora is not None else 0}"
-
-
-@attrs.frozen
-class _Facts:
-    """What the sampler reads from a started engine's config (again after a restart)."""
-
-    max_model_len: int
-    vocab_size: int
-    max_logprobs: int
-    #: vLLM's LoRA config, ``None`` with LoRA off
-    lora_config: Any
-    device_type: str
-    world_size: int
-    #: why a seeded request would kill this engine (``""``: it would not)
-    seeds_crash: str
-    #: the generation config's end-of-sequence ids (vLLM adds the tokenizer's)
-    eos_token_ids: tuple[int, ...] = ()
-    #: the model's dtype (a torch.dtype; EngineInfo keeps its name)
-    dtype: Any = None
-
-    @classmethod
-    def read(cls, config: Any) -> _Facts:
-        device_type = str(config.device_config.device_type)
-        try:
-            eos = config.model_config.try_get_generation_config().get("eos_token_id")
-        except Exception:  # no generation config: the tokenizer's id only
-            eos = None
-        eos_ids = () if eos is None else ((eos,) if isinstance(eos, int) else tuple(int(t) for t in eos))
-        return cls(
-            eos_token_ids=eos_ids,
-            max_model_len=int(config.model_config.max_model_len),
-            vocab_size=int(config.model_config.get_vocab_size()),
-            max_logprobs=int(config.model_config.max_logprobs),
-            dtype=config.model_config.dtype,
-            lora_config=config.lora_config,
-            device_type=device_type,
-            world_size=int(config.parallel_config.world_size),
-            # See platform_defaults(): only a user who turned chunked prefill back on gets here.
-            seeds_crash=(
-                "on vLLM's CPU backend a seeded request in a chunked prefill kills the engine (vLLM 0.32);"
-                " start the sampler without engine_args={'enable_chunked_prefill': True}, or drop the seed."
-                if device_type == "cpu" and config.scheduler_config.enable_chunked_prefill
-                else ""
-            ),
-        )
 
 
 class _EngineDied(EngineDeadError):
@@ -224,52 +140,24 @@ class vLLMEngine(Engine):
     ) -> None:
         super().__init__(context)
         self._closed = False
-        self._engine: AsyncLLM | None = None
-        self._loop: LoopThread | None = None
         self._channel: SyncChannel | None = None
-        self._reaper: Reaper | None = None
-        #: where this engine's processes bind vLLM's ZMQ sockets (None: the user set VLLM_RPC_BASE_PATH)
-        self._socket_dir: str | None = None
-        #: files of the engine's that vLLM leaves behind when it is killed (its rendezvous file)
-        self._engine_files: list[str] = []
-        for flag, value in (("auto_restart", auto_restart), ("replay_weights", replay_weights)):
-            if not isinstance(value, bool):
-                raise ConfigError(f"{flag}={value!r} is invalid: expected True or False.")
-        if replay_store is None:
-            replay_store = ReplayStore(keep_weights=replay_weights)
-        elif not isinstance(replay_store, ReplayStore):
-            raise ConfigError(f"replay_store={replay_store!r:.60} is invalid: expected a twinkle_vllm ReplayStore.")
-        elif replay_store.keep_weights != replay_weights:
-            raise ConfigError(
-                f"replay_store keeps weights={replay_store.keep_weights} but replay_weights={replay_weights}:"
-                " give one of them, or make them agree."
-            )
         #: What a restarted engine is brought back to (see twinkle_vllm._recovery).
-        self._replay = replay_store
+        self._replay = _checked_replay_store(auto_restart, replay_weights, replay_store)
         self._recovery = EngineRecovery(
             RestartHooks(
                 closed=lambda: self._closed,
                 weights_version=lambda: self.context.weights_version,
-                errored=lambda: self._engine is None or bool(getattr(self._engine, "errored", False)),
+                errored=lambda: self._process.errored(),
                 exclusive=self.context.exclusive,
                 stop=self._stop_engine,
                 boot=self._boot,
                 replay_weights=lambda tensors: self._push.replay(tensors),
-                replay_adapter=self._replay_adapter,
+                replay_adapter=lambda name, how: self._adapters.replay(name, how),
             ),
-            replay_store,
+            self._replay,
             auto_restart=auto_restart,
         )
-        mesh = DeviceMesh() if device_mesh is None else device_mesh
-        if not isinstance(mesh, DeviceMesh):
-            raise InvalidMeshError(f"device_mesh={device_mesh!r} is invalid: expected a twinkle DeviceMesh.")
-        if mesh.dp_size > 1:
-            raise UnsupportedFeatureError(
-                f"DeviceMesh(dp_size={mesh.dp_size}) needs one engine per replica: build the sampler with"
-                " remote_group=... (after twinkle_core.initialize('ray', ...)), or use dp_size=1."
-            )
-        if isinstance(sync_bucket_bytes, bool) or not isinstance(sync_bucket_bytes, int) or sync_bucket_bytes < 4096:
-            raise ConfigError(f"sync_bucket_bytes={sync_bucket_bytes!r} is invalid: expected an integer >= 4096.")
+        mesh = _checked_mesh(device_mesh, sync_bucket_bytes)
         self._ipc_timeout_s = read_ipc_timeout()
         options = self._merge_options(engine_args, kwargs)
         if mesh.tp_size > 1 and "distributed_executor_backend" not in options and context.placement is not None:
@@ -279,50 +167,20 @@ class vLLMEngine(Engine):
         self.model_dir = _resolve_model(model_id)
         self.model_id = str(model_id)
         engine_args_obj = build_engine_args(self.model_dir, mesh.tp_size, options)
-        # Read once: a restart spawns its processes with the same environment.
-        self._spawn_env = platform_environment(mesh.tp_size)
         #: the devices of this engine (``/get_world_size`` of ``twinkle serve`` reads it)
         self.device_mesh = mesh
         self._temperature_processor = LOGITS_PROCESSOR in (engine_args_obj.logits_processors or [])
-        self._grammar_processor = GRAMMAR_PROCESSOR in (engine_args_obj.logits_processors or [])
         self.context.init_template(template, self.model_dir)
-
-        self._loras = LoraSlots()
-        # add_adapter_to_model(..., merge=True): the merged adapter and the base values it replaced.
-        self._merged = AdapterMerger(
-            engine="vllm",
-            read_base=self._read_base,
-            check=lambda pairs: self._push.spec.validate(pairs),
-            apply=self._push_weights,
-            loaded=lambda: list(self._loras),
-            load_unmerged=self._load_lora,
-            remove_unmerged=self._remove_lora,
-            prepare=self._merge_input,
-            spell=lambda pairs: known_names(pairs, self._push.spec.spec),
-            can_undo=lambda: not self._recovery.engine_dead(),
-            on_lost=lambda names, message: self._replay.mark_lost(names, message),
-        )
         self._asleep = False
-        self._engine_args_obj = engine_args_obj
-        self._loop = LoopThread()
+        # Spawn environment read once: a restart spawns its processes with the same environment.
+        self._process = EngineProcess(engine_args_obj, platform_environment(mesh.tp_size), self.model_dir)
         try:
             self._boot()
         except BaseException:
             self._shutdown()
             raise
-        self._channel = SyncChannel(
-            lambda method, args: self._loop.submit(self._engine.collective_rpc(method, args=args)),  # type: ignore[union-attr]
-            self._facts.world_size,
-            self._ipc_timeout_s,
-            bucket_bytes=sync_bucket_bytes,
-        )
-        self._push = WeightPush(
-            self._channel,
-            self._replay,
-            self._read_weight_spec,
-            on_cuda=lambda: self._facts.device_type == "cuda",
-            engine_dead=self._recovery.engine_dead,
-            reset_cache=lambda: self._loop.run(self._engine.reset_prefix_cache()),  # type: ignore[union-attr]
+        self._build_parts(
+            sync_bucket_bytes, grammar_processor=GRAMMAR_PROCESSOR in (engine_args_obj.logits_processors or [])
         )
         self.info = EngineInfo(
             name="vllm",
@@ -335,39 +193,58 @@ class vLLMEngine(Engine):
         # vLLM's own finalizers stop its processes at exit; this also stops our loop thread first.
         atexit.register(_close_at_exit, weakref.ref(self))
 
+    def _build_parts(self, sync_bucket_bytes: int, *, grammar_processor: bool) -> None:
+        """The parts that work on a started engine: weight pushes, adapters, merging, the request path."""
+        process = self._process
+        self._channel = SyncChannel(
+            lambda method, args: process.loop.submit(process.engine.collective_rpc(method, args=args)),  # type: ignore[union-attr]
+            self._facts.world_size,
+            self._ipc_timeout_s,
+            bucket_bytes=sync_bucket_bytes,
+        )
+        self._push = WeightPush(
+            self._channel,
+            self._replay,
+            self._read_weight_spec,
+            on_cuda=lambda: self._facts.device_type == "cuda",
+            engine_dead=self._recovery.engine_dead,
+            reset_cache=lambda: process.loop.run(process.engine.reset_prefix_cache()),  # type: ignore[union-attr]
+        )
+        self._adapters = LoraAdapters(
+            process, self._push, self._replay, lambda: self._channel, self._recovery, self._guard_state_change
+        )
+        # add_adapter_to_model(..., merge=True): the merged adapter and the base values it replaced.
+        self._merged = AdapterMerger(
+            engine="vllm",
+            read_base=self._adapters.read_base,
+            check=lambda pairs: self._push.spec.validate(pairs),
+            apply=self._push_weights,
+            loaded=lambda: list(self._adapters.slots),
+            load_unmerged=self._adapters.load,
+            remove_unmerged=self._adapters.remove,
+            prepare=self._adapters.merge_input,
+            spell=lambda pairs: known_names(pairs, self._push.spec.spec),
+            can_undo=lambda: not self._recovery.engine_dead(),
+            on_lost=lambda names, message: self._replay.mark_lost(names, message),
+        )
+        self._requests = RunRequests(
+            process, self._merged, lambda: self.eos_token_ids, grammar_processor=grammar_processor
+        )
+
+    @property
+    def _facts(self) -> EngineFacts:
+        """What the sampler read from the running engine's config (read again by every boot)."""
+        return self._process.facts
+
     def _read_weight_spec(self) -> WeightSpec:
-        worker = self._workers[0]
+        worker = self._process.workers[0]
         return WeightSpec.from_model_dir(self.model_dir, worker["dtype"], worker["packed_modules_mapping"])
 
     def _boot(self) -> None:
-        """Start the engine and its reaper; read what the sampler needs from it (also on restart)."""
-        assert self._loop is not None
-        # Files of samplers whose process was killed before they could remove them.
-        sweep_stale()
-        before = process_snapshot()
-        env = dict(self._spawn_env)
-        # (another engine of this process may be starting with its own folder set: not the user's)
-        if os.path.basename(os.environ.get(_SOCKET_DIR_ENV, PREFIX)).startswith(PREFIX):
-            # vLLM binds its sockets in the temporary folder and leaves them there when it stops;
-            # in a folder of ours they go with the engine (and with the reaper's or sweep's cleanup).
-            self._socket_dir = env[_SOCKET_DIR_ENV] = session_folder()
-        try:
-            # A copy: vLLM may fill in the arguments it is given, and a restart needs them as they were.
-            with environment(env):
-                self._engine = self._loop.run(self._start_engine(copy.deepcopy(self._engine_args_obj)))
-        except BaseException:
-            self._remove_socket_dir()
-            raise
-        self._facts = _Facts.read(self._engine.vllm_config)
+        """Start the engine (also on restart); see :meth:`EngineProcess.boot`."""
+        self._process.boot()
         if self._replay.overlap is None:  # copies overlap the push on GPUs, not on CPU workers (see ReplayStore)
             self._replay.overlap = self._facts.device_type != "cpu"
-        self._workers = self._rpc("twinkle_describe")
-        # Files vLLM removes on a clean shutdown only: ours to remove after a killed engine, the reaper's if we die.
-        self._engine_files = sorted({w["rendezvous"] for w in self._workers if w.get("rendezvous")})
-        # If this process is killed, the reaper stops the engine's processes and removes their files.
-        self._reaper = Reaper.start(before, files=self._engine_files)
-        # A second line behind the reaper: the workers stop the engine if this process dies.
-        self._rpc("twinkle_watch_driver", os.getpid())
 
     @staticmethod
     def _merge_options(engine_args: Mapping[str, Any] | None, kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -383,15 +260,8 @@ class vLLMEngine(Engine):
             options[key] = value
         return options
 
-    async def _start_engine(self, args: Any) -> AsyncLLM:
-        try:
-            return AsyncLLM.from_engine_args(args)
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"vLLM could not start an engine for {self.model_dir}: {exc}") from exc
-
     def _rpc(self, method: str, *args: Any) -> list[Any]:
-        assert self._loop is not None and self._engine is not None
-        return list(self._loop.run(self._engine.collective_rpc(method, args=args)))
+        return self._process.rpc(method, *args)
 
     def after_death(self, error: EngineDeadError) -> BaseException:
         """With no lock held: restart a dead engine (``auto_restart``) and say what happened."""
@@ -425,7 +295,8 @@ class vLLMEngine(Engine):
         """Every prompt of ``run`` as one vLLM request; finished sequences are reported as vLLM ends them,
         and a stopped run aborts its requests (their partial outputs come back with ``stop_reason="abort"``).
         """
-        assert self._loop is not None
+        loop = self._process.loop
+        assert loop is not None
         prompts, params, adapter_name = run.prompts, run.params, run.adapter_name
         plan = make_plan(
             params,
@@ -447,19 +318,19 @@ class vLLMEngine(Engine):
             raise TwinkleError("The vLLM engine is asleep: call wake_up() before sampling.")
         self._replay.check_present()
         if params.prompt_logprobs is not None:
-            self._refuse_prompt_scores("SamplingParams.prompt_logprobs")
+            self._adapters.refuse_prompt_scores("SamplingParams.prompt_logprobs")
         elif plan.rescore_raw:  # raw log-probs re-score prompt + completion as a prompt
-            self._refuse_prompt_scores("SamplingParams.logprobs_mode='raw'")
+            self._adapters.refuse_prompt_scores("SamplingParams.logprobs_mode='raw'")
         generation = self._recovery.generation  # no restart runs while the base's lock is held shared
         # A merged adapter runs on the base path (no LoRA kernels); its sequences still carry its name.
         active = self._merged.running(adapter_name)
-        if active and active not in self._loras:
+        if active and active not in self._adapters.slots:
             # Never run the base model under an adapter's name (say, one a failed restart lost).
             raise UnknownAdapterError(f"Adapter {adapter_name!r} is not loaded in the vLLM engine.")
-        lora = self._loras.get(active) if active else None
+        lora = self._adapters.slots.get(active) if active else None
         version = self.context.weights_version
         try:
-            outputs = self._loop.run(self._run_all(run, plan, lora, version))
+            outputs = loop.run(self._requests.run_all(run, plan, lora, version))
         except (concurrent.futures.CancelledError, asyncio.CancelledError) as exc:
             if self._closed:
                 raise SamplerClosedError("The sampler was closed while this sample() was running.") from exc
@@ -477,137 +348,6 @@ class vLLMEngine(Engine):
         for p, (prompt, out) in enumerate(zip(prompts, outputs)):
             report_final(run, p, prompt.input_ids, out, plan)
 
-    # -- async request handling -----------------------------------------------------------
-    async def _run_all(self, run: EngineRun, plan: Plan, lora: LoRARequest | None, version: int) -> list[Any]:
-        request_ids = [uuid.uuid4().hex for _ in run.prompts]
-        tasks = [
-            asyncio.ensure_future(self._run_one(run, p, request_ids[p], plan, lora, version))
-            for p in range(len(run.prompts))
-        ]
-        loop = asyncio.get_running_loop()
-
-        def stop() -> None:  # from the thread that aborted: abort the requests on the loop
-            asyncio.run_coroutine_threadsafe(self._abort_requests(request_ids), loop)
-
-        run.stop_event.add_callback(stop)
-        try:
-            results: list[Any] = await asyncio.gather(*tasks)
-            return results
-        except BaseException:
-            # One failed (or we were cancelled): abort the others, do not leak requests.
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-            raise
-        finally:
-            run.stop_event.remove_callback(stop)
-
-    async def _abort_requests(self, request_ids: list[str]) -> None:
-        if self._engine is not None:
-            await self._engine.abort(request_ids)
-
-    async def _request(
-        self,
-        ids: list[int],
-        kwargs: dict[str, Any],
-        lora: LoRARequest | None,
-        salt: str,
-        request_id: str | None = None,
-        on_output: Any = None,
-    ) -> Any:
-        """One vLLM request; ``on_output`` sees every cumulative output (to report finished completions).
-
-        ``salt`` keys the prefix cache on the weights version and adapter (see ``_cache_salt``).
-        """
-        assert self._engine is not None
-        kind = RequestOutputKind.CUMULATIVE if on_output is not None else RequestOutputKind.FINAL_ONLY
-        if isinstance(kwargs.get("structured_outputs"), dict):
-            kwargs = {**kwargs, "structured_outputs": StructuredOutputsParams(**kwargs["structured_outputs"])}
-        params = VllmSamplingParams(**kwargs, output_kind=kind)
-        final = None
-        latest: dict[int, Any] = {}  # with n > 1 a cumulative output may carry only the completions that moved
-        prompt_logprobs = None
-        prompt = tokens_input(list(ids), cache_salt=salt)
-        async for out in self._engine.generate(prompt, params, request_id or uuid.uuid4().hex, lora_request=lora):
-            final = out
-            for completion in out.outputs:
-                latest[completion.index] = completion
-            if out.prompt_logprobs is not None and prompt_logprobs is None:
-                prompt_logprobs = out.prompt_logprobs
-            if on_output is not None:
-                await on_output(out)
-        if final is not None and on_output is not None:
-            final.outputs = [latest[i] for i in sorted(latest)]
-            if final.prompt_logprobs is None:
-                final.prompt_logprobs = prompt_logprobs
-        return final
-
-    async def _run_one(
-        self, run: EngineRun, p: int, request_id: str, plan: Plan, lora: LoRARequest | None, version: int
-    ) -> tuple[Any, list[Any] | None]:
-        ids = list(run.prompts[p].input_ids)
-        salt = _cache_salt(version, lora, self._merged.merge_id if self._merged.name is not None else 0)
-        kwargs = plan.for_prompt(len(ids), self._facts.max_model_len)
-        if kwargs is None:
-            return None, None
-        if not plan.scoring and run.max_tokens[p] < kwargs["max_tokens"]:
-            kwargs = {**kwargs, "max_tokens": run.max_tokens[p]}
-        if plan.params.structured_outputs is not None and run.generated[p]:
-            kwargs = self._continued_grammar(kwargs, ids[len(ids) - run.generated[p] :], plan.params)
-        if plan.params.min_tokens:
-            # a continuation's prompt ends with what it generated before: min_tokens counts those too
-            left = max(0, plan.params.min_tokens - run.generated[p])
-            kwargs = {**kwargs, "min_tokens": min(left, kwargs["max_tokens"])}
-        k = plan.params.logprobs or 0
-        rescored: dict[int, Any] = {}
-        reported: set[int] = set()
-
-        async def report(out: Any) -> None:
-            for completion in out.outputs:
-                if completion.finish_reason is None or completion.index in reported:
-                    continue
-                reported.add(completion.index)
-                raw = None
-                if plan.rescore_raw and not plan.scoring:
-                    raw = await self._request(ids + list(completion.token_ids), scoring_params(k), lora, salt)
-                    rescored[completion.index] = raw
-                report_completion(run, p, ids, completion, raw, plan)
-
-        final = await self._request(ids, kwargs, lora, salt, request_id, on_output=report)
-        if not plan.rescore_raw:
-            return final, None
-        missing = [o for o in final.outputs if o.index not in rescored]
-        for o, raw in zip(
-            missing,
-            await asyncio.gather(
-                *(self._request(ids + list(o.token_ids), scoring_params(k), lora, salt) for o in missing)
-            ),
-        ):
-            rescored[o.index] = raw
-        return final, [rescored[o.index] for o in final.outputs]
-
-    def _continued_grammar(self, kwargs: dict[str, Any], done: list[int], params: SamplingParams) -> dict[str, Any]:
-        """A continuation's request under its constraint: twinkle's processor, fed ``done`` first.
-
-        vLLM would start the grammar over at the continuation's first token
-        (``_logits.GrammarProcessor`` says why and how this differs).
-        """
-        assert params.structured_outputs is not None
-        if not self._grammar_processor:
-            raise UnsupportedFeatureError(
-                "SamplingParams.structured_outputs cannot be continued (resume(), or in_flight='keep') on this"
-                " engine: it needs twinkle's logits processor, which speculative decoding turns off."
-            )
-        stops = sorted(set(self.eos_token_ids) | set(params.stop_token_ids))
-        grammar = {
-            "spec": params.structured_outputs.to_dict(),
-            "done": done,
-            "stops": stops,
-            "vocab": self._facts.vocab_size,
-        }
-        extra = {**(kwargs.get("extra_args") or {}), GRAMMAR_ARG: grammar}
-        return {**kwargs, "structured_outputs": None, "extra_args": extra}
-
     # -- LoRA -----------------------------------------------------------------------------
     def load_adapter(self, adapter: AdapterInput, *, version: int, **options: Any) -> str:
         """Load a PEFT LoRA adapter (folder, or config + tensors in memory), or replace it.
@@ -624,148 +364,14 @@ class vLLMEngine(Engine):
         """
         return self._merged.load_adapter(adapter, options)
 
-    def _merge_input(self, adapter: AdapterInput) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
-        """The config and CPU tensors of an adapter to merge, refused if it does not fit the model."""
-        config, tensors = lora_config(adapter), cpu_tensors(adapter)
-        self._check_lora(adapter)
-        return config, tensors
-
-    def _read_base(self, names: list[str]) -> dict[str, torch.Tensor]:
-        """The engine's values of ``names`` and of the rest of their fused layers (none of them is merged).
-
-        A tensor a push replaced is read from its replay copy, which holds what
-        the last push sent (cloned: later pushes write over the copies); any
-        other from the checkpoint.
-        """
-        spec = self._push.spec
-        wanted = list(dict.fromkeys(member for name in names for member in spec.group_of(name)))
-        held, unknown = self._push.held_values(wanted, replaced=self._push.updated)
-        if unknown:
-            raise AdapterError(
-                f"merge=True needs the base values of {sorted(unknown)[:3]}, which update_weights replaced, and this"
-                " sampler keeps no copy of them (replay_weights=False). Merge first and update after (the merged"
-                " adapter's base values are kept), start the sampler with replay_weights=True, or load the adapter"
-                " with merge=False."
-            )
-        # MergedLoRA keeps these; the replay copies are written over by later pushes.
-        return {name: value.clone() if value is self._replay.tensors.get(name) else value for name, value in held}
-
-    def _load_lora(self, adapter: AdapterInput) -> str:
-        name = adapter.name
-        if self._facts.lora_config is None:
-            raise AdapterError(
-                f"Cannot load adapter {name!r}: LoRA is off in this engine. Build the sampler with"
-                " engine_args={'enable_lora': True, 'max_lora_rank': <your rank>} (and 'max_loras' /"
-                " 'max_cpu_loras' for several adapters)."
-            )
-        old = self._loras.get(name)
-        capacity = int(self._facts.lora_config.max_cpu_loras or self._facts.lora_config.max_loras)
-        if old is None and len(self._loras) >= capacity:
-            raise AdapterError(
-                f"Cannot load adapter {name!r}: {len(self._loras)} adapter(s) are loaded and the engine holds"
-                f" {capacity} (engine option max_cpu_loras). Remove one, or raise max_cpu_loras."
-            )
-        # A fresh vLLM id on every load: no cache keyed on the old id can serve stale weights.
-        lora_id = self._loras.new_id()
-        replaces = old.lora_int_id if old is not None else None
-        try:
-            config, tensors = lora_config(adapter), cpu_tensors(adapter)
-            self._check_lora(adapter)
-            if adapter.folder is not None:  # vLLM reads the folder itself
-                folder = adapter.folder.resolve()
-                how: tuple[Any, ...] = ("folder", str(folder))
-                path, source = self._load_lora_folder(name, lora_id, str(folder), replaces), str(folder)
-            else:
-                # Copies for a restart: the caller's tensors may change in place after this call.
-                how = ("memory", config, [(key, t.clone()) for key, t in tensors])
-                path, source = self._load_lora_memory(name, lora_id, config, tensors, replaces), adapter.source
-        except Exception as exc:
-            self._guard_state_change(f"add_adapter_to_model({name!r})", exc)
-            raise
-        self._loras.put(LoRARequest(name, lora_id, path), lm_head=adapts_lm_head(tensors))
-        self._replay.record_adapter(name, how)
-        return source
-
-    def _refuse_prompt_scores(self, what: str) -> None:
-        """Refuse ``what`` (it scores prompts) where vLLM's CPU build would die doing so under lm_head LoRA.
-
-        Prompt logits go through the LoRA logits op with one index per request
-        of the step for one request's prompt rows; twinkle skips the op while
-        no adapter has lm_head LoRA (``_cpu_lora_ops._fix_prompt_logits``), but with
-        one loaded the op runs and its worker raises, ending the engine. Any
-        call can share a step with another, so none may score prompts then.
-        """
-        heads = self._loras.lm_head_names()
-        if heads and self._facts.device_type == "cpu":
-            raise UnsupportedFeatureError(
-                f"{what} cannot be used while adapter(s) {heads} with lm_head LoRA are"
-                " loaded on vLLM's CPU build: its LoRA logits op fails on prompt rows and ends the engine (vLLM"
-                " 0.32). Remove them first, load them with merge=True (no LoRA kernels), or score on the torch engine."
-            )
-
-    def _check_lora(self, adapter: AdapterInput) -> None:
-        """Refuse an adapter that does not fit the model (vLLM would load it silently)."""
-        try:
-            spec = self._push.spec
-        except UnsupportedFeatureError:  # no safetensors checkpoint to read shapes from
-            return
-        spec.check_lora(adapter)
-
-    def _load_lora_folder(self, name: str, lora_id: int, folder: str, replaces: int | None) -> str:
-        results = self._rpc("twinkle_add_lora_folder", lora_id, name, folder, replaces)
-        failed = [r for r in results if not r.get("ok")]
-        if failed:
-            raise AdapterError(f"vLLM could not load adapter {name!r} from {folder}: {failed[0]['error']}")
-        return folder
-
-    def _load_lora_memory(
-        self,
-        name: str,
-        lora_id: int,
-        config: dict[str, Any],
-        tensors: list[tuple[str, torch.Tensor]],
-        replaces: int | None,
-    ) -> str:
-        assert self._channel is not None
-        try:
-            self._channel.push("lora", tensors, {"lora_id": lora_id, "config": config, "replaces": replaces})
-        except WeightUpdateError as exc:
-            raise AdapterError(f"Cannot load adapter {name!r}: {exc}") from exc
-        return f"twinkle-memory://{name}/{lora_id}"
-
     def remove_adapter(self, name: str) -> None:
         self._merged.remove_adapter(name)
-
-    def _remove_lora(self, name: str) -> None:
-        """Unload an adapter served by vLLM's LoRA kernels (harmless if it is not loaded)."""
-        request = self._loras.pop(name)
-        how = self._replay.adapters.get(name)
-        self._replay.record_adapter(name, None)
-        if request is None:
-            return
-        try:
-            self._rpc("twinkle_remove_lora", request.lora_int_id)
-        except Exception as exc:
-            generation = self._recovery.generation
-            try:
-                self._guard_state_change(f"remove_adapter({name!r})", exc)
-            except EngineDeadError:
-                if self._recovery.generation != generation and not self._recovery.engine_dead():
-                    return  # restarted without the adapter: the removal holds
-                raise
-            finally:
-                if self._recovery.generation == generation or self._recovery.engine_dead():
-                    # Not removed: keep the sampler's tables in step with the engine (and with
-                    # the base's adapter table, which keeps the name when this raises).
-                    self._loras.put(request)
-                    self._replay.record_adapter(name, how)
-            raise
 
     # -- weights --------------------------------------------------------------------------
     def update_weights(self, named_tensors: list[tuple[str, Any]], *, version: int) -> None:
         """Push new base weights into every worker (validated first).
 
-        The prefix cache is keyed by weights version (see :func:`_cache_salt`),
+        The prefix cache is keyed by weights version (see :func:`twinkle_vllm._requests.cache_salt`),
         so a successful push needs no reset: later requests carry the new
         version and never hit KV computed by the old weights. A failed push
         resets the whole cache, since it may have changed some layers while
@@ -807,17 +413,19 @@ class vLLMEngine(Engine):
             UnsupportedFeatureError: on CPU, or without ``engine_args={"enable_sleep_mode": True}``.
         """
         self._check_sleep_mode()
-        assert self._loop is not None and self._engine is not None
+        process = self._process
+        assert process.loop is not None and process.engine is not None
         with self.context.exclusive():
-            self._loop.run(self._engine.sleep(level))
+            process.loop.run(process.engine.sleep(level))
             self._asleep = True
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Restore what :meth:`sleep` freed."""
         self._check_sleep_mode()
-        assert self._loop is not None and self._engine is not None
+        process = self._process
+        assert process.loop is not None and process.engine is not None
         with self.context.exclusive():
-            self._loop.run(self._engine.wake_up(tags))
+            process.loop.run(process.engine.wake_up(tags))
             self._asleep = False
 
     def _check_sleep_mode(self) -> None:
@@ -827,8 +435,9 @@ class vLLMEngine(Engine):
             raise UnsupportedFeatureError(
                 "sleep()/wake_up() need a GPU: vLLM's CPU engine has no sleep mode (it would silently ignore it)."
             )
-        assert self._engine is not None
-        if not self._engine.vllm_config.model_config.enable_sleep_mode:
+        engine = self._process.engine
+        assert engine is not None
+        if not engine.vllm_config.model_config.enable_sleep_mode:
             raise UnsupportedFeatureError("sleep() needs the engine option engine_args={'enable_sleep_mode': True}.")
 
     # -- test hook ------------------------------------------------------------------------
@@ -855,43 +464,11 @@ class vLLMEngine(Engine):
         """
         self._recovery.restart()
 
-    def _replay_adapter(self, name: str, how: tuple[Any, ...]) -> None:
-        request = self._loras.get(name)
-        assert request is not None
-        if how[0] == "folder":
-            self._load_lora_folder(name, request.lora_int_id, how[1], None)
-        else:
-            self._load_lora_memory(name, request.lora_int_id, how[1], how[2], None)
-
     def _stop_engine(self) -> None:
         """Stop the engine's processes (a dead engine included), keeping the loop and the channel."""
         if self._channel is not None:
             self._channel.reset()
-        engine, self._engine = self._engine, None
-        loop = self._loop
-        if engine is not None and loop is not None and loop.alive:
-
-            async def stop() -> None:
-                engine.shutdown(timeout=_SHUTDOWN_GRACE_S)
-
-            try:
-                loop.run(stop(), timeout=_SHUTDOWN_GRACE_S + 30)
-            except Exception:  # pragma: no cover - best effort
-                engine.shutdown(timeout=_SHUTDOWN_GRACE_S)
-        elif engine is not None:  # pragma: no cover
-            engine.shutdown(timeout=_SHUTDOWN_GRACE_S)
-        if self._reaper is not None:
-            self._reaper.stop()
-            self._reaper = None
-        self._remove_socket_dir()
-        for path in self._engine_files:
-            remove(path, plain_file=True)
-        self._engine_files = []
-
-    def _remove_socket_dir(self) -> None:
-        folder, self._socket_dir = self._socket_dir, None
-        if folder is not None:
-            remove(folder)
+        self._process.stop()
 
     # -- lifecycle ------------------------------------------------------------------------
     def close(self) -> None:
@@ -904,9 +481,39 @@ class vLLMEngine(Engine):
             self._channel.close()
             self._channel = None
         self._stop_engine()
-        loop, self._loop = self._loop, None
-        if loop is not None:
-            loop.stop()
+        self._process.stop_loop()
+
+
+def _checked_replay_store(auto_restart: bool, replay_weights: bool, replay_store: ReplayStore | None) -> ReplayStore:
+    """The store a restart replays from: ``replay_store``, checked against the flags, or a new one."""
+    for flag, value in (("auto_restart", auto_restart), ("replay_weights", replay_weights)):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{flag}={value!r} is invalid: expected True or False.")
+    if replay_store is None:
+        replay_store = ReplayStore(keep_weights=replay_weights)
+    elif not isinstance(replay_store, ReplayStore):
+        raise ConfigError(f"replay_store={replay_store!r:.60} is invalid: expected a twinkle_vllm ReplayStore.")
+    elif replay_store.keep_weights != replay_weights:
+        raise ConfigError(
+            f"replay_store keeps weights={replay_store.keep_weights} but replay_weights={replay_weights}:"
+            " give one of them, or make them agree."
+        )
+    return replay_store
+
+
+def _checked_mesh(device_mesh: DeviceMesh | None, sync_bucket_bytes: int) -> DeviceMesh:
+    """The engine's mesh (one replica), and a checked bucket size."""
+    mesh = DeviceMesh() if device_mesh is None else device_mesh
+    if not isinstance(mesh, DeviceMesh):
+        raise InvalidMeshError(f"device_mesh={device_mesh!r} is invalid: expected a twinkle DeviceMesh.")
+    if mesh.dp_size > 1:
+        raise UnsupportedFeatureError(
+            f"DeviceMesh(dp_size={mesh.dp_size}) needs one engine per replica: build the sampler with"
+            " remote_group=... (after twinkle_core.initialize('ray', ...)), or use dp_size=1."
+        )
+    if isinstance(sync_bucket_bytes, bool) or not isinstance(sync_bucket_bytes, int) or sync_bucket_bytes < 4096:
+        raise ConfigError(f"sync_bucket_bytes={sync_bucket_bytes!r} is invalid: expected an integer >= 4096.")
+    return mesh
 
 
 def _close_at_exit(ref: weakref.ref[vLLMEngine]) -> None:
