@@ -120,7 +120,7 @@ class Calls:
         """Run a call to the end (in this thread, or in its own): one run, then a continuation after each ``keep``."""
 
         def first() -> list[SampleResponse]:
-            return self.run_checked(call.items, call.params, call.adapter_name, call.on_invalid, None, feed)
+            return self.run_call(call, None, feed)
 
         self._run_call(feed, first, call.params, call.adapter_name, background=background)
 
@@ -211,7 +211,7 @@ class Calls:
         if todo is None:
             return out
         prompts, cont_params, spec = todo
-        results = self.run_checked(prompts, cont_params, adapter_name, "raise", None, feed, spec)
+        results = self.run_call(Call(prompts, cont_params, adapter_name, "raise"), None, feed, spec)
         for (i, j), result in zip(spec.slots, results):
             merged = merge_sequences(
                 out[i].prompt_token_ids,
@@ -234,19 +234,25 @@ class Calls:
         feed: CallFeed | None = None,
         spec: RunSpec | None = None,
     ) -> list[SampleResponse]:
-        """Run checked arguments: hold the lock shared, check the adapter, then :meth:`_process`.
+        """:meth:`run_call` on a call's arguments: where a Ray replica serving a share of a call enters."""
+        return self.run_call(Call(items, params, adapter_name, on_invalid), indices, feed, spec)
+
+    def run_call(
+        self, call: Call, indices: list[int] | None, feed: CallFeed | None = None, spec: RunSpec | None = None
+    ) -> list[SampleResponse]:
+        """Run a checked call: hold the lock shared, check the adapter, then :meth:`_process`.
 
         The adapter check and the generation are one step under the lock, so
         no sequence is labelled with an adapter that was removed or replaced
-        meanwhile. A Ray replica serving a share of a call enters here.
+        meanwhile.
         """
         try:
             with self._state.lock.read():
                 self._lifecycle.check_open()
                 self._state.require_settled()
-                if adapter_name:
-                    self._state.require_adapter(adapter_name)
-                return self._process(Call(items, params, adapter_name, on_invalid), indices, feed, spec)
+                if call.adapter_name:
+                    self._state.require_adapter(call.adapter_name)
+                return self._process(call, indices, feed, spec)
         except EngineDeadError as exc:
             error = self._engine.after_death(exc)  # no lock held: the engine may restart itself
             if error is exc:
@@ -266,7 +272,7 @@ class Calls:
         each sequence as it finishes and can stop the run; ``spec`` describes a
         continuation (see ``_continue``).
         """
-        items, params, adapter_name, on_invalid = call.items, call.params, call.adapter_name, call.on_invalid
+        items, params, adapter_name = call.items, call.params, call.adapter_name
         features: list[InputFeature | None] = []
         errors: dict[int, TwinkleError] = {}
         limit, vocab, max_model_len = (
@@ -284,7 +290,7 @@ class Calls:
                 feature = truncate_prompt(unpadded(encoded, index), params, limit)
                 check_prompt(feature, index, limit=limit, vocab=vocab, max_model_len=max_model_len)
             except TwinkleError as exc:
-                if on_invalid == "raise" or not isinstance(exc, ValueError):
+                if call.on_invalid == "raise" or not isinstance(exc, ValueError):
                     raise
                 errors[k] = exc
             features.append(feature)
