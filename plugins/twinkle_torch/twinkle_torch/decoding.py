@@ -65,8 +65,9 @@ from twinkle_torch.cache import (
 )
 from twinkle_torch.constraints import LogitConstraints
 from twinkle_torch.openmp import release_idle_workers
+from twinkle_torch.randomness import RowRandomness, derive_seed
 from twinkle_torch.routes import RouteRecorder
-from twinkle_torch.sampling import RowRandomness, TokenSampler, Workspace, derive_seed
+from twinkle_torch.sampling import TokenSampler, Workspace
 from twinkle_torch.state import state_tokens_per_row
 from twinkle_torch.stopping import StopStringMatcher
 

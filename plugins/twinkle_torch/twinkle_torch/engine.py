@@ -435,7 +435,7 @@ class TorchEngine(Engine):
             (e.g. ``attn_implementation="eager"``); ``revision=`` goes to the model-id resolver.
 
     Seeds: with ``SamplingParams.seed``, sample ``i`` of each prompt draws from
-    its own generator, seeded with :func:`twinkle_torch.sampling.derive_seed`
+    its own generator, seeded with :func:`twinkle_torch.randomness.derive_seed`
     ``(seed, i)`` (sample 0 uses ``seed`` itself), so a seeded request gives
     the same tokens whatever else is in the batch.
     """
