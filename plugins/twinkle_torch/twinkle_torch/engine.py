@@ -58,13 +58,14 @@ from twinkle_torch.adapters import AdapterSet
 from twinkle_torch.attention import ATTN_IMPLEMENTATION, NATIVE_ATTN_IMPLEMENTATION
 from twinkle_torch.attention import register as register_attention
 from twinkle_torch.cache import make_cache
-from twinkle_torch.decoding import Decoder, RunControl, SequenceResult
+from twinkle_torch.decoding import Decoder
 from twinkle_torch.linear import available as onednn_available
 from twinkle_torch.linear import use_onednn
 from twinkle_torch.native import KernelUnavailable
 from twinkle_torch.native import load as load_native_kernel
 from twinkle_torch.openmp import release_idle_workers, releasing
 from twinkle_torch.routes import RouteRecorder
+from twinkle_torch.rows import RunControl, SequenceResult
 from twinkle_torch.state import StateLayer, carries_state
 from twinkle_torch.weights import WeightTable
 
