@@ -108,10 +108,11 @@ class Timers:
 
 def time_steps(timers: Timers) -> None:
     """Time the decode loop's whole steps and prefills only (nothing inside a step)."""
-    from twinkle_torch import decoding
+    from twinkle_torch import admission, decoding
 
+    prefiller = admission.Prefiller
+    prefiller.__call__ = timers.wrap("prefill", prefiller.__call__)  # type: ignore[method-assign]
     dec = decoding.Decoder
-    dec._prefill = timers.wrap("prefill", dec._prefill)  # type: ignore[method-assign]
     dec._step = timers.wrap("step", dec._step)  # type: ignore[method-assign]
 
 
@@ -120,7 +121,7 @@ def instrument(sampler: Any, timers: Timers) -> None:
     import torch
     from transformers import AttentionInterface
 
-    from twinkle_torch import decoding, sampling
+    from twinkle_torch import batch, decoding, sampling
     from twinkle_torch.attention import ATTN_IMPLEMENTATION
     from twinkle_torch.cache import PreallocatedLayer
 
@@ -139,8 +140,9 @@ def instrument(sampler: Any, timers: Timers) -> None:
     dec = decoding.Decoder
     dec._forward = timers.wrap("forward", dec._forward)  # type: ignore[method-assign]
     dec._sample = timers.wrap("sample pass", dec._sample)  # type: ignore[method-assign]
-    dec._prune = timers.wrap("prune / join", dec._prune)  # type: ignore[method-assign]
-    dec._join = timers.wrap("prune / join", dec._join)  # type: ignore[method-assign]
+    layout = batch.Batch
+    layout.prune = timers.wrap("prune / join", layout.prune)  # type: ignore[method-assign]
+    layout.join = timers.wrap("prune / join", layout.join)  # type: ignore[method-assign]
     time_steps(timers)
     ts = sampling.TokenSampler
     ts.__call__ = timers.wrap("sampler", ts.__call__)  # type: ignore[method-assign]

@@ -164,7 +164,7 @@ def test_a_large_batch_prefilled_in_chunks_equals_its_solo_results(
 def _large_batch_in_chunks(
     sampler: TorchSampler, chat_prompts: list[Trajectory], monkeypatch: pytest.MonkeyPatch, row_blocks: bool
 ) -> None:
-    from twinkle_torch import attention, decoding
+    from twinkle_torch import admission, attention
 
     base = [sampler.template.encode(t) for t in chat_prompts[:4]]
     long_prompt = InputFeature(input_ids=[i for f in base for i in f.input_ids])
@@ -174,7 +174,7 @@ def _large_batch_in_chunks(
     split: list[Any] = []
     real_split = attention._split
     monkeypatch.setattr(attention, "_split", lambda mask: split.append(real_split(mask)) or split[-1])
-    monkeypatch.setattr(decoding, "_PREFILL_CHUNK_TOKENS", 2 * len(long_prompt.input_ids))
+    monkeypatch.setattr(admission, "_PREFILL_CHUNK_TOKENS", 2 * len(long_prompt.input_ids))
     stats = fresh_stats(sampler)
     together = sampler.sample(feats, params, num_samples=5)  # 40 rows in one call
     assert stats.prefills > 2 and stats.peak_rows == 40

@@ -11,7 +11,8 @@ import torch
 
 from twinkle_core.data_format import SamplingParams
 from twinkle_torch.cache import PreallocatedLayer
-from twinkle_torch.sampling import RowRandomness, TokenSampler, derive_seed
+from twinkle_torch.randomness import RowRandomness, derive_seed
+from twinkle_torch.sampling import TokenSampler
 from twinkle_torch.stopping import StopStringMatcher
 
 

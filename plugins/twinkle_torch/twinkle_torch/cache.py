@@ -10,7 +10,7 @@ Rows are selected (finished sequences dropped) or repeated (one prefilled
 prompt shared by its samples) with :meth:`PreallocatedLayer.select`, which
 also resizes the buffers and can drop leading columns no row attends to any
 more. :func:`join_caches` stacks the rows of two caches, right-aligned: the
-continuous batch (:mod:`twinkle_torch.decoding`) merges newly prefilled
+continuous batch (:mod:`twinkle_torch.batch`) merges newly prefilled
 requests into the running cache with it, and :func:`gather_prefills` builds
 one batch's cache from prefills run in several chunks. A hybrid model's
 linear-attention layers hold per-row states instead (:mod:`twinkle_torch.state`),

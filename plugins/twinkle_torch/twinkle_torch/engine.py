@@ -45,7 +45,7 @@ from twinkle_core.errors import (
 from twinkle_core.hub import resolve_model_id
 from twinkle_torch.adapters import AdapterSet
 from twinkle_torch.attention import ATTN_IMPLEMENTATION, NATIVE_ATTN_IMPLEMENTATION
-from twinkle_torch.decoding import Decoder, RunControl, SequenceResult
+from twinkle_torch.decoding import Decoder
 from twinkle_torch.linear import use_onednn
 from twinkle_torch.loading import (
     attention_for,
@@ -60,6 +60,7 @@ from twinkle_torch.loading import (
 )
 from twinkle_torch.openmp import release_idle_workers, releasing
 from twinkle_torch.routes import RouteRecorder
+from twinkle_torch.rows import RunControl, SequenceResult
 from twinkle_torch.weights import WeightTable
 
 __all__ = ["DEFAULT_MAX_BATCH_TOKENS", "SUPPORTED_PARAMS", "TorchEngine"]
@@ -132,7 +133,7 @@ class TorchEngine(Engine):
             (e.g. ``attn_implementation="eager"``); ``revision=`` goes to the model-id resolver.
 
     Seeds: with ``SamplingParams.seed``, sample ``i`` of each prompt draws from
-    its own generator, seeded with :func:`twinkle_torch.sampling.derive_seed`
+    its own generator, seeded with :func:`twinkle_torch.randomness.derive_seed`
     ``(seed, i)`` (sample 0 uses ``seed`` itself), so a seeded request gives
     the same tokens whatever else is in the batch.
     """
@@ -313,7 +314,7 @@ class TorchEngine(Engine):
             activate=lambda: self._adapter_set.activate(active),
             adapter=active,
         )
-        _, scores = self._decoder.run([list(p.input_ids) for p in run.prompts], params, control=control)
+        scores = self._decoder.run([list(p.input_ids) for p in run.prompts], params, control=control)
         for p, score in enumerate(scores):
             if params.max_tokens == 0:  # scoring only: each sample is an empty completion
                 run.report_empty(p, "length")
