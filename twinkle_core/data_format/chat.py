@@ -235,7 +235,9 @@ class Trajectory(Record):
             return  # without media, "<image>" in text is text
         found = {"image": 0, "video": 0}
         for m in self.messages:
-            for text in [m.content] if isinstance(m.content, str) else [p["text"] for p in m.content if p["type"] == "text"]:
+            for text in (
+                [m.content] if isinstance(m.content, str) else [p["text"] for p in m.content if p["type"] == "text"]
+            ):
                 for kind, n in count_placeholders(text).items():
                     found[kind] += n
         for kind, given in (("image", self.images), ("video", self.videos)):
@@ -267,7 +269,9 @@ class Trajectory(Record):
                 if part["type"] == "text" and (self.images or self.videos):
                     blocks.extend(expand_placeholders(part["text"], queues))
                 elif kind is not None:
-                    blocks.append({"type": kind, kind: media_source(part, ""), "_where": f"Trajectory.messages[{i}].content[{j}]"})
+                    blocks.append(
+                        {"type": kind, kind: media_source(part, ""), "_where": f"Trajectory.messages[{i}].content[{j}]"}
+                    )
                 else:
                     blocks.append(part)
             if any("_where" in b for b in blocks):

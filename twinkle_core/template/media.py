@@ -3,7 +3,7 @@
 Each check comes before the work it guards: the number of media before any
 is read, an encoded size before it is decoded, and an image's declared
 width and height (PIL reads only the header when it opens a file) before
-its pixels are: a decompression bomb (a small PNG declaring 100,000 ×
+its pixels are: a decompression bomb (a small PNG declaring 100,000 x
 100,000 pixels) is refused from its header. Every failure is an
 :class:`~twinkle_core.errors.InvalidMediaError` naming the part
 (``Trajectory.images[1]``), a ``ValueError``: with ``on_invalid="skip"``
@@ -51,9 +51,9 @@ class MediaLimits:
         max_images: images per prompt.
         max_videos: videos per prompt.
         max_frames: frames per video.
-        max_pixels: width × height of one image (or frame), read from its
+        max_pixels: width x height of one image (or frame), read from its
             header before it is decoded. The default, 50 million, takes a
-            photo of 8192 × 6144 and refuses a decompression bomb.
+            photo of 8192 x 6144 and refuses a decompression bomb.
         max_bytes: the encoded size of one image.
         allow_remote_urls: fetch ``http(s)`` URLs (off: refused with an error).
         remote_timeout_s: how long one fetch may take, when allowed.
@@ -97,7 +97,7 @@ def _fetch(url: str, where: str, limits: MediaLimits) -> bytes:
             part=where,
         )
     try:
-        with urllib.request.urlopen(url, timeout=limits.remote_timeout_s) as response:  # noqa: S310 - http(s) only
+        with urllib.request.urlopen(url, timeout=limits.remote_timeout_s) as response:
             data: bytes = response.read(limits.max_bytes + 1)
     except OSError as exc:
         raise InvalidMediaError(f"{where}={url!r:.80} could not be fetched: {exc}.", part=where) from None
@@ -148,7 +148,8 @@ def load_image(source: Any, where: str, limits: MediaLimits | None = None) -> An
     """
     limits = limits or MediaLimits()
     if is_image_object(source):
-        _check_pixels(*source.size, where, limits)
+        width, height = source.size
+        _check_pixels(width, height, where, limits)
         return source
     data, declared = _read_bytes(source, where, limits)
     if len(data) > limits.max_bytes:
@@ -162,7 +163,11 @@ def load_image(source: Any, where: str, limits: MediaLimits | None = None) -> An
         try:
             image = Image.open(io.BytesIO(data))  # reads the header only
         except Image.DecompressionBombError as exc:
-            raise InvalidMediaError(f"{where} declares too many pixels: {exc}", part=where) from None
+            raise InvalidMediaError(
+                f"{where} declares too many pixels ({exc}); MediaLimits.max_pixels={limits.max_pixels}: refused before"
+                " decoding.",
+                part=where,
+            ) from None
         except (UnidentifiedImageError, OSError, SyntaxError, ValueError):
             raise InvalidMediaError(
                 f"{where} ({len(data)} bytes, starting {data[:8]!r}) is not a decodable image: expected"
@@ -180,7 +185,9 @@ def load_image(source: Any, where: str, limits: MediaLimits | None = None) -> An
         try:
             image.load()
         except (OSError, SyntaxError, ValueError, EOFError) as exc:
-            raise InvalidMediaError(f"{where} is a truncated or corrupt {image.format} image: {exc}.", part=where) from None
+            raise InvalidMediaError(
+                f"{where} is a truncated or corrupt {image.format} image: {exc}.", part=where
+            ) from None
     return image
 
 
