@@ -85,6 +85,14 @@ def _frozen_names(value: Any) -> frozenset[str]:
     return frozenset(value) | BASE_PARAMS
 
 
+def _media_names(value: Any) -> frozenset[str]:
+    from twinkle_core.data_format.media import MEDIA_KINDS
+
+    if isinstance(value, str) or not all(v in MEDIA_KINDS for v in value):
+        raise ConfigError(f"EngineInfo media={value!r} is invalid: expected a set of {', '.join(MEDIA_KINDS)}.")
+    return frozenset(value)
+
+
 def _positive(_self: Any, attribute: Any, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"EngineInfo {attribute.name}={value!r} is invalid: expected an integer >= 1.")
@@ -126,6 +134,10 @@ class EngineInfo:
             finite-value check then reads update and adapter tensors as they
             will be after the engine's cast: a float64 ``1e300`` is finite
             until it becomes a float32.
+        media: the media the engine passes to its model (``"image"``,
+            ``"video"``); none by default. A prompt carrying any other is
+            refused with ``UnsupportedFeatureError`` before any work, so no
+            engine silently samples from a prompt without its images.
     """
 
     name: str
@@ -135,6 +147,7 @@ class EngineInfo:
     concurrent: bool = False
     streams_weights: bool = False
     weights_dtype: str | None = attrs.field(default=None, converter=_dtype_name)
+    media: frozenset[str] = attrs.field(default=frozenset(), converter=_media_names)
 
 
 class EngineContext(ABC):

@@ -19,6 +19,7 @@ __all__ = [
     "HubUnavailableError",
     "IncompleteUpdateError",
     "InvalidInputError",
+    "InvalidMediaError",
     "InvalidMeshError",
     "InvalidModelIdError",
     "InvalidSamplingParams",
@@ -85,6 +86,22 @@ class InvalidSamplingParams(TwinkleError, ValueError):
 
 class InvalidInputError(TwinkleError, ValueError):
     """An input to ``sample`` (trajectory, feature, message) is malformed."""
+
+
+class InvalidMediaError(InvalidInputError):
+    """An image or video in a prompt cannot be used: undecodable, truncated, of a format not accepted, too large,
+    too many, remote, or a video with no frames.
+
+    Attributes:
+        part: where it is, e.g. ``"Trajectory.messages[0].content[2]"`` or ``"Trajectory.images[1]"``.
+    """
+
+    def __init__(self, message: str, *, part: str = "") -> None:
+        super().__init__(message)
+        self.part = part
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild, (type(self), self.args[0], {"part": self.part}))
 
 
 class UnknownFieldError(InvalidInputError, TypeError):

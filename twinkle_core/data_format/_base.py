@@ -8,6 +8,7 @@ from typing import Any, ClassVar, TypeVar
 
 import attrs
 
+from twinkle_core.data_format.media import is_image_object, to_data_url
 from twinkle_core.data_format.routes import encode_routes, is_routes
 from twinkle_core.errors import InvalidInputError, TwinkleError, UnknownFieldError, did_you_mean
 
@@ -116,6 +117,8 @@ def _serialise(_inst: Any, _field: Any, value: Any) -> Any:
         return list(value)
     if is_routes(value):  # routed experts: the base64 text of their .npy bytes, as vLLM's server sends them
         return encode_routes(value)
+    if isinstance(value, (bytes, bytearray)) or is_image_object(value):  # media: a data: URL, lossless
+        return to_data_url(value)
     return value
 
 

@@ -8,6 +8,14 @@ from typing import Any
 import attrs
 
 from twinkle_core.data_format._base import Record, check_extra
+from twinkle_core.data_format.media import (
+    MediaRef,
+    check_source,
+    count_placeholders,
+    expand_placeholders,
+    media_kind,
+    media_source,
+)
 from twinkle_core.errors import InvalidInputError
 
 __all__ = ["MAX_JSON_DEPTH", "ROLES", "Message", "Tool", "Trajectory", "json_data_problem"]
@@ -65,8 +73,9 @@ def _check_opt_str(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> No
 
 
 def _check_content(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
-    # Text arrives as a string or as OpenAI-style parts ({"type": "text", "text": ...}); parts of other
-    # types are kept here for engines that take them, and refused where text is rendered (Template.render).
+    # Text arrives as a string or as OpenAI-style parts ({"type": "text", "text": ...}); media parts have their
+    # shape checked here (decoded where the prompt is encoded); parts of other types are kept for engines that take
+    # them, and refused where text is rendered (Template.render).
     if not isinstance(value, (str, list)):
         raise InvalidInputError(f"Message.content={value!r} is invalid: expected a string or a list of content parts.")
     if isinstance(value, str):
@@ -84,6 +93,8 @@ def _check_content(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> No
                     f"Message.content[{i}]={part!r:.80} is invalid: a text part needs a string 'text'."
                 )
             _check_text(f"Message.content[{i}].text", part["text"])
+        elif media_kind(part) is not None:
+            media_source(part, f"Message.content[{i}]")
 
 
 def _check_list_of_dicts(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
@@ -119,8 +130,9 @@ class Message(Record):
     name: str | None = attrs.field(default=None, validator=_check_opt_str)
 
     def to_hf(self) -> dict[str, Any]:
-        """The message as a Hugging Face chat-template dict (unset fields left out)."""
-        return {k: v for k, v in self.to_dict().items() if v is not None}
+        """The message as a Hugging Face chat-template dict (unset fields left out; media parts as they are)."""
+        plain = attrs.asdict(self, filter=lambda field, _: field.name != "content")
+        return {"content": self.content, **{k: v for k, v in plain.items() if v is not None}}
 
 
 def _check_tool_field(name: str, value: Any, kind: type) -> None:
@@ -187,6 +199,13 @@ def _check_messages(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> N
             )
 
 
+def _check_media_list(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, list):
+        raise InvalidInputError(f"Trajectory.{attribute.name}={value!r:.80} is invalid: expected a list.")
+    for i, source in enumerate(value):
+        check_source(attribute.name[:-1], source, f"Trajectory.{attribute.name}[{i}]")
+
+
 def _check_tools(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if not isinstance(value, list) or not all(isinstance(t, Tool) for t in value):
         raise InvalidInputError(f"Trajectory.tools={value!r} is invalid: expected a list of Tool.")
@@ -200,11 +219,69 @@ class Trajectory(Record):
         messages: the turns so far (dicts are converted to :class:`Message`).
         tools: tools offered to the model (rendered by the chat template).
         extra: free-form user data carried along untouched (ids, rewards...).
+        images: one image for each ``<image>`` placeholder in the messages'
+            text, in order (a PIL image, bytes, a path or a ``data:`` URL).
+        videos: one video (a list of frames) for each ``<video>`` placeholder.
     """
 
     messages: list[Message] = attrs.field(converter=_to_messages, validator=_check_messages)
     tools: list[Tool] = attrs.field(factory=list, converter=_to_tools, validator=_check_tools)
     extra: dict[str, Any] = attrs.field(factory=dict, validator=check_extra)
+    images: list[Any] = attrs.field(factory=list, validator=_check_media_list)
+    videos: list[Any] = attrs.field(factory=list, validator=_check_media_list)
+
+    def __attrs_post_init__(self) -> None:
+        if not (self.images or self.videos):
+            return  # without media, "<image>" in text is text
+        found = {"image": 0, "video": 0}
+        for m in self.messages:
+            for text in (
+                [m.content] if isinstance(m.content, str) else [p["text"] for p in m.content if p["type"] == "text"]
+            ):
+                for kind, n in count_placeholders(text).items():
+                    found[kind] += n
+        for kind, given in (("image", self.images), ("video", self.videos)):
+            if found[kind] != len(given):
+                raise InvalidInputError(
+                    f"Trajectory.{kind}s holds {len(given)} {kind}(s) but the messages' text holds {found[kind]}"
+                    f" '<{kind}>' placeholder(s): expected one placeholder for each {kind}, in order."
+                )
+
+    def media(self) -> tuple[list[dict[str, Any]], list[MediaRef]]:
+        """The messages in Hugging Face form with every medium as a ``{"type": kind}`` block, and the media in order.
+
+        Placeholders filled from ``images`` / ``videos`` become blocks; each
+        medium is named by where it came from (``Trajectory.images[1]``,
+        ``Trajectory.messages[0].content[2]``). Nothing is decoded.
+        """
+        queues = {
+            "image": [(s, f"Trajectory.images[{i}]") for i, s in enumerate(self.images)],
+            "video": [(s, f"Trajectory.videos[{i}]") for i, s in enumerate(self.videos)],
+        }
+        messages: list[dict[str, Any]] = []
+        refs: list[MediaRef] = []
+        for i, message in enumerate(self.messages):
+            hf = message.to_hf()
+            parts = [{"type": "text", "text": hf["content"]}] if isinstance(hf["content"], str) else hf["content"]
+            blocks: list[dict[str, Any]] = []
+            for j, part in enumerate(parts):
+                kind = media_kind(part)
+                if part["type"] == "text" and (self.images or self.videos):
+                    blocks.extend(expand_placeholders(part["text"], queues))
+                elif kind is not None:
+                    blocks.append(
+                        {"type": kind, kind: media_source(part, ""), "_where": f"Trajectory.messages[{i}].content[{j}]"}
+                    )
+                else:
+                    blocks.append(part)
+            if any("_where" in b for b in blocks):
+                for b in blocks:
+                    if "_where" in b:
+                        kind = b["type"]
+                        refs.append((kind, b.pop(kind), b.pop("_where")))
+                hf = {**hf, "content": blocks}
+            messages.append(hf)
+        return messages, refs
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trajectory:

@@ -7,6 +7,7 @@ from typing import Any
 import attrs
 
 from twinkle_core.data_format._base import Record, check_extra
+from twinkle_core.data_format.routes import decode_routes, is_routes
 from twinkle_core.errors import InvalidInputError
 
 __all__ = ["IGNORE_INDEX", "InputFeature", "training_feature"]
@@ -32,6 +33,34 @@ def _integer_scalar(value: Any) -> bool:
     return hasattr(value, "tolist") and getattr(value, "ndim", None) == 0 and "int" in str(dtype)
 
 
+def _to_arrays(value: Any) -> Any:
+    """Processed media inputs as numpy arrays: from their ``.npy`` base64 text (``to_dict``), tensors or lists."""
+    if not isinstance(value, dict):
+        return value
+    out = {}
+    for key, item in value.items():
+        if isinstance(item, str):
+            item = decode_routes(item)
+        elif hasattr(item, "detach"):  # a torch tensor, without importing torch
+            item = item.detach().cpu().numpy()
+        elif isinstance(item, (list, tuple)):
+            import numpy as np
+
+            item = np.asarray(item)
+        out[key] = item
+    return out
+
+
+def _check_multimodal(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if value is None:
+        return
+    if not isinstance(value, dict) or not all(isinstance(k, str) and is_routes(v) for k, v in value.items()):
+        raise InvalidInputError(
+            f"InputFeature.multimodal={value!r:.120} is invalid: expected a dict of the processor's outputs by name"
+            " ('pixel_values', 'image_grid_thw'...), each an array (numpy, torch or nested lists)."
+        )
+
+
 def _check_ids(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is None and attribute.name != "input_ids":
         return
@@ -52,13 +81,19 @@ class InputFeature(Record):
             after it, and refuses any other mask.
         labels: targets for training, ``-100`` where nothing is trained (the
             prompt); ``None`` when not a training feature.
-        extra: optional extras carried along (e.g. multimodal inputs, user data).
+        extra: optional extras carried along (user data).
+        multimodal: the processed media inputs the model's forward takes
+            beside ``input_ids`` (``pixel_values``, ``image_grid_thw``...,
+            whatever the model's processor returns), as numpy arrays, for a
+            prompt with images or videos; ``None`` without. Its
+            ``input_ids`` hold each image's placeholder tokens expanded.
     """
 
     input_ids: list[int] = attrs.field(converter=_to_int_list, validator=_check_ids)
     attention_mask: list[int] | None = attrs.field(default=None, converter=_to_int_list, validator=_check_ids)
     labels: list[int] | None = attrs.field(default=None, converter=_to_int_list, validator=_check_ids)
     extra: dict[str, Any] = attrs.field(factory=dict, validator=check_extra)
+    multimodal: dict[str, Any] | None = attrs.field(default=None, converter=_to_arrays, validator=_check_multimodal)
 
     def __attrs_post_init__(self) -> None:
         if self.attention_mask is None:

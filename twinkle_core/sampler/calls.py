@@ -25,6 +25,7 @@ from twinkle_core.data_format import (
     SamplingParams,
     Trajectory,
 )
+from twinkle_core.data_format.media import input_media
 from twinkle_core.data_format.params import resolve_params
 from twinkle_core.engine import Engine
 from twinkle_core.errors import (
@@ -35,6 +36,7 @@ from twinkle_core.errors import (
     TemplateError,
     TwinkleError,
     UnknownAdapterError,
+    UnsupportedFeatureError,
 )
 from twinkle_core.inputs import (
     OnInvalid,
@@ -64,6 +66,19 @@ class Call:
     params: SamplingParams
     adapter_name: str
     on_invalid: OnInvalid
+
+
+def _check_media(items: list[Any], accepted: frozenset[str], engine: str) -> None:
+    """Refuse, before any work, a prompt carrying a medium the engine does not pass to its model."""
+    for index, item in enumerate(items):
+        for kind in input_media(item):
+            if kind not in accepted:
+                takes = ", ".join(sorted(accepted)) or "text only"
+                raise UnsupportedFeatureError(
+                    f"inputs[{index}] holds {'an image' if kind == 'image' else 'a video'}, but the {engine} engine"
+                    f" does not pass {kind}s to its model (it takes: {takes}). Nothing was sampled; send text-only"
+                    " prompts to this engine."
+                )
 
 
 class Calls:
@@ -102,6 +117,7 @@ class Calls:
         info = self._engine.info
         check_params(params, info.supported_params, info.vocab_size, info.name or type(self._engine).__name__)
         items = normalize_inputs(inputs, on_invalid=on_invalid)
+        _check_media(items, info.media, info.name or type(self._engine).__name__)
         if not isinstance(adapter_name, str):
             raise UnknownAdapterError(f"adapter_name={adapter_name!r} is invalid: expected a string ('' = base model).")
         if items and adapter_name:

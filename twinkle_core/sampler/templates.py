@@ -16,6 +16,7 @@ from twinkle_core.errors import TemplateError, TwinkleError
 from twinkle_core.locks import ReadWriteLock
 from twinkle_core.sampler.policy import AppliedWithError
 from twinkle_core.template import Template, get_template, load_tokenizer
+from twinkle_core.template.processor import ProcessorTemplate, has_processor
 
 __all__ = ["TemplateSlot"]
 
@@ -56,6 +57,10 @@ class TemplateSlot:
         """Set up the tokenizer and the template, as an engine's constructor asks (``EngineContext.init_template``)."""
         if isinstance(template, Template):
             self.set(template, {}, None)
+            return
+        if tokenizer is None and template is None and model_dir is not None and has_processor(model_dir):
+            # a model with a processor (images, video): its template expands media through that processor
+            self.set(ProcessorTemplate.from_pretrained(model_dir), {}, None)
             return
         if tokenizer is not None:
             self._tokenizer = tokenizer

@@ -7,7 +7,8 @@ import os
 from typing import Any, ClassVar
 
 from twinkle_core.data_format import InputFeature, Trajectory, training_feature
-from twinkle_core.errors import InvalidInputError, PromptTooLongError, TemplateError
+from twinkle_core.data_format.media import media_kind
+from twinkle_core.errors import InvalidInputError, PromptTooLongError, TemplateError, UnsupportedFeatureError
 from twinkle_core.template.bounds import first_tokens, last_tokens
 
 __all__ = ["CHATML_JINJA", "ChatMLTemplate", "Template", "load_tokenizer"]
@@ -39,19 +40,35 @@ def _text_only(index: int, message: dict[str, Any]) -> dict[str, Any]:
     """``message`` with content parts joined into one string (one line per part), as templates expect.
 
     Raises:
-        InvalidInputError: a part that is not text: a template renders text only,
-            and dropping the part would change the prompt without a word.
+        UnsupportedFeatureError: an image or video: this template has no
+            processor to turn it into the model's inputs.
+        InvalidInputError: another part that is not text: a template renders
+            text only, and dropping the part would change the prompt without a word.
     """
     parts = message.get("content")
     if not isinstance(parts, list):
         return message
     for part in parts:
+        if media_kind(part) is not None:
+            raise UnsupportedFeatureError(
+                f"messages[{index}] holds {'an image' if media_kind(part) == 'image' else 'a video'}, but this model"
+                " has no processor (no preprocessor_config.json or processor_config.json in its folder): it takes"
+                " text only. Use a vision-language model, or send text parts."
+            )
         if part.get("type") != "text":
             raise InvalidInputError(
                 f"messages[{index}] has a content part of type {part.get('type')!r}: the chat template renders"
                 " text only (this engine passes no images or audio to the model). Send text parts or a string."
             )
     return {**message, "content": "\n".join(part["text"] for part in parts)}
+
+
+def _as_trajectory(trajectory: Any) -> Trajectory:
+    if isinstance(trajectory, dict):
+        trajectory = Trajectory.from_dict(trajectory)
+    if not isinstance(trajectory, Trajectory):
+        raise InvalidInputError(f"Template.encode expects a Trajectory, got {type(trajectory).__name__}.")
+    return trajectory
 
 
 def load_tokenizer(model_dir: str | os.PathLike[str], **kwargs: Any) -> Any:
@@ -158,7 +175,7 @@ class Template:
                 " be encoded. Set one with sampler.set_template('chatml') (or another registered template),"
                 " or pass InputFeature token ids."
             )
-        messages = [_text_only(i, m.to_hf()) for i, m in enumerate(trajectory.messages)]
+        messages = self._messages(trajectory)
         tools = [t.to_hf() for t in trajectory.tools] or None
         try:
             return str(
@@ -173,6 +190,30 @@ class Template:
             )
         except Exception as exc:  # jinja raises TemplateError/UndefinedError on malformed chats
             raise TemplateError(f"The chat template could not render this trajectory: {exc}") from exc
+
+    def _messages(self, trajectory: Trajectory) -> list[dict[str, Any]]:
+        """The messages as the chat template sees them: text only here (a processor-aware template keeps media)."""
+        if trajectory.images or trajectory.videos:
+            kind = "images" if trajectory.images else "videos"
+            raise UnsupportedFeatureError(
+                f"Trajectory.{kind} is set, but this model has no processor (no preprocessor_config.json or"
+                " processor_config.json in its folder): it takes text only. Use a vision-language model."
+            )
+        return [_text_only(i, m.to_hf()) for i, m in enumerate(trajectory.messages)]
+
+    def _check_parts(self, trajectory: Trajectory, max_tokens: int | None) -> None:
+        """Refuse a conversation of more messages and tools than ``max_tokens``: each renders to a token at least."""
+        parts = len(trajectory.messages) + len(trajectory.tools)
+        if max_tokens is not None and parts > max_tokens:
+            # No need to render a conversation of a million messages to know it cannot fit.
+            raise PromptTooLongError(
+                f"The conversation has {parts} messages and tools, each at least one token: more than the"
+                f" {max_tokens} accepted.",
+                index=0,
+                length=parts,
+                limit=max_tokens,
+                at_least=True,
+            )
 
     def encode(
         self,
@@ -198,22 +239,8 @@ class Template:
         Raises:
             PromptTooLongError: more than ``max_tokens`` tokens (``index`` 0).
         """
-        if isinstance(trajectory, dict):
-            trajectory = Trajectory.from_dict(trajectory)
-        if not isinstance(trajectory, Trajectory):
-            raise InvalidInputError(f"Template.encode expects a Trajectory, got {type(trajectory).__name__}.")
-        parts = len(trajectory.messages) + len(trajectory.tools)
-        if max_tokens is not None and parts > max_tokens:
-            # Every message and tool renders to at least one token (its role header, its spec): no need to render
-            # a conversation of a million messages to know it cannot fit.
-            raise PromptTooLongError(
-                f"The conversation has {parts} messages and tools, each at least one token: more than the"
-                f" {max_tokens} accepted.",
-                index=0,
-                length=parts,
-                limit=max_tokens,
-                at_least=True,
-            )
+        trajectory = _as_trajectory(trajectory)
+        self._check_parts(trajectory, max_tokens)
         text = self.render(trajectory, add_generation_prompt)
         ids = self.tokenize(text, max_tokens=max_tokens, keep_last=keep_last)
         return InputFeature(input_ids=ids, extra=dict(trajectory.extra))
@@ -308,7 +335,10 @@ class Template:
         convention: the model shifts them when computing the loss).
         """
         prompt_ids = prompt.input_ids if isinstance(prompt, InputFeature) else prompt
-        return training_feature(prompt_ids, completion_tokens)
+        feature = training_feature(prompt_ids, completion_tokens)
+        if isinstance(prompt, InputFeature) and prompt.multimodal is not None:  # the trainer's forward needs them too
+            feature.multimodal = dict(prompt.multimodal)
+        return feature
 
 
 class ChatMLTemplate(Template):

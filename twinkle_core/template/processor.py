@@ -1,0 +1,129 @@
+"""``ProcessorTemplate``: the template of a model with a processor, encoding prompts with images and videos.
+
+One expansion, by the model's own processor (``AutoProcessor``): the chat
+template renders each medium as the model's placeholder (``<image>``,
+``<|vision_start|><|image_pad|><|vision_end|>``), and the processor
+replaces each placeholder by as many tokens as that image takes and computes
+the inputs the model's forward reads beside the ids (``pixel_values``,
+``image_grid_thw``...). Both land on the prompt's ``InputFeature``
+(``input_ids`` expanded, ``multimodal`` the rest), the one source every
+engine and the trainer read; the length checked against the context is the
+expanded one.
+
+The work is bounded in order: the media are counted and the text's tokens
+bounded before any image is decoded (:mod:`twinkle_core.template.media`),
+and the processor runs last. A prompt without media is encoded as by
+:class:`~twinkle_core.template.Template`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from twinkle_core.data_format import InputFeature, Trajectory
+from twinkle_core.errors import InvalidInputError, PromptTooLongError, UnsupportedFeatureError
+from twinkle_core.template.base import Template, _as_trajectory, _text_only
+from twinkle_core.template.media import MediaLimits, load_media
+
+__all__ = ["PROCESSOR_FILES", "ProcessorTemplate", "has_processor"]
+
+#: Files whose presence in a model folder means it has a processor (``AutoProcessor`` loads it).
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+#: Outputs of a processor that are not media inputs: the ids and mask are the feature's own fields.
+_TEXT_OUTPUTS = frozenset({"input_ids", "attention_mask"})
+
+
+def has_processor(model_dir: str | os.PathLike[str]) -> bool:
+    """Whether a model folder holds a processor configuration (a vision-language or audio model)."""
+    return any((Path(model_dir) / name).is_file() for name in PROCESSOR_FILES)
+
+
+class ProcessorTemplate(Template):
+    """A tokenizer, its chat template, and the model's processor for the media in prompts.
+
+    Args:
+        tokenizer: the processor's tokenizer.
+        processor: a Hugging Face processor (``AutoProcessor.from_pretrained``).
+        limits: how many media a prompt may hold, how large, from where.
+        chat_template: overrides the processor's chat template.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        processor: Any,
+        limits: MediaLimits | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        super().__init__(tokenizer, chat_template=chat_template or getattr(processor, "chat_template", None))
+        self.processor = processor
+        self.limits = limits or MediaLimits()
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike[str], **kwargs: Any) -> ProcessorTemplate:
+        """Build from a local model folder with a processor (imports transformers lazily)."""
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(str(model_dir))
+        return cls(processor.tokenizer, processor=processor, **kwargs)
+
+    def _messages(self, trajectory: Trajectory) -> list[dict[str, Any]]:
+        messages, _ = trajectory.media()
+        return [m if _has_media(m) else _text_only(i, m) for i, m in enumerate(messages)]
+
+    def encode(
+        self,
+        trajectory: Trajectory | dict[str, Any],
+        add_generation_prompt: bool = True,
+        *,
+        max_tokens: int | None = None,
+        keep_last: int | None = None,
+    ) -> InputFeature:
+        """Encode a conversation; with media, ``input_ids`` expanded by the processor and ``multimodal`` set.
+
+        Raises:
+            InvalidMediaError: a medium that cannot be used, or more than ``limits`` allow.
+            PromptTooLongError: more than ``max_tokens`` tokens once expanded.
+            InvalidInputError: ``keep_last`` would cut a prompt with media.
+            UnsupportedFeatureError: a video, and the processor takes none.
+        """
+        trajectory = _as_trajectory(trajectory)
+        _, refs = trajectory.media()
+        if not refs:
+            return super().encode(trajectory, add_generation_prompt, max_tokens=max_tokens, keep_last=keep_last)
+        self._check_parts(trajectory, max_tokens)
+        if any(kind == "video" for kind, _, _ in refs) and getattr(self.processor, "video_processor", None) is None:
+            raise UnsupportedFeatureError(
+                f"The prompt holds a video, but this model's processor ({type(self.processor).__name__}) takes"
+                " images only."
+            )
+        images, videos = load_media(refs, self.limits)  # counted before any is decoded
+        text = self.render(trajectory, add_generation_prompt)
+        self.tokenize(text, max_tokens=max_tokens)  # the text alone, bounded, before the processor's work
+        media: dict[str, Any] = {"images": images} if images else {}
+        if videos:
+            media["videos"] = videos
+        out = self.processor(text=[text], return_tensors="np", add_special_tokens=False, **media)
+        ids = [int(t) for t in out["input_ids"][0]]
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise PromptTooLongError(
+                f"The prompt has {len(ids)} tokens with its media expanded, more than the {max_tokens} accepted.",
+                index=0,
+                length=len(ids),
+                limit=max_tokens,
+            )
+        if keep_last is not None and len(ids) > keep_last:
+            raise InvalidInputError(
+                f"The prompt has {len(ids)} tokens with its media expanded; truncating it to its last {keep_last}"
+                " would cut media from it. Send a shorter prompt, or fewer or smaller images."
+            )
+        multimodal = {k: v for k, v in out.items() if k not in _TEXT_OUTPUTS and v is not None}
+        return InputFeature(input_ids=ids, multimodal=multimodal, extra=dict(trajectory.extra))
+
+
+def _has_media(message: dict[str, Any]) -> bool:
+    content = message.get("content")
+    return isinstance(content, list) and any(part.get("type") in ("image", "video") for part in content)
