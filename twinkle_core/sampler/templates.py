@@ -7,6 +7,7 @@ lock held exclusively, and tells the engine.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,8 @@ from twinkle_core.template import Template, get_template, load_tokenizer
 from twinkle_core.template.processor import ProcessorTemplate, has_processor
 
 __all__ = ["TemplateSlot"]
+
+logger = logging.getLogger(__name__)
 
 
 class TemplateSlot:
@@ -60,8 +63,18 @@ class TemplateSlot:
             return
         if tokenizer is None and template is None and model_dir is not None and has_processor(model_dir):
             # a model with a processor (images, video): its template expands media through that processor
-            self.set(ProcessorTemplate.from_pretrained(model_dir), {}, None)
-            return
+            try:
+                processing = ProcessorTemplate.from_pretrained(model_dir)
+            except Exception as exc:  # a processor this machine cannot build (Qwen2-VL's needs torchvision)
+                logger.warning(
+                    "The processor of %s could not be loaded (%s: %.200s); prompts are text only.",
+                    model_dir,
+                    type(exc).__name__,
+                    exc,
+                )
+            else:
+                self.set(processing, {}, None)
+                return
         if tokenizer is not None:
             self._tokenizer = tokenizer
         elif model_dir is not None:

@@ -138,3 +138,22 @@ def test_skip_isolates_a_bad_image(tiny_qwen2: Path, tiny_vlm: Path) -> None:
     assert [r.error is None for r in responses] == [True, False, True]
     assert responses[1].error is not None and responses[1].error.startswith("Trajectory.images[0]")
     assert all(r.sequences and r.sequences[0].tokens for r in (responses[0], responses[2]))
+
+
+def test_a_processor_this_machine_cannot_load_leaves_the_model_sampling_text(
+    tiny_qwen2: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A vision-language checkpoint whose processor cannot be built here (Qwen2-VL's needs torchvision) still
+    samples text: the sampler falls back to the tokenizer's template and says why, and an image is refused."""
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_qwen2, folder)
+    (folder / "preprocessor_config.json").write_text('{"image_processor_type": "NoSuchImageProcessor"}')
+    with caplog.at_level("WARNING"), create_sampler("torch", model_id=str(folder), device="cpu") as sampler:
+        assert not isinstance(sampler.template, ProcessorTemplate)
+        out = sampler.sample(Trajectory(messages=[{"role": "user", "content": "Hi"}]), {"max_tokens": 3})
+        assert len(out[0].sequences[0].tokens) == 3
+        with pytest.raises(UnsupportedFeatureError):
+            sampler.sample(Trajectory(messages=_chat(_image(1))), {"max_tokens": 3})
+    assert "could not be loaded" in caplog.text
