@@ -309,9 +309,10 @@ def test_tool_parser_registry() -> None:
 
 
 def test_text_parts_render_as_text_and_other_parts_are_refused(torch_sampler: Any) -> None:
-    """OpenAI-style content parts: text parts are joined one per line; an image is refused, never dropped."""
+    """OpenAI-style content parts: text parts are joined one per line; an image is refused, never dropped
+    (a text-only model has no processor to expand it; the torch engine passes no images)."""
     from twinkle_core import Trajectory
-    from twinkle_core.errors import InvalidInputError
+    from twinkle_core.errors import UnsupportedFeatureError
 
     template = torch_sampler.template
 
@@ -321,7 +322,7 @@ def test_text_parts_render_as_text_and_other_parts_are_refused(torch_sampler: An
     assert ids([{"type": "text", "text": "Hello"}]) == ids("Hello")
     assert ids([{"type": "text", "text": "Hello"}, {"type": "text", "text": "there"}]) == ids("Hello\nthere")
     image = {"type": "image_url", "image_url": {"url": "http://example.com/cat.png"}}
-    with pytest.raises(InvalidInputError, match="content part of type 'image_url'"):
+    with pytest.raises(UnsupportedFeatureError, match="holds an image, but this model has no processor"):
         ids([{"type": "text", "text": "What is this?"}, image])
-    with pytest.raises(InvalidInputError, match="image_url"):
+    with pytest.raises(UnsupportedFeatureError, match="does not pass images"):
         torch_sampler.sample([Trajectory(messages=[{"role": "user", "content": [image]}])], GREEDY)
