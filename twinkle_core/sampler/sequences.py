@@ -57,10 +57,9 @@ class SequenceBuilder:
         """
         tokens = [int(t) for t in tokens]
         template = self._templates.current
-        if text is None:
-            if template is None:
-                raise RuntimeError("No template is set: a sequence cannot be decoded.")
-            text = template.decode(tokens) if params is None else template.completion_text(tokens, params, stop)
+        if text is None:  # the slot's own refusal when no template is set
+            decoder = self._templates.template
+            text = decoder.decode(tokens) if params is None else decoder.completion_text(tokens, params, stop)
         feature = (
             template.training_feature(prompt_ids, tokens)
             if template is not None
