@@ -152,7 +152,9 @@ def test_a_processor_this_machine_cannot_load_leaves_the_model_sampling_text(
     (folder / "preprocessor_config.json").write_text('{"image_processor_type": "NoSuchImageProcessor"}')
     with caplog.at_level("WARNING"), create_sampler("torch", model_id=str(folder), device="cpu") as sampler:
         assert not isinstance(sampler.template, ProcessorTemplate)
-        out = sampler.sample(Trajectory(messages=[{"role": "user", "content": "Hi"}]), {"max_tokens": 3})
+        out = sampler.sample(
+            Trajectory(messages=[{"role": "user", "content": "Hi"}]), {"max_tokens": 3, "ignore_eos": True}
+        )
         assert len(out[0].sequences[0].tokens) == 3
         with pytest.raises(UnsupportedFeatureError):
             sampler.sample(Trajectory(messages=_chat(_image(1))), {"max_tokens": 3})
