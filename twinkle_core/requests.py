@@ -164,7 +164,7 @@ class EngineRun:
         token id or string that ended it. Returns the sequence as built.
         """
         sequence: SampledSequence = self._require_builder().make(
-            list(self.prompts[prompt_index].input_ids),
+            self.prompts[prompt_index],
             tokens,
             stop_reason=stop_reason,
             adapter_name=self.adapter_name,
@@ -183,10 +183,10 @@ class EngineRun:
 
         Each carries the per-token fields ``params`` asks for, empty.
         """
-        ids = list(self.prompts[prompt_index].input_ids)
+        prompt = self.prompts[prompt_index]
         for s in range(self.params.num_samples):
             self.finish(
-                prompt_index, s, self._require_builder().empty(ids, self.params, self.adapter_name, stop_reason)
+                prompt_index, s, self._require_builder().empty(prompt, self.params, self.adapter_name, stop_reason)
             )
 
     def _require_builder(self) -> Any:

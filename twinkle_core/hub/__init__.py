@@ -48,9 +48,11 @@ from twinkle_core.hub.downloads import download_hf, download_ms, is_offline
 __all__ = [
     "BUILTIN_MODELS",
     "DEFAULT_MODEL",
+    "PROCESSOR_FILES",
     "BuiltinModel",
     "build_cached_folder",
     "cache_root",
+    "has_processor",
     "is_offline",
     "resolve_model_id",
 ]
@@ -194,6 +196,15 @@ def build_cached_folder(final: Path, marker: str, build: Callable[[Path], None])
         finally:
             shutil.rmtree(staging, ignore_errors=True)
     return final
+
+
+#: Files whose presence in a model folder means it has a processor (``AutoProcessor`` loads it).
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+
+
+def has_processor(model_dir: str | os.PathLike[str]) -> bool:
+    """Whether a model folder holds a processor configuration (a vision-language or audio model)."""
+    return any((Path(model_dir) / name).is_file() for name in PROCESSOR_FILES)
 
 
 # ---------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 A sequence stopped part-way (``in_flight="keep"`` across a weight change, or
 ``resume()`` after an abort) is continued as a new prompt: the original prompt
-and its partial tokens, one sample, what is left of its budget. The engine
+(with its processed media, from the sequence's training feature) and its
+partial tokens, one sample, what is left of its budget. The engine
 keys its randomness on the sample index and the position, so a seeded
 continuation draws what the uninterrupted sequence would have.
 """
@@ -82,8 +83,9 @@ def merge_sequences(
 
         ahead = len(prompt_ids) + len(first.tokens) - 1  # rows first's forwards produced its tokens from
         routes = np.concatenate([first.routed_experts[:ahead], rest.routed_experts[ahead : ahead + keep]])
+    media = _media(first)
     merged = make_sequence(
-        prompt_ids,
+        InputFeature(input_ids=prompt_ids, multimodal=media) if media else prompt_ids,
         tokens,
         stop_reason=stop_reason,
         stop=stop,
@@ -95,6 +97,12 @@ def merge_sequences(
         sampling_mask=mask,
     )
     return attrs.evolve(merged, version_spans=spans if len(spans) > 1 else None, routed_experts=routes)
+
+
+def _media(sequence: SampledSequence) -> dict[str, Any] | None:
+    """The processed media inputs of a sequence's prompt (its continuation's prefill reads them again)."""
+    feature = sequence.training_feature
+    return feature.multimodal if feature is not None else None
 
 
 def _stop_across(first: list[int], rest: list[int], params: SamplingParams, template: Any) -> tuple[str, int] | None:
@@ -154,7 +162,7 @@ def plan_continuation(
                 feed.emit(Finished(i, j, done))
                 continue
             todo.append((i, j))
-            prompts.append(InputFeature(input_ids=ids))
+            prompts.append(InputFeature(input_ids=ids, multimodal=_media(seq)))
             base.append(j)
             generated.append(len(seq.tokens))
     if not todo:

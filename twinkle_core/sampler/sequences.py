@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from twinkle_core.data_format import SampledSequence, SamplingMask, SamplingParams, training_feature
+from twinkle_core.data_format import InputFeature, SampledSequence, SamplingMask, SamplingParams, training_feature
 from twinkle_core.sampler.templates import TemplateSlot
 
 __all__ = ["SequenceBuilder"]
@@ -34,7 +34,7 @@ class SequenceBuilder:
 
     def make(
         self,
-        prompt_ids: list[int],
+        prompt: list[int] | InputFeature,
         tokens: list[int],
         *,
         stop_reason: str,
@@ -53,18 +53,25 @@ class SequenceBuilder:
         The text, unless given, is the template's ``completion_text`` under
         ``params``' text options (cut at the stop string ``stop``), or the
         plain decode without ``params``. ``weights_version`` defaults to the
-        current one.
+        current one. ``prompt``: its ids, or its feature, whose processed media
+        inputs the training feature carries (the same arrays, not copies: a
+        prompt's samples share them).
         """
         tokens = [int(t) for t in tokens]
         template = self._templates.current
         if text is None:  # the slot's own refusal when no template is set
             decoder = self._templates.template
             text = decoder.decode(tokens) if params is None else decoder.completion_text(tokens, params, stop)
+        media = prompt.multimodal if isinstance(prompt, InputFeature) else None
+        ids = list(prompt.input_ids) if isinstance(prompt, InputFeature) else prompt
+        # a text prompt reaches the template as ids, as templates written before media were given them
         feature = (
-            template.training_feature(prompt_ids, tokens)
+            template.training_feature(prompt if media else ids, tokens)
             if template is not None
-            else training_feature(prompt_ids, tokens)
+            else training_feature(ids, tokens)
         )
+        if media and feature.multimodal is None:  # the trainer's forward reads them: never dropped
+            feature.multimodal = dict(media)
         return SampledSequence(
             tokens=tokens,
             text=text,
@@ -80,14 +87,14 @@ class SequenceBuilder:
         )
 
     def empty(
-        self, prompt_ids: list[int], params: SamplingParams, adapter_name: str, stop_reason: str
+        self, prompt: list[int] | InputFeature, params: SamplingParams, adapter_name: str, stop_reason: str
     ) -> SampledSequence:
         """A sequence that generated nothing, with the per-token fields ``params`` asks for, empty.
 
         Routed experts are left out: no forward ran for it.
         """
         return self.make(
-            prompt_ids,
+            prompt,
             [],
             stop_reason=stop_reason,
             adapter_name=adapter_name,

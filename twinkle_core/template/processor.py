@@ -19,25 +19,18 @@ and the processor runs last. A prompt without media is encoded as by
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from twinkle_core.data_format import InputFeature, Trajectory
 from twinkle_core.errors import InvalidInputError, PromptTooLongError, UnsupportedFeatureError
+from twinkle_core.hub import PROCESSOR_FILES, has_processor
 from twinkle_core.template.base import Template, _as_trajectory, _text_only
 from twinkle_core.template.media import MediaLimits, load_media
 
 __all__ = ["PROCESSOR_FILES", "ProcessorTemplate", "has_processor"]
 
-#: Files whose presence in a model folder means it has a processor (``AutoProcessor`` loads it).
-PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 #: Outputs of a processor that are not media inputs: the ids and mask are the feature's own fields.
 _TEXT_OUTPUTS = frozenset({"input_ids", "attention_mask"})
-
-
-def has_processor(model_dir: str | os.PathLike[str]) -> bool:
-    """Whether a model folder holds a processor configuration (a vision-language or audio model)."""
-    return any((Path(model_dir) / name).is_file() for name in PROCESSOR_FILES)
 
 
 class ProcessorTemplate(Template):

@@ -1,23 +1,26 @@
-"""Prompts with images: the processor-aware encode against the model's own processor and forward, and the
-sampler refusing media that its engine would drop."""
+"""Prompts with images: the processor-aware encode against the model's own processor and forward, the
+torch engine sampling a vision-language model (its tokens and log-probs against the HF forward on the
+processor's inputs, whatever the batch does around them), what the trainer replays, and the sampler refusing
+media that its engine would drop."""
 
 from __future__ import annotations
 
+import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import attrs
+import numpy as np
 import pytest
 import torch
 from PIL import Image
 
 from twinkle_core import Sampler, create_sampler
-from twinkle_core.data_format import Trajectory
+from twinkle_core.data_format import IGNORE_INDEX, SampledSequence, SamplingParams, Trajectory
 from twinkle_core.errors import PromptTooLongError, UnsupportedFeatureError
 from twinkle_core.template.processor import ProcessorTemplate
 from twinkle_core.testing.tiny_vlm import build_tiny_vlm
-from twinkle_torch.engine import TorchEngine
 
 
 def _image(seed: int) -> Any:
@@ -43,6 +46,157 @@ def template(tiny_vlm: Path) -> ProcessorTemplate:
 def text_sampler(tiny_qwen2: Path) -> Iterator[Sampler]:
     with create_sampler("torch", model_id=str(tiny_qwen2), device="cpu", dtype="float32") as sampler:
         yield sampler
+
+
+@pytest.fixture(scope="module")
+def vlm_sampler(tiny_vlm: Path) -> Iterator[Sampler]:
+    with create_sampler("torch", model_id=str(tiny_vlm), device="cpu", dtype="float32") as sampler:
+        yield sampler
+
+
+@pytest.fixture(scope="module")
+def hf_vlm(tiny_vlm: Path) -> Any:
+    """The model as Hugging Face runs it: the reference for every image prompt's log-probs."""
+    from transformers import AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText.from_pretrained(str(tiny_vlm), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def processor(tiny_vlm: Path) -> Any:
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(str(tiny_vlm))
+
+
+#: Float32 summation order between a batched, cached decode and one full forward (test_torch_architectures').
+_TOLERANCE = 1e-3
+
+
+def _processed(processor: Any, chat: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the model's own processor gives for a chat: the ids and the media inputs."""
+    return dict(
+        processor.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="np"
+        )
+    )
+
+
+def _gap(model: Any, inputs: dict[str, Any], sequence: SampledSequence) -> tuple[float, bool]:
+    """How far a sequence's log-probs are from one HF forward over ``inputs`` plus its tokens, and whether
+    each token is that forward's argmax (greedy)."""
+    prompt = [int(t) for t in inputs["input_ids"][0]]
+    media = {k: torch.as_tensor(v) for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "labels")}
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + sequence.tokens]), **media).logits[0].float()
+    logprobs = logits.log_softmax(-1)[len(prompt) - 1 : -1]
+    tokens = torch.tensor(sequence.tokens)
+    own = logprobs.gather(-1, tokens[:, None])[:, 0]
+    assert sequence.logprobs is not None and len(sequence.logprobs) == len(sequence.tokens) > 0
+    gap = float((own - torch.tensor(sequence.logprobs)).abs().max())
+    return gap, bool((logprobs.argmax(-1) == tokens).all())
+
+
+_GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
+
+
+def test_a_vision_language_folder_loads_its_image_class_and_takes_images(
+    vlm_sampler: Sampler, text_sampler: Sampler
+) -> None:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    model = vlm_sampler.engine.model  # type: ignore[attr-defined]
+    assert type(model) is MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(model.config)]
+    assert vlm_sampler.engine.info.media == {"image"}
+    assert text_sampler.engine.info.media == frozenset()
+
+
+def test_greedy_image_prompts_are_the_hf_forward_on_the_processors_inputs(
+    vlm_sampler: Sampler, hf_vlm: Any, processor: Any
+) -> None:
+    """Two images and a text prompt in one call, two samples each (one prefill shared): every sequence is the
+    HF forward's on exactly what the processor gives, and neither image's output is the other image's."""
+    chats = [_chat(_image(1)), [{"role": "user", "content": "What is it?"}], _chat(_image(2))]
+    responses = vlm_sampler.sample([Trajectory(messages=c) for c in chats], _GREEDY.replace(num_samples=2))
+    inputs = [_processed(processor, c) for c in chats]
+    for response, own in zip(responses, inputs):
+        assert response.prompt_token_ids == own["input_ids"][0].tolist()
+        for sequence in response.sequences:
+            gap, greedy = _gap(hf_vlm, own, sequence)
+            assert greedy and gap < _TOLERANCE, gap
+    # the image is read: each image prompt's tokens, under the other image, are not the HF forward's
+    swapped = [
+        {**inputs[0], "pixel_values": inputs[2]["pixel_values"]},
+        {**inputs[2], "pixel_values": inputs[0]["pixel_values"]},
+    ]
+    for response, other in zip((responses[0], responses[2]), swapped):
+        gap, _ = _gap(hf_vlm, other, response.sequences[0])
+        assert gap > 10 * _TOLERANCE, gap
+
+
+def test_an_image_prompt_joins_a_running_batch(vlm_sampler: Sampler, hf_vlm: Any, processor: Any) -> None:
+    """A text call is decoding when an image prompt arrives: it joins the batch (its prefill reads its image)."""
+    stats = vlm_sampler.engine._decoder.stats  # type: ignore[attr-defined]
+    steps, joined = stats.steps, stats.joined_rows
+    image_prompt = vlm_sampler.template.encode(Trajectory(messages=_chat(_image(3))))  # encoded before, to be quick
+    text = Trajectory(messages=[{"role": "user", "content": "Tell me a story."}])
+    running = vlm_sampler.submit(text, _GREEDY.replace(max_tokens=400))
+    deadline = time.monotonic() + 120
+    while stats.steps < steps + 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    late = vlm_sampler.sample(image_prompt, _GREEDY)[0].sequences[0]
+    assert stats.joined_rows > joined
+    running.abort()  # its long budget only kept it decoding while the image prompt came
+    assert running.result(timeout=300)[0].sequences[0].stop_reason == "abort"
+    gap, greedy = _gap(hf_vlm, _processed(processor, _chat(_image(3))), late)
+    assert greedy and gap < _TOLERANCE, gap
+
+
+def test_an_aborted_image_prompt_resumes_with_its_image(vlm_sampler: Sampler, hf_vlm: Any, processor: Any) -> None:
+    """The continuation is prefilled again from the prompt's ids and media: the whole sequence is the HF
+    forward's, and its training feature still carries the image."""
+    stats = vlm_sampler.engine._decoder.stats  # type: ignore[attr-defined]
+    steps = stats.steps
+    handle = vlm_sampler.submit(Trajectory(messages=_chat(_image(4))), _GREEDY.replace(max_tokens=40))
+    deadline = time.monotonic() + 120
+    while stats.steps < steps + 3 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    handle.abort()
+    first = handle.result(timeout=120)[0].sequences[0]
+    assert first.stop_reason == "abort" and 0 < len(first.tokens) < 40
+    whole = handle.resume().result(timeout=300)[0].sequences[0]
+    assert whole.tokens[: len(first.tokens)] == first.tokens and len(whole.tokens) == 40
+    own = _processed(processor, _chat(_image(4)))
+    gap, greedy = _gap(hf_vlm, own, whole)
+    assert greedy and gap < _TOLERANCE, gap
+    assert whole.training_feature is not None and whole.training_feature.multimodal is not None
+    assert np.array_equal(whole.training_feature.multimodal["pixel_values"], own["pixel_values"])
+
+
+def test_the_trainer_replays_each_sample_from_its_training_feature(vlm_sampler: Sampler, hf_vlm: Any) -> None:
+    """Two seeded samples of an image prompt (one prefill): an HF forward over each sequence's training feature,
+    as a trainer gets it (through a dict and JSON), gives its log-probs; the media are shared, not copied."""
+    stats = vlm_sampler.engine._decoder.stats  # type: ignore[attr-defined]
+    prefills = stats.prefills
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, logprobs=0, num_samples=2, seed=3)
+    response = vlm_sampler.sample(Trajectory(messages=_chat(_image(5))), params)[0]
+    assert stats.prefills == prefills + 1
+    features = [s.training_feature for s in response.sequences]
+    assert all(f is not None and f.multimodal is not None for f in features)
+    assert features[0].multimodal["pixel_values"] is features[1].multimodal["pixel_values"]  # type: ignore[union-attr]
+    assert response.sequences[0].tokens != response.sequences[1].tokens
+    for sequence, feature in zip(response.sequences, features):
+        assert feature is not None
+        replayed = type(feature).from_dict(json.loads(json.dumps(feature.to_dict())))
+        assert replayed.multimodal is not None and replayed.labels is not None
+        media = {k: torch.from_numpy(v) for k, v in replayed.multimodal.items()}
+        with torch.no_grad():
+            logits = hf_vlm(input_ids=torch.tensor([replayed.input_ids]), **media).logits[0].float()
+        labels = torch.tensor(replayed.labels)
+        trained = (labels != IGNORE_INDEX).nonzero()[:, 0]
+        logprobs = logits[trained - 1].log_softmax(-1).gather(-1, labels[trained][:, None])[:, 0]
+        assert labels[trained].tolist() == sequence.tokens
+        assert sequence.logprobs == pytest.approx(logprobs.tolist(), abs=_TOLERANCE)
 
 
 def test_encode_gives_exactly_what_the_models_own_processor_gives(tiny_vlm: Path, template: ProcessorTemplate) -> None:
@@ -121,20 +275,10 @@ def test_a_text_model_given_an_image_is_unsupported(text_sampler: Sampler) -> No
         text_sampler.template.encode(Trajectory(messages=_chat(_image(1))))
 
 
-class _ImageTorchEngine(TorchEngine):
-    """The torch engine declaring images: for the skip path, whose bad image fails at encode, before any engine."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.info = attrs.evolve(self.info, media=frozenset({"image"}))
-
-
-def test_skip_isolates_a_bad_image(tiny_qwen2: Path, tiny_vlm: Path) -> None:
-    with Sampler(_ImageTorchEngine, model_id=str(tiny_qwen2), device="cpu", dtype="float32") as sampler:
-        sampler.set_template(ProcessorTemplate.from_pretrained(tiny_vlm))
-        good = Trajectory(messages=[{"role": "user", "content": "Hello"}])
-        bad = Trajectory(messages=[{"role": "user", "content": "a <image>"}], images=[b"not an image"])
-        responses = sampler.sample([good, bad, good], {"max_tokens": 2}, on_invalid="skip")
+def test_skip_isolates_a_bad_image(vlm_sampler: Sampler) -> None:
+    good = Trajectory(messages=[{"role": "user", "content": "Hello"}])
+    bad = Trajectory(messages=[{"role": "user", "content": "a <image>"}], images=[b"not an image"])
+    responses = vlm_sampler.sample([good, bad, good], {"max_tokens": 2}, on_invalid="skip")
     assert [r.error is None for r in responses] == [True, False, True]
     assert responses[1].error is not None and responses[1].error.startswith("Trajectory.images[0]")
     assert all(r.sequences and r.sequences[0].tokens for r in (responses[0], responses[2]))

@@ -29,6 +29,7 @@ import torch
 from twinkle_core.errors import NumericalError
 from twinkle_torch.batch import Batch
 from twinkle_torch.cache import gather_prefills, joinable, make_cache, select_rows
+from twinkle_torch.media import media_inputs
 from twinkle_torch.routes import RouteRecorder
 from twinkle_torch.rows import Job, PromptScores, Row
 
@@ -213,6 +214,7 @@ class Prefiller:
         self.pad_token_id = pad_token_id
         self.logits_to_keep = logits_to_keep
         self.routes = routes
+        self.dtype = next(model.parameters()).dtype
         # whether this model's caches are all preallocated layers: chunked prefills can be gathered
         self.gatherable = joinable(make_cache(model.config, 1))
 
@@ -263,8 +265,10 @@ class Prefiller:
         # a lone chunk's cache becomes the batch's: sized for the generation unless samples expand it
         capacity = plan.width + plan.remaining if chunk == plan.order and plan.total and not plan.expand else 0
         ids = [members[b][0].ids for b in chunk]
+        media = [members[b][0].media for b in chunk]
         record = any(r.routes is not None for b in chunk for r in members[b])
-        cache, logits, routes = self._forward(ids, capacity, any(plan.scoring[b] for b in chunk), record, out)
+        scoring = any(plan.scoring[b] for b in chunk)
+        cache, logits, routes = self._forward(ids, media, capacity, scoring, record, out)
         chunk_width = max(lengths[b] for b in chunk)
         for i, b in enumerate(chunk):  # each prompt's routes, past its left padding, for each of its rows
             for row in members[b]:
@@ -289,9 +293,18 @@ class Prefiller:
         return cache, torch.tensor(taken, dtype=torch.long, device=device), torch.tensor(placed, device=device)
 
     def _forward(
-        self, ids: list[list[int]], capacity: int, scoring: bool, record: bool, out: Prefilled
+        self,
+        ids: list[list[int]],
+        media: list[dict[str, Any] | None],
+        capacity: int,
+        scoring: bool,
+        record: bool,
+        out: Prefilled,
     ) -> tuple[Any, torch.Tensor, np.ndarray | None]:
         """One left-padded prefill forward of ``ids`` into a fresh cache of at least ``capacity`` columns.
+
+        ``media``: per row, its prompt's processed media inputs, passed to the forward
+        (:func:`twinkle_torch.media.media_inputs`).
 
         Returns the cache, the logits (of every position when ``scoring``,
         prompt log-probs, else where the model allows of the last only) and,
@@ -307,6 +320,8 @@ class Prefiller:
         positions = (prompt_mask.cumsum(-1) - 1).clamp_(min=0)
         cache = make_cache(self.model.config, max(capacity, width))
         kwargs: dict[str, Any] = {}
+        if any(media):
+            kwargs.update(media_inputs(media, lengths, width, device=device, dtype=self.dtype))
         if self.logits_to_keep and not scoring:
             kwargs["logits_to_keep"] = 1
         recorder = self.routes if record else None

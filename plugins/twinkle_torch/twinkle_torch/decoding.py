@@ -193,7 +193,12 @@ class Decoder:
         self._samplers.native = native
 
     def run(
-        self, prompts: list[list[int]], params: SamplingParams, *, control: RunControl | None = None
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        *,
+        control: RunControl | None = None,
+        media: Sequence[dict[str, Any] | None] | None = None,
     ) -> list[PromptScores | None]:
         """Generate ``params.num_samples`` completions for every prompt (blocks until they are done).
 
@@ -206,6 +211,8 @@ class Decoder:
             params: the sampling parameters.
             control: per-prompt budgets and seed positions, an early stop, a
                 callback for each finished completion and the adapter (see :class:`RunControl`).
+            media: per prompt, its processed media inputs (``InputFeature.multimodal``), read
+                by its prefill (:mod:`twinkle_torch.media`); ``None``: text only.
 
         Returns:
             Per prompt, its prompt scores (``None`` unless ``params.prompt_logprobs`` is set).
@@ -214,7 +221,7 @@ class Decoder:
             Whatever the model raised for this run's rows.
         """
         control = control if control is not None else RunControl.plain(len(prompts), params)
-        job = Job(prompts, params, control, self.eos_token_ids)
+        job = Job(prompts, params, control, self.eos_token_ids, media)
         if params.max_tokens > 0:
             self._samplers.of(job)  # bad constraints (a bad word that cannot be tokenized) fail here, before any work
         n = params.num_samples

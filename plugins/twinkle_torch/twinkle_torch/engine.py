@@ -54,6 +54,7 @@ from twinkle_torch.loading import (
     check_linear_kernel,
     check_options,
     eos_ids,
+    image_text_class,
     load_model,
     resolve_device,
     resolve_dtype,
@@ -204,6 +205,7 @@ class TorchEngine(Engine):
             supported_params=SUPPORTED_PARAMS,
             concurrent=True,
             weights_dtype=self.dtype,
+            media=frozenset({"image"}) if image_text_class(config, path) is not None else frozenset(),
         )
         self._weights = WeightTable(self._model)
         self._adapter_set = AdapterSet(self._model, self.device)
@@ -314,7 +316,10 @@ class TorchEngine(Engine):
             activate=lambda: self._adapter_set.activate(active),
             adapter=active,
         )
-        scores = self._decoder.run([list(p.input_ids) for p in run.prompts], params, control=control)
+        media = [p.multimodal for p in run.prompts]
+        scores = self._decoder.run(
+            [list(p.input_ids) for p in run.prompts], params, control=control, media=media if any(media) else None
+        )
         for p, score in enumerate(scores):
             if params.max_tokens == 0:  # scoring only: each sample is an empty completion
                 run.report_empty(p, "length")

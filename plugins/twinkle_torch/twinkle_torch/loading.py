@@ -29,6 +29,7 @@ __all__ = [
     "check_linear_kernel",
     "check_options",
     "eos_ids",
+    "image_text_class",
     "load_model",
     "resolve_device",
     "resolve_dtype",
@@ -168,6 +169,9 @@ def load_model(
 
     ``engine_options``: the engine's own option names, for the message about an option nobody took.
 
+    A vision-language model (:func:`image_text_class`) loads with
+    ``AutoModelForImageTextToText`` instead: the class that reads images.
+
     It fits a model class that routes its attention through ``transformers``'
     attention interface (``_supports_attention_backend``). Others (MPT, Bloom,
     XGLM...) compute attention in code of their own and read the masks made
@@ -177,10 +181,12 @@ def load_model(
     hybrids are refused by name.
     """
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     kwargs = {"dtype": dtype, "trust_remote_code": trust_remote_code, **model_kwargs}
-    cls = causal_lm_class(config)
+    vision = image_text_class(config, path)
+    auto = AutoModelForCausalLM if vision is None else AutoModelForImageTextToText
+    cls = causal_lm_class(config) if vision is None else vision
     if cls is not None and getattr(cls, "_is_stateful", False) and not carries_state(config):
         raise recurrent(cls.__name__)
     if cls is not None and not getattr(cls, "_supports_attention_backend", False):
@@ -189,10 +195,10 @@ def load_model(
         if attention is not None:
             register_attention()
             try:
-                return AutoModelForCausalLM.from_pretrained(str(path), attn_implementation=attention, **kwargs)
+                return auto.from_pretrained(str(path), attn_implementation=attention, **kwargs)
             except (ValueError, KeyError):  # an architecture without pluggable attention: its own default
                 pass
-        return AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+        return auto.from_pretrained(str(path), **kwargs)
     except (OSError, SafetensorError) as exc:  # a config without weights, unreadable weights
         raise ConfigError(f"{str(path)!r} holds no model transformers can load: {brief(exc)}") from exc
     except TypeError as exc:  # an option nobody takes: transformers hands unknown ones to the model class
@@ -228,6 +234,38 @@ def causal_lm_class(config: Any) -> Any:
         return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     except KeyError:
         return None
+
+
+def image_text_class(config: Any, path: Any) -> Any:
+    """The class that reads images for a vision-language model folder; ``None``: load it as a causal LM.
+
+    A folder is sampled with its images when its config maps to an
+    ``AutoModelForImageTextToText`` class and it holds the processor that
+    expands them (:func:`twinkle_core.hub.has_processor`):
+    without one no prompt can carry an image, and a checkpoint that
+    ``AutoModelForCausalLM`` also loads (Qwen3.5, Gemma 3) keeps the class and
+    the weight names it has as a text model. Models whose rotary positions
+    are multimodal (Qwen2-VL's ``mrope_section``) place an image's tokens on
+    a grid the decode loop does not compute: they load as text models, as before.
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
+
+    from twinkle_core.hub import has_processor
+
+    try:
+        cls = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
+    except KeyError:
+        return None
+    if not has_processor(path) or multimodal_positions(config):
+        return None
+    return cls
+
+
+def multimodal_positions(config: Any) -> bool:
+    """Whether the model places tokens by multimodal rotary positions (a temporal, height and width section)."""
+    text = config.get_text_config(decoder=True)
+    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
+    return isinstance(rope, dict) and "mrope_section" in rope
 
 
 #: The load check's tolerances on log-probs. A causal model's log-probs at a position do not

@@ -79,12 +79,21 @@ class PromptScores:
 
 
 class Job:
-    """One run's rows, scores and completion (its results go to ``control.on_finish``)."""
+    """One run's rows, scores and completion (its results go to ``control.on_finish``).
+
+    ``media``: per prompt, its processed media inputs (``InputFeature.multimodal``) or ``None``.
+    """
 
     def __init__(
-        self, prompts: list[list[int]], params: SamplingParams, control: RunControl, eos_token_ids: Sequence[int]
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        control: RunControl,
+        eos_token_ids: Sequence[int],
+        media: Sequence[dict[str, Any] | None] | None = None,
     ) -> None:
         self.prompts = prompts
+        self.media = list(media) if media is not None else [None] * len(prompts)
         self.params = params
         self.control = control
         self.scores: dict[int, PromptScores] = {}
@@ -127,6 +136,11 @@ class Row:
     def ids(self) -> list[int]:
         """What a prefill of this row reads: its prompt and what it generated before."""
         return self.job.prompts[self.prompt] + self.tokens
+
+    @property
+    def media(self) -> dict[str, Any] | None:
+        """Its prompt's processed media inputs (a prefill of this row reads them), or ``None``."""
+        return self.job.media[self.prompt]
 
     @property
     def output(self) -> list[int]:
