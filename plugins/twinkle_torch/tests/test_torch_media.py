@@ -303,3 +303,17 @@ def test_a_processor_this_machine_cannot_load_leaves_the_model_sampling_text(
         with pytest.raises(UnsupportedFeatureError):
             sampler.sample(Trajectory(messages=_chat(_image(1))), {"max_tokens": 3})
     assert "could not be loaded" in caplog.text
+
+
+def test_a_prefill_batches_media_inputs_as_a_processor_batches_them() -> None:
+    """Per-image arrays concatenated in row order; per-token ones under their row's tokens, left-padded, zero
+    under padding and under tokens past the prompt (a resumed row); a text row adds nothing."""
+    from twinkle_torch.media import media_inputs
+
+    first = {"pixel_values": np.ones((1, 3, 2, 2), np.float32), "mm_token_type_ids": np.array([[0, 1, 1, 0]])}
+    resumed = {"pixel_values": np.zeros((2, 3, 2, 2), np.float32), "mm_token_type_ids": np.array([[1, 1, 0]])}
+    out = media_inputs([first, None, resumed], [4, 2, 5], 6, device=torch.device("cpu"), dtype=torch.float64)
+    assert out["pixel_values"].dtype == torch.float64
+    assert out["pixel_values"].tolist() == np.concatenate([first["pixel_values"], resumed["pixel_values"]]).tolist()
+    assert out["mm_token_type_ids"].tolist() == [[0, 0, 0, 1, 1, 0], [0] * 6, [0, 1, 1, 0, 0, 0]]
+    assert media_inputs([None, None], [2, 3], 3, device=torch.device("cpu"), dtype=torch.float32) == {}
