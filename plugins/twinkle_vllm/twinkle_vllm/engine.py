@@ -238,7 +238,14 @@ class vLLMEngine(Engine):
 
     def _read_weight_spec(self) -> WeightSpec:
         worker = self._process.workers[0]
-        return WeightSpec.from_model_dir(self.model_dir, worker["dtype"], worker["packed_modules_mapping"])
+        args = self._process.engine_args
+        # vLLM loads a checkpoint's MTP block only to draft with it, and its tower only without language_model_only
+        unloaded = {"mtp"} if not args.speculative_config else set()
+        if args.language_model_only:
+            unloaded.add("vision")
+        return WeightSpec.from_model_dir(
+            self.model_dir, worker["dtype"], worker["packed_modules_mapping"], frozenset(unloaded)
+        )
 
     def _boot(self) -> None:
         """Start the engine (also on restart); see :meth:`EngineProcess.boot`."""
