@@ -110,3 +110,40 @@ def test_ids_that_vllm_would_expand_differently_are_refused_by_name(vlm_sampler:
     with pytest.raises(UnsupportedFeatureError, match=r"inputs\[0\] carries processed media.*not the images"):
         vlm_sampler.sample([attrs.evolve(feature, images=[])], GREEDY)
     assert len(vlm_sampler.sample([feature], GREEDY)[0].sequences[0].tokens) == GREEDY.max_tokens  # still serving
+
+
+def test_the_server_samples_from_image_url_parts_as_the_sampler_does(vlm_sampler: Any, tmp_path: Path) -> None:
+    import base64
+    import io
+
+    import openai
+
+    from twinkle_core.server import start_server
+
+    buffer = io.BytesIO()
+    IMAGES[1].save(buffer, format="PNG")
+    IMAGES[0].save(tmp_path / "first.png")
+    parts = [
+        {"type": "image_url", "image_url": {"url": f"file://{tmp_path / 'first.png'}"}},
+        {"type": "text", "text": "Compare "},
+        {
+            "type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()},
+        },
+    ]
+    bad = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,bm90IGFuIGltYWdl"}}]
+    want = vlm_sampler.sample(
+        [Trajectory(messages=[{"role": "user", "content": "<image>Compare <image>"}], images=IMAGES)], GREEDY
+    )[0].sequences[0]
+    with start_server(vlm_sampler, model_name="vlm", allowed_local_media_path=tmp_path) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model="vlm",
+            messages=[{"role": "user", "content": parts}],
+            temperature=0.0,
+            max_tokens=GREEDY.max_tokens,
+            extra_body={"ignore_eos": True},
+        )
+        with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[0\].*not a decodable image"):
+            client.chat.completions.create(model="vlm", messages=[{"role": "user", "content": bad}], max_tokens=2)
+    assert reply.choices[0].message.content == want.text
