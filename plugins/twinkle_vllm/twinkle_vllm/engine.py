@@ -59,6 +59,7 @@ from twinkle_vllm._engine_args import (
     platform_environment,
     read_ipc_timeout,
 )
+from twinkle_vllm._media import engine_media
 from twinkle_vllm._process import EngineFacts, EngineProcess
 from twinkle_vllm._push import WeightPush
 from twinkle_vllm._recovery import EngineRecovery, ReplayStore, RestartHooks
@@ -189,6 +190,7 @@ class vLLMEngine(Engine):
             supported_params=SUPPORTED_PARAMS,
             concurrent=True,
             weights_dtype=self._facts.dtype,
+            media=engine_media(self._process.engine.vllm_config.model_config),  # type: ignore[union-attr]
         )
         # vLLM's own finalizers stop its processes at exit; this also stops our loop thread first.
         atexit.register(_close_at_exit, weakref.ref(self))
