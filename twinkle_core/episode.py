@@ -200,7 +200,8 @@ class Episode:
         self.messages: list[Message] = list(trajectory.messages)
         self.tools = list(trajectory.tools)
         self.extra = dict(trajectory.extra)
-        prompt = self.template.encode(trajectory, add_generation_prompt=True, max_tokens=max_prompt_tokens).input_ids
+        opening = self.template.encode(trajectory, add_generation_prompt=True, max_tokens=max_prompt_tokens)
+        prompt, self._media = opening.input_ids, dict[str, Any](multimodal=opening.multimodal, images=opening.images)
         self.tokens: list[int] = list(prompt)
         self.loss_mask: list[int] = [0] * len(prompt)
         self.logprobs: list[float | None] = [None] * len(prompt)
@@ -239,7 +240,7 @@ class Episode:
                 "The episode ends with a sampled turn: add the next message (add_messages, add_tool_result,"
                 " add_user) before sampling again."
             )
-        return InputFeature(input_ids=list(self.tokens), extra=dict(self.extra))
+        return InputFeature(input_ids=list(self.tokens), extra=dict(self.extra), **self._media)  # opening's media
 
     def fork(self) -> Episode:
         """An independent copy sharing everything so far; the two diverge from here."""
@@ -251,8 +252,7 @@ class Episode:
         twin.segments = [Segment(kind=s.kind, tokens=list(s.tokens)) for s in self.segments]
         twin.turns = list(self.turns)  # turns are never mutated once recorded
         twin.template_mismatches = list(self.template_mismatches)
-        twin.constraint = self.constraint
-        twin._awaiting = self._awaiting
+        twin.constraint, twin._media, twin._awaiting = self.constraint, self._media, self._awaiting
         return twin
 
     # -- sampling --------------------------------------------------------------------------

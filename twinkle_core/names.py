@@ -20,12 +20,29 @@ from __future__ import annotations
 from collections.abc import Container, Iterable
 from typing import TypeVar
 
-__all__ = ["NESTINGS", "PEFT_PREFIXES", "known_adapter_name", "known_name", "known_names"]
+__all__ = [
+    "NESTINGS",
+    "PEFT_PREFIXES",
+    "UNSERVED_PARTS",
+    "known_adapter_name",
+    "known_name",
+    "known_names",
+    "unserved_part",
+]
 
 T = TypeVar("T")
 
 #: ``(trainer prefix, checkpoint prefix)``: where a checkpoint nests the language model a trainer holds at its root.
 NESTINGS: tuple[tuple[str, str], ...] = (("model.", "model.language_model."),)
+
+#: ``(prefix, kind, what it is)``: parts of a checkpoint an engine sampling its language model may not load.
+#: Qwen3.5 checkpoints hold a multi-token-prediction block (``mtp.*``, read only for speculative decoding)
+#: and a vision tower (``model.visual.*``); an engine that loaded the text model holds neither.
+UNSERVED_PARTS: tuple[tuple[str, str, str], ...] = (
+    ("mtp.", "mtp", "the multi-token-prediction block"),
+    ("model.visual.", "vision", "the vision tower"),
+    ("visual.", "vision", "the vision tower"),
+)
 
 #: What PEFT puts before a module's name in an adapter's tensor names.
 PEFT_PREFIXES: tuple[str, ...] = ("base_model.model.", "base_model.")
@@ -74,3 +91,19 @@ def known_adapter_name(name: str, known: Container[str]) -> str:
                 return name
             return prefix + known_name(f"{module}.weight", known).removesuffix(".weight") + marker + leaf
     return name
+
+
+def unserved_part(name: str, kinds: Container[str] = ("mtp", "vision")) -> str | None:
+    """What part of a checkpoint ``name`` belongs to, when it is one of the ``kinds`` of :data:`UNSERVED_PARTS`.
+
+    Args:
+        name: a weight name.
+        kinds: the kinds of part to look for (``"mtp"``, ``"vision"``): those the engine did not load.
+
+    Returns:
+        ``"the vision tower (model.visual.*)"`` and the like, or ``None``.
+    """
+    for prefix, kind, part in UNSERVED_PARTS:
+        if kind in kinds and name.startswith(prefix):
+            return f"{part} ({prefix}*)"
+    return None

@@ -20,6 +20,7 @@ from typing import Any
 import attrs
 
 from twinkle_core.errors import WeightUpdateError, did_you_mean
+from twinkle_core.names import unserved_part
 
 __all__ = [
     "TRANSFER_DTYPES",
@@ -85,6 +86,12 @@ def check_update(
         if name in out:
             raise WeightUpdateError(f"update_weights: {name!r} is given twice; nothing was updated.")
         if name not in spec:
+            part = unserved_part(name)
+            if part is not None:
+                raise WeightUpdateError(
+                    f"update_weights: {name!r} belongs to {part} of the checkpoint, which this engine does not run"
+                    " (it loaded the language model only); leave those tensors out of the update. Nothing was updated."
+                )
             example = next(iter(spec), "")
             raise WeightUpdateError(
                 f"update_weights: {name!r} is not a weight of this model.{did_you_mean(name, spec)}"

@@ -130,6 +130,18 @@ __all__ = ["serve"]
     help="Seconds after which a sampling call is aborted; its reply holds what was sampled by then (default: none).",
 )
 @click.option(
+    "--allowed-local-media-path",
+    default=None,
+    type=click.Path(exists=True, file_okay=False),
+    help="The folder requests' images may name local files in (file:// or a path); default: none.",
+)
+@click.option(
+    "--allow-remote-media",
+    is_flag=True,
+    default=False,
+    help="Fetch requests' http(s) image URLs (default: refused with a 400).",
+)
+@click.option(
     "--weight-transfer-config",
     "weight_transfer",
     default=None,
@@ -164,6 +176,8 @@ def serve(
     max_pending_requests: int,
     max_stored_responses: int,
     request_timeout: float | None,
+    allowed_local_media_path: str | None,
+    allow_remote_media: bool,
     weight_transfer: str | None,
 ) -> None:
     """Serve a model over the OpenAI API (needs: pip install "twinkle-core[server]")."""
@@ -212,6 +226,8 @@ def serve(
             max_pending_requests=max_pending_requests,
             request_timeout=request_timeout,
             max_stored_responses=max_stored_responses,
+            allowed_local_media_path=allowed_local_media_path,
+            allow_remote_media=allow_remote_media,
         )
 
 

@@ -7,6 +7,7 @@ from typing import Any
 import attrs
 
 from twinkle_core.data_format._base import Record, check_extra
+from twinkle_core.data_format.media import check_source
 from twinkle_core.data_format.routes import decode_routes, is_routes
 from twinkle_core.errors import InvalidInputError
 
@@ -61,6 +62,13 @@ def _check_multimodal(inst: Any, attribute: attrs.Attribute[Any], value: Any) ->
         )
 
 
+def _check_images(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    if not isinstance(value, list):
+        raise InvalidInputError(f"InputFeature.images={value!r:.80} is invalid: expected a list of images.")
+    for i, source in enumerate(value):
+        check_source("image", source, f"InputFeature.images[{i}]")
+
+
 def _check_ids(inst: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is None and attribute.name != "input_ids":
         return
@@ -87,6 +95,10 @@ class InputFeature(Record):
             whatever the model's processor returns), as numpy arrays, for a
             prompt with images or videos; ``None`` without. Its
             ``input_ids`` hold each image's placeholder tokens expanded.
+        images: the images ``multimodal`` was computed from, decoded, in
+            order (empty without): what an engine that runs the model's
+            processor itself (vLLM) is handed, and checked against. In a plain
+            dict, PNG ``data:`` URLs.
     """
 
     input_ids: list[int] = attrs.field(converter=_to_int_list, validator=_check_ids)
@@ -94,6 +106,7 @@ class InputFeature(Record):
     labels: list[int] | None = attrs.field(default=None, converter=_to_int_list, validator=_check_ids)
     extra: dict[str, Any] = attrs.field(factory=dict, validator=check_extra)
     multimodal: dict[str, Any] | None = attrs.field(default=None, converter=_to_arrays, validator=_check_multimodal)
+    images: list[Any] = attrs.field(factory=list, validator=_check_images)
 
     def __attrs_post_init__(self) -> None:
         if self.attention_mask is None:

@@ -98,6 +98,8 @@ def serve(
     max_pending_requests: int | None = None,
     request_timeout: float | None = None,
     max_stored_responses: int | None = None,
+    allowed_local_media_path: str | os.PathLike[str] | None = None,
+    allow_remote_media: bool = False,
 ) -> None:
     """Serve ``sampler`` over the OpenAI API until interrupted (blocking).
 
@@ -132,6 +134,10 @@ def serve(
             See :mod:`twinkle_core.server.limits`.
         max_stored_responses: the most ``/v1/responses`` replies kept for
             ``previous_response_id``, the oldest evicted first; default 1024.
+        allowed_local_media_path: the folder a request's images may name local
+            files in (``file://`` or a path); ``None``: no local file is read.
+        allow_remote_media: fetch a request's ``http(s)`` image URLs (off: a 400).
+            See :mod:`twinkle_core.server.media`.
 
     Raises:
         ConfigError: a non-loopback host without an API key, or FastAPI/uvicorn missing.
@@ -147,6 +153,8 @@ def serve(
         "sessions": sessions,
         "weight_transfer": weight_transfer,
         "request_timeout": request_timeout,
+        "allowed_local_media_path": allowed_local_media_path,
+        "allow_remote_media": allow_remote_media,
     }
     for name, value in (
         ("max_body_bytes", max_body_bytes),

@@ -28,11 +28,13 @@ error bodies in :mod:`~twinkle_core.server.refusals`.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
+import attrs
 from fastapi import FastAPI
 
 from twinkle_core.episode import OnTemplateMismatch
@@ -41,6 +43,7 @@ from twinkle_core.server.chat import add_chat_routes
 from twinkle_core.server.completions import add_completion_routes
 from twinkle_core.server.control import add_control_routes
 from twinkle_core.server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PENDING_REQUESTS, Limits, LimitsMiddleware
+from twinkle_core.server.media import MediaAccess
 from twinkle_core.server.refusals import add_error_handlers
 from twinkle_core.server.responses import add_response_routes
 from twinkle_core.server.session_routes import add_session_routes
@@ -48,6 +51,7 @@ from twinkle_core.server.sessions import SessionStore
 from twinkle_core.server.state import ServerState
 from twinkle_core.server.weights import add_weight_routes
 from twinkle_core.server.weights import check_config as check_weight_config
+from twinkle_core.template.media import MediaLimits
 
 __all__ = ["create_app"]
 
@@ -68,9 +72,15 @@ def create_app(
     max_pending_requests: int = DEFAULT_MAX_PENDING_REQUESTS,
     request_timeout: float | None = None,
     max_stored_responses: int = 1024,
+    allowed_local_media_path: str | os.PathLike[str] | None = None,
+    allow_remote_media: bool = False,
 ) -> FastAPI:
     """The OpenAI-compatible application over ``sampler`` (see :func:`twinkle_core.server.serve`)."""
     transfer_config = check_weight_config(weight_transfer)
+    media_access = MediaAccess(allowed_local_media_path=allowed_local_media_path, allow_remote_media=allow_remote_media)
+    template_limits = getattr(sampler.template, "limits", None)
+    if allow_remote_media and isinstance(template_limits, MediaLimits):  # the template fetches what is allowed
+        sampler.template.limits = attrs.evolve(template_limits, allow_remote_urls=True)
     limits = Limits(max_body_bytes, max_pending_requests, request_timeout)
     state = ServerState(
         sampler,
@@ -81,6 +91,7 @@ def create_app(
         max_logprobs=max_logprobs,
         sessions=sessions if sessions is not None else SessionStore(),
         limits=limits,
+        media_access=media_access,
     )
 
     @asynccontextmanager

@@ -24,6 +24,7 @@ from twinkle_core.episode import Turn
 from twinkle_core.errors import TwinkleError
 from twinkle_core.server.bodies import ChatRequest
 from twinkle_core.server.constraints import constrain
+from twinkle_core.server.media import check_message_media
 from twinkle_core.server.protocol import ApiError, body_names, openai_messages, openai_tools
 from twinkle_core.server.shapes import TokenNames
 from twinkle_core.server.state import ServerState
@@ -64,6 +65,7 @@ async def chat(state: ServerState, req: ChatRequest, request: Request) -> Any:
     )
     state.check_parts(len(req.messages) + len(req.tools or []), body_names("chat", req))
     messages = openai_messages(req.messages)
+    check_message_media(messages, state.media_access)
     try:
         trajectory = Trajectory(messages=messages, tools=openai_tools(req.tools))
     except TwinkleError as exc:

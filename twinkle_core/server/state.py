@@ -20,6 +20,7 @@ from twinkle_core.episode import OnTemplateMismatch
 from twinkle_core.errors import ConfigError, PromptTooLongError, TwinkleError
 from twinkle_core.server.calls import Pending
 from twinkle_core.server.limits import Limits
+from twinkle_core.server.media import MediaAccess
 from twinkle_core.server.protocol import ApiError, Route, body_names, brief, neutral_violation
 from twinkle_core.server.refusals import error_answer
 from twinkle_core.server.sessions import SessionStore
@@ -44,8 +45,11 @@ class ServerState:
         max_logprobs: int,
         sessions: SessionStore,
         limits: Limits,
+        media_access: MediaAccess | None = None,
     ) -> None:
         self.sampler = sampler
+        #: where a request's images may come from (local files, remote URLs)
+        self.media_access = media_access or MediaAccess()
         self.limits = limits
         self.model_name = model_name
         self.tool_parser = get_tool_parser(tool_parser)

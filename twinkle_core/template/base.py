@@ -338,6 +338,7 @@ class Template:
         feature = training_feature(prompt_ids, completion_tokens)
         if isinstance(prompt, InputFeature) and prompt.multimodal is not None:  # the trainer's forward needs them too
             feature.multimodal = dict(prompt.multimodal)
+            feature.images = list(prompt.images)
         return feature
 
 

@@ -114,7 +114,7 @@ class ProcessorTemplate(Template):
                 " would cut media from it. Send a shorter prompt, or fewer or smaller images."
             )
         multimodal = {k: v for k, v in out.items() if k not in _TEXT_OUTPUTS and v is not None}
-        return InputFeature(input_ids=ids, multimodal=multimodal, extra=dict(trajectory.extra))
+        return InputFeature(input_ids=ids, multimodal=multimodal, images=images, extra=dict(trajectory.extra))
 
 
 def _has_media(message: dict[str, Any]) -> bool:

@@ -14,7 +14,9 @@ Why Llava and not Qwen2-VL: transformers 5.19 cannot build a Qwen2-VL (or
 Qwen2.5-VL) processor without torchvision, since their processors hold a
 video processor whose base class needs it; Llava's processor holds an image
 processor and a tokenizer only, so the model's own ``AutoProcessor`` is the
-reference here.
+reference here. Its CLIP weights are saved under the names published Llava
+checkpoints use (``vision_tower.vision_model.*``), which vLLM's loader reads,
+so the one folder runs on both engines.
 
 Cached under ``$TWINKLE_CACHE/tiny-models/llava-v<TINY_VLM_VERSION>`` as the
 other tiny models are (:func:`twinkle_core.hub.build_cached_folder`).
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +35,7 @@ from twinkle_core.hub import build_cached_folder, cache_root
 __all__ = ["TINY_VLM_CHAT_TEMPLATE", "TINY_VLM_VERSION", "build_tiny_vlm", "write_tiny_vlm"]
 
 #: Bumped whenever the built folder changes.
-TINY_VLM_VERSION = 1
+TINY_VLM_VERSION = 2
 _IMAGE_SIZE = 28
 _PATCH_SIZE = 7
 _SEED = 20260158
@@ -116,11 +119,29 @@ def write_tiny_vlm(folder: str | os.PathLike[str]) -> dict[str, Any]:
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(str(out))
+    _nest_clip_weights(out / "model.safetensors")
     meta = {"version": TINY_VLM_VERSION, "architecture": "LlavaForConditionalGeneration", "vocab_size": len(tokenizer)}
     (out / _MARKER).write_text(json.dumps(meta, indent=2) + "\n", encoding="utf-8")
     for path in out.iterdir():  # safetensors are written 0600; a shared cache wants 0644
         path.chmod(0o644)
     return meta
+
+
+def _nest_clip_weights(path: Path) -> None:
+    """Name the CLIP tower's weights ``vision_tower.vision_model.*``, as published Llava checkpoints do.
+
+    transformers 5.19 saves them without the ``vision_model.`` level (it drops
+    that level when it loads a ``CLIPVisionModel``, and saves what it holds);
+    vLLM's Llava loader reads the published layout only ("There is no module or
+    parameter named 'vision_tower.embeddings'"). transformers loads both.
+    """
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path))
+    nested = {
+        re.sub(r"^vision_tower\.(?!vision_model\.)", "vision_tower.vision_model.", k): v for k, v in tensors.items()
+    }
+    save_file(nested, str(path), metadata={"format": "pt"})
 
 
 def build_tiny_vlm(cache_dir: str | Path | None = None) -> Path:

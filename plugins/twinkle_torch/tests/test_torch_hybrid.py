@@ -36,7 +36,7 @@ from test_torch_batching import (
     run_threads,
     test_rows_of_different_lengths_and_budgets_join_and_leave,
 )
-from torch_helpers import make_lora
+from torch_helpers import forward_gap, make_lora, state_bytes_per_row
 
 from twinkle_core.data_format import SamplingParams, Trajectory
 from twinkle_core.testing.policy import checkpoint_weights
@@ -64,27 +64,6 @@ def sampler(tiny_qwen3_5: Path) -> Iterator[TorchSampler]:
 @pytest.fixture(scope="module")
 def reference(tiny_qwen3_5: Path) -> Any:
     return eager(tiny_qwen3_5)
-
-
-def _forward_gap(results: list[Any], model: Any) -> tuple[float, int, bool]:
-    """Against one full forward per sequence: the largest log-prob gap, how many compared, whether greedy held."""
-    worst, compared, greedy = 0.0, 0, True
-    for result in results:
-        prompt = result.prompt_token_ids
-        for seq in result.sequences:
-            with torch.no_grad():
-                logits = model(torch.tensor([prompt + seq.tokens])).logits[0].float()
-            logprobs = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
-            want = logprobs.gather(-1, torch.tensor(seq.tokens).unsqueeze(-1)).squeeze(-1).tolist()
-            worst = max(worst, *(abs(a - b) for a, b in zip(want, seq.logprobs)))
-            compared += len(want)
-            greedy = greedy and logprobs.argmax(-1).tolist() == seq.tokens
-            if result.prompt_logprobs is not None:
-                full = torch.log_softmax(logits, dim=-1)
-                want_prompt = [full[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
-                got_prompt = result.prompt_logprobs[1:]
-                worst = max(worst, *(abs(a - b) for a, b in zip(want_prompt, got_prompt)))
-    return worst, compared, greedy
 
 
 def test_a_large_batch_prefilled_in_chunks_equals_its_solo_results(
@@ -119,6 +98,8 @@ def test_the_cache_carries_each_linear_layers_state(sampler: TorchSampler) -> No
     kinds = [type(layer).__name__ for layer in cache.layers]
     assert kinds == ["StateLayer"] * 3 + ["PreallocatedLayer"]
     assert all(isinstance(layer, StateLayer) for layer in cache.layers[:3])
+    # 3 GDN layers: conv (2 x 64 + 2 x 64) x 4 float32, recurrent 2 x 64 x 64 float32
+    assert row_state_bytes(sampler.engine._decoder.model.config, torch.float32) == 3 * (256 * 4 * 4 + 2 * 64 * 64 * 4)
 
 
 def test_greedy_tokens_and_logprobs_are_the_full_forwards(
@@ -127,7 +108,7 @@ def test_greedy_tokens_and_logprobs_are_the_full_forwards(
     """Prompts of many lengths, left-padded in one prefill shared by two samples each."""
     params = SamplingParams(temperature=0.0, max_tokens=32, logprobs=0, prompt_logprobs=0, num_samples=2)
     results = sampler.sample(chat_prompts, params)
-    worst, compared, greedy = _forward_gap(results, reference)
+    worst, compared, greedy = forward_gap(results, reference)
     assert compared > 200
     assert greedy, "a greedy token is not the full forward's argmax"
     assert worst < _FLOAT32_NOISE, f"a log-prob is {worst:.2e} nats from the full forward"
@@ -140,7 +121,7 @@ def test_seeded_samples_are_the_full_forwards_too(sampler: TorchSampler, referen
     params = SamplingParams(
         temperature=1.0, max_tokens=24, ignore_eos=True, logprobs=0, logprobs_mode="raw", num_samples=3, seed=4
     )
-    worst, compared, _ = _forward_gap(sampler.sample(prompts(), params), reference)
+    worst, compared, _ = forward_gap(sampler.sample(prompts(), params), reference)
     assert compared > 200 and worst < _FLOAT32_NOISE, worst
 
 
@@ -149,8 +130,7 @@ def test_the_batch_budget_counts_each_rows_state(sampler: TorchSampler, chat_pro
     decoder = sampler.engine._decoder
     config = decoder.model.config
     assert decoder.state_tokens > 0
-    # 3 GDN layers: conv (2 x 64 + 2 x 64) x 4 float32, recurrent 2 x 64 x 64 float32
-    assert row_state_bytes(config, torch.float32) == 3 * (256 * 4 * 4 + 2 * 64 * 64 * 4)
+    assert row_state_bytes(config, decoder.model.dtype) == state_bytes_per_row(decoder.model)  # what a row holds
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     feats = [sampler.template.encode(t) for t in chat_prompts[:4]]
     longest = max(len(f.input_ids) for f in feats) + params.max_tokens
@@ -187,14 +167,14 @@ def test_adapters_on_the_delta_net_merges_and_weight_updates(tiny_qwen3_5: Path,
     gaps = {}
     with TorchSampler(tiny_qwen3_5, device="cpu") as sampler:
         sampler.add_adapter_to_model("a", str(adapter))
-        gaps["adapter"] = _forward_gap(sampler.sample(prompts(), params, adapter_name="a"), with_adapter)[0]
-        gaps["base beside it"] = _forward_gap(sampler.sample(prompts(), params), base)[0]
+        gaps["adapter"] = forward_gap(sampler.sample(prompts(), params, adapter_name="a"), with_adapter)[0]
+        gaps["base beside it"] = forward_gap(sampler.sample(prompts(), params), base)[0]
         sampler.remove_adapter("a")
         sampler.add_adapter_to_model("m", str(adapter), merge=True)
-        gaps["merged"] = _forward_gap(sampler.sample(prompts(), params, adapter_name="m"), with_adapter)[0]
+        gaps["merged"] = forward_gap(sampler.sample(prompts(), params, adapter_name="m"), with_adapter)[0]
         sampler.remove_adapter("m")
         sampler.update_weights(new_weights)
-        gaps["updated"] = _forward_gap(sampler.sample(prompts(), params), updated)[0]
+        gaps["updated"] = forward_gap(sampler.sample(prompts(), params), updated)[0]
     assert max(gaps.values()) < _FLOAT32_NOISE, gaps
     ids = torch.tensor([[5, 17, 99, 3, 250, 41]])
     with torch.no_grad():

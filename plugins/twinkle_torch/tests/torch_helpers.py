@@ -46,3 +46,37 @@ def hf_greedy(model: Any, prompts: list[list[int]], max_new_tokens: int, pad_id:
         cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
         result.append(row[:cut])
     return result
+
+
+def forward_gap(results: list[Any], model: Any) -> tuple[float, int, bool]:
+    """Against one full forward per sequence: the largest log-prob gap, how many compared, whether greedy held."""
+    worst, compared, greedy = 0.0, 0, True
+    for result in results:
+        prompt = result.prompt_token_ids
+        for seq in result.sequences:
+            with torch.no_grad():
+                logits = model(torch.tensor([prompt + seq.tokens])).logits[0].float()
+            logprobs = torch.log_softmax(logits, dim=-1)[len(prompt) - 1 : -1]
+            want = logprobs.gather(-1, torch.tensor(seq.tokens).unsqueeze(-1)).squeeze(-1).tolist()
+            worst = max(worst, *(abs(a - b) for a, b in zip(want, seq.logprobs)))
+            compared += len(want)
+            greedy = greedy and logprobs.argmax(-1).tolist() == seq.tokens
+            if result.prompt_logprobs is not None:
+                full = torch.log_softmax(logits, dim=-1)
+                want_prompt = [full[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+                got_prompt = result.prompt_logprobs[1:]
+                worst = max(worst, *(abs(a - b) for a, b in zip(want_prompt, got_prompt)))
+    return worst, compared, greedy
+
+
+def state_bytes_per_row(model: Any) -> int:
+    """The bytes of recurrent state one row of ``model`` holds in the engine's cache after a prefill and a step."""
+    from twinkle_torch.cache import make_cache
+    from twinkle_torch.state import StateLayer
+
+    cache = make_cache(model.config, 8)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[5, 6, 7, 8, 9]] * 2), past_key_values=cache, use_cache=True)
+        model(input_ids=torch.tensor([[5]] * 2), past_key_values=cache, use_cache=True)
+    tensors = [t for layer in cache.layers if isinstance(layer, StateLayer) for pair in layer.states() for t in pair]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None) // 2

@@ -18,7 +18,7 @@ from twinkle_torch.cache import make_cache
 from twinkle_torch.linear import available as onednn_available
 from twinkle_torch.native import KernelUnavailable
 from twinkle_torch.native import load as load_native_kernel
-from twinkle_torch.state import StateLayer, carries_state
+from twinkle_torch.state import StateLayer, uncarried_state
 
 __all__ = [
     "ATTENTION_KERNELS",
@@ -176,9 +176,9 @@ def load_model(
     attention interface (``_supports_attention_backend``). Others (MPT, Bloom,
     XGLM...) compute attention in code of their own and read the masks made
     for it: they keep ``transformers``' default. A model with a recurrent state
-    is refused unless it is a Gated DeltaNet hybrid (Qwen3.5, Qwen3-Next),
-    whose state :mod:`twinkle_torch.state` carries; Mamba, RWKV and the other
-    hybrids are refused by name.
+    is refused unless :mod:`twinkle_torch.state` carries its state (Gated
+    DeltaNet and Mamba-2 hybrids: Qwen3.5, Qwen3-Next, Granite 4.0 hybrid,
+    Bamba); Mamba, RWKV and the other hybrids are refused by name, with the reason.
     """
     from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -187,8 +187,10 @@ def load_model(
     vision = image_text_class(config, path)
     auto = AutoModelForCausalLM if vision is None else AutoModelForImageTextToText
     cls = causal_lm_class(config) if vision is None else vision
-    if cls is not None and getattr(cls, "_is_stateful", False) and not carries_state(config):
-        raise recurrent(cls.__name__)
+    if cls is not None and getattr(cls, "_is_stateful", False):
+        reason = uncarried_state(config)
+        if reason is not None:
+            raise recurrent(cls.__name__, reason)
     if cls is not None and not getattr(cls, "_supports_attention_backend", False):
         attention = None
     try:
@@ -218,11 +220,12 @@ def brief(exc: BaseException) -> str:
     return " ".join(line.strip() for line in str(exc).splitlines() if line.strip())[:300] or type(exc).__name__
 
 
-def recurrent(name: str) -> ConfigError:
+def recurrent(name: str, reason: str = "its state is of a kind the engine does not know") -> ConfigError:
     return ConfigError(
-        f"{name} keeps a recurrent state (its cache is not only keys and values) of a kind the torch"
-        " engine's batched cache cannot carry (it carries Gated DeltaNet states: Qwen3.5, Qwen3-Next);"
-        " sample it with an engine that supports it (vllm)."
+        f"{name} keeps a recurrent state (its cache is not only keys and values) the torch engine's"
+        f" batched cache cannot carry: {reason}. It carries Gated DeltaNet and Mamba-2 states, each in a"
+        " layer of its own (Qwen3.5, Qwen3-Next, Granite 4.0 hybrid, Bamba); sample it with an engine"
+        " that supports it (vllm)."
     )
 
 
@@ -316,7 +319,7 @@ def check_decodes(model: Any, device: torch.device) -> None:
     if recurrent_layer and any(
         isinstance(layer, recurrent_layer) and not isinstance(layer, StateLayer) for layer in cache.layers
     ):
-        raise recurrent(name)
+        raise recurrent(name, uncarried_state(model.config) or "its cache has a recurrent layer of another kind")
     vocab = int(model.get_input_embeddings().num_embeddings)
     ids = torch.tensor([[1, 2, 3, 4]], device=device) % max(1, vocab)
     other = ids.clone()

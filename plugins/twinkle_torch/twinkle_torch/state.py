@@ -1,13 +1,22 @@
-"""The per-row state of a hybrid model's linear-attention layers, carried like keys and values.
+"""The per-row state of a hybrid model's recurrent layers, carried like keys and values.
 
-A Gated DeltaNet layer (Qwen3.5, Qwen3-Next) keeps, per sequence, a
-convolution state ``[conv_dim, kernel]`` in the model's dtype (the last
-``kernel`` inputs of its short causal convolution) and a recurrent state
-``[heads, key_dim, value_dim]`` in float32. Both are constant in the
-sequence's length, and neither can be rolled back: a token once folded in
-stays. ``transformers``' ``LinearAttentionLayer`` holds them for one
-``generate`` call; :class:`StateLayer` is that layer plus what the decode loop
-does to rows (:mod:`twinkle_torch.cache` speaks to both kinds of layer):
+Two kinds of mixer keep one, each in a ``transformers`` ``LinearAttentionLayer``
+of its own (one per ``"linear_attention"`` entry of ``layer_types``):
+
+- a **Gated DeltaNet** layer (Qwen3.5, Qwen3-Next): a convolution state
+  ``[conv_dim, kernel]`` in the model's dtype (the last ``kernel`` inputs of its
+  short causal convolution) and a recurrent state ``[heads, key_dim,
+  value_dim]`` in float32;
+- a **Mamba-2** layer (Granite 4.0 hybrid, Bamba): a convolution state
+  ``[heads x head_dim + 2 x groups x state_size, kernel]`` in the model's dtype
+  and an SSM state ``[heads, head_dim, state_size]`` in float32 (its chunked
+  scan computes in float32, and the decode step keeps that dtype).
+
+Both are constant in the sequence's length, and neither can be rolled back: a
+token once folded in stays. ``transformers``' ``LinearAttentionLayer`` holds
+them for one ``generate`` call; :class:`StateLayer` is that layer plus what the
+decode loop does to rows (:mod:`twinkle_torch.cache` speaks to both kinds of
+layer):
 
 - **select**: keep, drop or repeat rows (finished rows pruned, one prefill
   shared by its samples). The state has no columns, so the leading columns
@@ -16,11 +25,18 @@ does to rows (:mod:`twinkle_torch.cache` speaks to both kinds of layer):
   Attention layers right-align their columns; a state is simply stacked.
 - **gather**: one batch's state built from prefills run in several chunks.
 
-Left padding is exact: the model zeroes the hidden states of padded positions
-before its projections, so a pad adds nothing to either state (its
+Left padding is exact: both mixers zero the hidden states of padded positions
+before their input projection (which has no bias in these families) and the
+convolution's output there, so a pad adds nothing to either state (its
 convolution inputs are the zeros an empty state starts with). What the loop
 never does to a state is rewind it: a row that must go back (an out-of-memory
 eviction, an abort that is resumed) is prefilled again from its tokens.
+
+A layer that holds a state *and* keys and values (``transformers``'
+``LinearAttentionAndFullAttentionLayer``, the ``"hybrid"`` layers of Falcon-H1
+and Zamba2) is not carried: :func:`carries_state` refuses such a model, as it
+does one whose mixer is neither kind (its state's size, which the budget
+must count, is unknown here).
 
 The state is part of a row's memory, like its keys and values, and the
 batch's token budget counts it: :func:`state_tokens_per_row` converts its
@@ -42,6 +58,7 @@ __all__ = [
     "kv_bytes_per_token",
     "row_state_bytes",
     "state_tokens_per_row",
+    "uncarried_state",
 ]
 
 #: The config fields of a Gated DeltaNet mixer: what :func:`row_state_bytes` reads.
@@ -52,6 +69,14 @@ _GDN_FIELDS = (
     "linear_num_key_heads",
     "linear_num_value_heads",
 )
+
+#: The config fields of a Mamba-2 mixer, as Granite 4.0 hybrid and Bamba spell them: heads, head
+#: dim, state size, groups, convolution kernel. Nemotron-H spells them otherwise and stays refused:
+#: its own cached decode in ``transformers`` 5.19 drifts from its full forward (see docs/hybrid-models.md).
+_MAMBA2_FIELDS = ("mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv")
+
+#: Layer types that keep no keys and values (``transformers`` gives the last two an empty state layer).
+_NO_KV_TYPES = frozenset({"linear_attention", "conv", "mlp", "moe"})
 
 StateTensors = list[tuple[torch.Tensor | None, torch.Tensor | None]]
 
@@ -157,40 +182,78 @@ def gather_states(
 
 
 def carries_state(config: Any) -> bool:
-    """Whether :class:`StateLayer` can carry every stateful layer ``transformers`` builds for ``config``.
+    """Whether :class:`StateLayer` can carry every stateful layer ``transformers`` builds for ``config``."""
+    return uncarried_state(config) is None
 
-    It can for a model whose recurrent layers are Gated DeltaNet mixers kept in
-    plain ``LinearAttentionLayer`` caches (Qwen3.5, Qwen3-Next); a model whose
-    layers mix both kinds in one (``LinearAttentionAndFullAttentionLayer``) or
-    keep a state of another shape (Mamba-2 hybrids) stays refused.
+
+def uncarried_state(config: Any) -> str | None:
+    """Why :class:`StateLayer` cannot carry the state of a model of ``config``; ``None`` when it can.
+
+    It can for a model whose recurrent layers are Gated DeltaNet (Qwen3.5,
+    Qwen3-Next) or Mamba-2 mixers (Granite 4.0 hybrid, Bamba), each kept in a
+    plain ``LinearAttentionLayer``. A model whose layers hold a state and keys
+    and values in one (``LinearAttentionAndFullAttentionLayer``: Falcon-H1,
+    Zamba2), or a state of a shape not known here (Mamba-1, RWKV...), stays
+    refused, as does a Mamba-2 mixer whose input projection has a bias (its
+    padded positions would feed that bias into the convolution: left padding
+    would not be exact).
     """
     text = config.get_text_config(decoder=True)
-    if not all(hasattr(text, field) for field in _GDN_FIELDS):
-        return False
     layers = DynamicCache(config=config).layers
-    return bool(layers) and all(type(layer) in (DynamicLayer, LinearAttentionLayer) for layer in layers)
+    mixed = sorted(
+        {type(layer).__name__ for layer in layers if type(layer) not in (DynamicLayer, LinearAttentionLayer)}
+    )
+    if mixed:
+        return f"its cache has layers the engine cannot carry ({', '.join(mixed)})"
+    if not layers or _state_shape(text) is None:
+        return "its state is of a kind the engine does not know the shape of"
+    if _mamba2_shape(text) is not None and getattr(text, "mamba_proj_bias", False):
+        return "its Mamba-2 input projection has a bias (mamba_proj_bias), which padded positions would fold in"
+    return None
 
 
 def _layer_types(text: Any) -> list[str]:
     return list(getattr(text, "layer_types", None) or ["full_attention"] * int(text.num_hidden_layers))
 
 
-def row_state_bytes(config: Any, dtype: torch.dtype) -> int:
-    """The bytes one row's linear-attention state takes (constant in its length); 0 for a model without one.
-
-    Per Gated DeltaNet layer: the conv state, ``(2 x key heads x key dim +
-    value heads x value dim) x kernel`` in ``dtype``, and the recurrent state,
-    ``value heads x key dim x value dim`` in float32.
-    """
-    text = config.get_text_config(decoder=True)
-    if not all(hasattr(text, field) for field in _GDN_FIELDS):
-        return 0
-    layers = sum(1 for kind in _layer_types(text) if kind == "linear_attention")
+def _gdn_shape(text: Any) -> tuple[int, int, int] | None:
+    """A Gated DeltaNet layer's ``(conv channels, conv kernel, float32 recurrent elements)``, per row."""
+    if not all(isinstance(getattr(text, field, None), int) for field in _GDN_FIELDS):
+        return None
     k_dim, v_dim = int(text.linear_key_head_dim), int(text.linear_value_head_dim)
     k_heads, v_heads = int(text.linear_num_key_heads), int(text.linear_num_value_heads)
-    conv = (2 * k_heads * k_dim + v_heads * v_dim) * int(text.linear_conv_kernel_dim) * _itemsize(dtype)
-    recurrent = v_heads * k_dim * v_dim * 4
-    return layers * (conv + recurrent)
+    return 2 * k_heads * k_dim + v_heads * v_dim, int(text.linear_conv_kernel_dim), v_heads * k_dim * v_dim
+
+
+def _mamba2_shape(text: Any) -> tuple[int, int, int] | None:
+    """A Mamba-2 layer's ``(conv channels, conv kernel, float32 SSM elements)``, per row."""
+    values = [getattr(text, field, None) for field in _MAMBA2_FIELDS]
+    if not all(isinstance(v, int) for v in values):  # absent, or "auto" left unresolved
+        return None
+    heads, head_dim, state, groups, kernel = (int(v) for v in values if isinstance(v, int))
+    return heads * head_dim + 2 * groups * state, kernel, heads * head_dim * state
+
+
+def _state_shape(text: Any) -> tuple[int, int, int] | None:
+    return _gdn_shape(text) or _mamba2_shape(text)
+
+
+def row_state_bytes(config: Any, dtype: torch.dtype) -> int:
+    """The bytes one row's recurrent state takes (constant in its length); 0 for a model without one.
+
+    Per ``"linear_attention"`` layer: the conv state, ``channels x kernel`` in
+    ``dtype`` (Gated DeltaNet: ``2 x key heads x key dim + value heads x value
+    dim`` channels; Mamba-2: ``heads x head dim + 2 x groups x state size``),
+    and the recurrent state in float32 (Gated DeltaNet: ``value heads x key dim
+    x value dim``; Mamba-2: ``heads x head dim x state size``).
+    """
+    text = config.get_text_config(decoder=True)
+    shape = _state_shape(text)
+    if shape is None:
+        return 0
+    channels, kernel, recurrent = shape
+    layers = sum(1 for kind in _layer_types(text) if kind == "linear_attention")
+    return layers * (channels * kernel * _itemsize(dtype) + recurrent * 4)
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
@@ -198,7 +261,7 @@ def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
     text = config.get_text_config(decoder=True)
     heads = int(getattr(text, "num_key_value_heads", None) or text.num_attention_heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads)
-    layers = sum(1 for kind in _layer_types(text) if kind != "linear_attention")
+    layers = sum(1 for kind in _layer_types(text) if kind not in _NO_KV_TYPES)
     return layers * 2 * heads * head_dim * _itemsize(dtype)
 
 

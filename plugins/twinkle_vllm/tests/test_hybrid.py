@@ -124,15 +124,57 @@ def _rounding_of_bfloat16(folder: Path, sequences: list[tuple[list[int], list[in
     return max(gaps)
 
 
-def test_greedy_parity_with_the_torch_engine_in_bfloat16(vllm_sampler: Any, tiny_qwen3_5: Path) -> None:
+@pytest.fixture(scope="module")
+def greedy(vllm_sampler: Any) -> list[Any]:
+    """The engine's greedy answers to PROMPTS."""
+    return list(vllm_sampler.sample(PROMPTS, GREEDY))
+
+
+@pytest.fixture(scope="module")
+def parity_tolerance(greedy: list[Any], tiny_qwen3_5: Path) -> float:
+    """Twice the rounding one bfloat16 computation of this model carries over the greedy tokens."""
+    return 2 * _rounding_of_bfloat16(tiny_qwen3_5, [(r.prompt_token_ids, r.sequences[0].tokens) for r in greedy])
+
+
+def test_greedy_parity_with_the_torch_engine_in_bfloat16(
+    greedy: list[Any], tiny_qwen3_5: Path, parity_tolerance: float
+) -> None:
     from twinkle_torch.sampler import TorchSampler
 
-    vllm_out = vllm_sampler.sample(PROMPTS, GREEDY)
     with TorchSampler(tiny_qwen3_5, dtype="bfloat16") as torch_sampler:
         torch_out = torch_sampler.sample(PROMPTS, GREEDY)
-    sequences = [(r.prompt_token_ids, r.sequences[0].tokens) for r in torch_out]
-    atol = 2 * _rounding_of_bfloat16(tiny_qwen3_5, sequences)
-    assert_greedy_parity([r.sequences[0] for r in vllm_out], [r.sequences[0] for r in torch_out], atol=atol)
+    assert_greedy_parity([r.sequences[0] for r in greedy], [r.sequences[0] for r in torch_out], atol=parity_tolerance)
+
+
+def test_the_reference_id_in_the_checkpoints_layout_samples_the_text_model(
+    greedy: list[Any], parity_tolerance: float, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ms://Qwen/Qwen3.5-4B`` as Qwen3.5 ships (VL config, nested names, tower, MTP block), offline.
+
+    vLLM runs it as ``Qwen3_5ForConditionalGeneration`` with its tower skipped, not as the
+    text class: the same weights in another class may round differently, never by more
+    than one bfloat16 computation's rounding twice. An update to the tower or the MTP
+    block, which this engine did not load, is refused by name instead of being skipped.
+    """
+    import torch
+    from safetensors.torch import load_file
+
+    from twinkle_core.errors import WeightUpdateError
+    from twinkle_core.testing.tiny_layouts import build_tiny_checkpoint_layout, modelscope_snapshot
+    from twinkle_vllm.sampler import vLLMSampler
+
+    layout = build_tiny_checkpoint_layout()
+    monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path))
+    monkeypatch.setenv("TWINKLE_OFFLINE", "1")
+    modelscope_snapshot(layout, "Qwen/Qwen3.5-4B", tmp_path)
+    weights = load_file(str(layout / "model.safetensors"))
+    with vLLMSampler(model_id="ms://Qwen/Qwen3.5-4B", engine_args=ENGINE_ARGS) as sampler:
+        got = sampler.sample(PROMPTS, GREEDY)
+        for name, part in (("mtp.fc.weight", "multi-token-prediction"), ("model.visual.pos_embed.weight", "tower")):
+            with pytest.raises(WeightUpdateError, match=part):
+                sampler.update_weights({name: weights[name].to(torch.bfloat16)})
+        assert sampler.sample(PROMPTS[:1], GREEDY)[0].sequences[0].tokens == got[0].sequences[0].tokens
+    assert_greedy_parity([r.sequences[0] for r in got], [r.sequences[0] for r in greedy], atol=parity_tolerance)
 
 
 def test_a_trainers_names_reach_a_nested_checkpoint_with_its_tied_head_folded() -> None:

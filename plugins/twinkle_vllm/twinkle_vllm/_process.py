@@ -101,7 +101,8 @@ class EngineProcess:
         self.engine_files: list[str] = []
         #: what ``twinkle_describe`` says about every worker
         self.workers: list[Any] = []
-        self._engine_args = engine_args
+        #: the ``vllm.AsyncEngineArgs`` every boot starts from (read only: each boot starts from a copy)
+        self.engine_args = engine_args
         self._spawn_env = spawn_env
         self._model_dir = model_dir
         self.loop: LoopThread | None = LoopThread()
@@ -121,7 +122,7 @@ class EngineProcess:
         try:
             # A copy: vLLM may fill in the arguments it is given, and a restart needs them as they were.
             with environment(env):
-                self.engine = self.loop.run(self._start_engine(copy.deepcopy(self._engine_args)))
+                self.engine = self.loop.run(self._start_engine(copy.deepcopy(self.engine_args)))
         except BaseException:
             self._remove_socket_dir()
             raise

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm import SamplingParams as VllmSamplingParams
-from vllm.inputs import tokens_input
 from vllm.lora.request import LoRARequest
 from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
 
@@ -24,6 +23,7 @@ from twinkle_core.engine import AdapterMerger, EngineRun
 from twinkle_core.errors import UnsupportedFeatureError
 from twinkle_vllm._convert import Plan, report_completion, scoring_params
 from twinkle_vllm._logits import GRAMMAR_ARG
+from twinkle_vllm._media import PromptMedia
 from twinkle_vllm._process import EngineProcess
 
 __all__ = ["RunRequests", "cache_salt"]
@@ -67,12 +67,22 @@ class RunRequests:
         self._merged = merged
         self._eos_token_ids = eos_token_ids
         self._grammar_processor = grammar_processor
+        self._media = PromptMedia(process)
 
     async def run_all(self, run: EngineRun, plan: Plan, lora: LoRARequest | None, version: int) -> list[Any]:
-        """Every prompt of ``run`` as one request; a stop of the run aborts them all."""
+        """Every prompt of ``run`` as one request; a stop of the run aborts them all.
+
+        Every prompt is rendered for vLLM first (its images expanded by vLLM and checked against the
+        template's ids, see :mod:`twinkle_vllm._media`), so a refused prompt refuses the run before any request.
+        """
         request_ids = [uuid.uuid4().hex for _ in run.prompts]
+        salt = cache_salt(version, lora, self._merged.merge_id if self._merged.name is not None else 0)
+        rendered = [
+            await self._media.prompt(prompt, list(prompt.input_ids), p, run.generated[p], salt)
+            for p, prompt in enumerate(run.prompts)
+        ]
         tasks = [
-            asyncio.ensure_future(self._run_one(run, p, request_ids[p], plan, lora, version))
+            asyncio.ensure_future(self._run_one(run, p, request_ids[p], plan, lora, salt, rendered[p]))
             for p in range(len(run.prompts))
         ]
         loop = asyncio.get_running_loop()
@@ -99,16 +109,16 @@ class RunRequests:
 
     async def request(
         self,
-        ids: list[int],
+        prompt: Any,
         kwargs: dict[str, Any],
         lora: LoRARequest | None,
-        salt: str,
         request_id: str | None = None,
         on_output: Any = None,
     ) -> Any:
         """One vLLM request; ``on_output`` sees every cumulative output (to report finished completions).
 
-        ``salt`` keys the prefix cache on the weights version and adapter (see ``cache_salt``).
+        ``prompt`` is vLLM's input (:meth:`PromptMedia.prompt`), its ``cache_salt`` keying the prefix cache on
+        the weights version and adapter (see ``cache_salt``).
         """
         engine = self._process.engine
         assert engine is not None
@@ -119,7 +129,6 @@ class RunRequests:
         final = None
         latest: dict[int, Any] = {}  # with n > 1 a cumulative output may carry only the completions that moved
         prompt_logprobs = None
-        prompt = tokens_input(list(ids), cache_salt=salt)
         async for out in engine.generate(prompt, params, request_id or uuid.uuid4().hex, lora_request=lora):
             final = out
             for completion in out.outputs:
@@ -135,10 +144,9 @@ class RunRequests:
         return final
 
     async def _run_one(
-        self, run: EngineRun, p: int, request_id: str, plan: Plan, lora: LoRARequest | None, version: int
+        self, run: EngineRun, p: int, request_id: str, plan: Plan, lora: LoRARequest | None, salt: str, prompt: Any
     ) -> tuple[Any, list[Any] | None]:
         ids = list(run.prompts[p].input_ids)
-        salt = cache_salt(version, lora, self._merged.merge_id if self._merged.name is not None else 0)
         kwargs = plan.for_prompt(len(ids), self._process.facts.max_model_len)
         if kwargs is None:
             return None, None
@@ -161,19 +169,21 @@ class RunRequests:
                 reported.add(completion.index)
                 raw = None
                 if plan.rescore_raw and not plan.scoring:
-                    raw = await self.request(ids + list(completion.token_ids), scoring_params(k), lora, salt)
+                    raw = await self.request(await rescored_prompt(completion), scoring_params(k), lora)
                     rescored[completion.index] = raw
                 report_completion(run, p, ids, completion, raw, plan)
 
-        final = await self.request(ids, kwargs, lora, salt, request_id, on_output=report)
+        async def rescored_prompt(completion: Any) -> Any:  # the prompt and a completion, as one prompt
+            full = ids + list(completion.token_ids)
+            return await self._media.prompt(run.prompts[p], full, p, run.generated[p], salt)
+
+        final = await self.request(prompt, kwargs, lora, request_id, on_output=report)
         if not plan.rescore_raw:
             return final, None
         missing = [o for o in final.outputs if o.index not in rescored]
         for o, raw in zip(
             missing,
-            await asyncio.gather(
-                *(self.request(ids + list(o.token_ids), scoring_params(k), lora, salt) for o in missing)
-            ),
+            await asyncio.gather(*[self.request(await rescored_prompt(o), scoring_params(k), lora) for o in missing]),
         ):
             rescored[o.index] = raw
         return final, [rescored[o.index] for o in final.outputs]

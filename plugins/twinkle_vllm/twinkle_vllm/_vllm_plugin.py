@@ -4,17 +4,20 @@ vLLM calls :func:`register` in every process it runs (the front end, the
 engine core, the workers, the subprocess that inspects a model's
 architecture), before any model module is imported.
 
-**A torchvision-free image processor, only where torchvision is missing.**
-vLLM's Qwen3.5 module (and every Qwen-VL one) imports, at module level,
-``transformers.models.qwen2_vl.image_processing_qwen2_vl``: the
-torchvision-backed ``Qwen2VLImageProcessor`` and its ``smart_resize``. On a
-machine without torchvision (the CPU build here: PyPI's torchvision wheel does
-not load against the CPU torch) that import fails, so vLLM cannot even inspect
-the architecture, although a text-only Qwen3.5 never processes an image.
-``transformers`` ships the same processor on PIL and NumPy
-(``image_processing_pil_qwen2_vl``: the same ``smart_resize``, the same
-outputs); where torchvision cannot be found, the module vLLM imports is
-registered as that one's names. With torchvision installed nothing is touched.
+**Torchvision-free image processors, only where torchvision is missing.**
+Some of vLLM's model modules import, at module level, a torchvision-backed
+image processor module of ``transformers``: the Qwen-VL family (Qwen3.5
+included) imports ``image_processing_qwen2_vl`` for ``Qwen2VLImageProcessor``
+and its ``smart_resize``; Llava imports Pixtral's module, which imports
+``image_processing_pixtral`` for ``_num_image_tokens``. On a machine without
+torchvision (the CPU build here: PyPI's torchvision wheel does not load
+against the CPU torch) that import fails, so vLLM cannot even inspect the
+architecture, although a text-only Qwen3.5 never processes an image and a
+Llava with a CLIP tower never runs Pixtral's processor. ``transformers`` ships
+each of these processors on PIL and NumPy too (``image_processing_pil_*``: the
+same helpers, the same outputs); where torchvision cannot be found, each
+module vLLM imports is registered as its PIL twin's names. With torchvision
+installed nothing is touched.
 """
 
 from __future__ import annotations
@@ -23,11 +26,20 @@ import importlib.util
 import sys
 import types
 
-__all__ = ["register", "torchvision_free_image_processor"]
+__all__ = ["TORCHVISION_TWINS", "register", "torchvision_free_image_processor"]
 
-#: The torchvision-backed module vLLM's Qwen-VL family imports, and its PIL twin in transformers.
-_TORCHVISION_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
-_PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
+#: The torchvision-backed modules vLLM's model modules import: their PIL twins in transformers, and
+#: the class names the twin gives a different name (the torchvision name -> the PIL one).
+TORCHVISION_TWINS: dict[str, tuple[str, dict[str, str]]] = {
+    "transformers.models.qwen2_vl.image_processing_qwen2_vl": (
+        "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
+        {"Qwen2VLImageProcessor": "Qwen2VLImageProcessorPil"},
+    ),
+    "transformers.models.pixtral.image_processing_pixtral": (
+        "transformers.models.pixtral.image_processing_pil_pixtral",
+        {"PixtralImageProcessor": "PixtralImageProcessorPil"},
+    ),
+}
 
 
 def register() -> None:
@@ -36,18 +48,24 @@ def register() -> None:
 
 
 def torchvision_free_image_processor() -> bool:
-    """Where torchvision is missing, let the torchvision image processor's module resolve to its PIL twin.
+    """Where torchvision is missing, let each torchvision image processor module vLLM imports resolve to its PIL twin.
 
     Returns:
-        Whether the PIL twin was installed (``False`` where torchvision is
-        present, or where the module already imports).
+        Whether any PIL twin was installed (``False`` where torchvision is
+        present, or where every module already imports).
     """
-    if importlib.util.find_spec("torchvision") is not None or _TORCHVISION_MODULE in sys.modules:
+    if importlib.util.find_spec("torchvision") is not None:
         return False
-    pil = importlib.import_module(_PIL_MODULE)
-    shim = types.ModuleType(_TORCHVISION_MODULE, pil.__doc__)
-    shim.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
-    shim.Qwen2VLImageProcessor = pil.Qwen2VLImageProcessorPil  # type: ignore[attr-defined]
-    shim.__file__ = getattr(pil, "__file__", None)
-    sys.modules[_TORCHVISION_MODULE] = shim
-    return True
+    installed = False
+    for name, (twin, renamed) in TORCHVISION_TWINS.items():
+        if name in sys.modules:
+            continue
+        pil = importlib.import_module(twin)
+        shim = types.ModuleType(name, pil.__doc__)
+        shim.__dict__.update({k: v for k, v in vars(pil).items() if not k.startswith("__")})
+        for torchvision_name, pil_name in renamed.items():
+            setattr(shim, torchvision_name, getattr(pil, pil_name))
+        shim.__file__ = getattr(pil, "__file__", None)
+        sys.modules[name] = shim
+        installed = True
+    return installed

@@ -16,7 +16,7 @@ from typing import Any
 
 from twinkle_core.engine import AdapterInput, TensorSpec, check_update
 from twinkle_core.errors import AdapterError, UnsupportedFeatureError, WeightUpdateError
-from twinkle_core.names import known_name, known_names
+from twinkle_core.names import known_name, known_names, unserved_part
 
 __all__ = ["WeightSpec"]
 
@@ -79,9 +79,17 @@ class WeightSpec:
 
     @classmethod
     def from_model_dir(
-        cls, model_dir: Path, engine_dtype: str, packed_modules_mapping: dict[str, list[str]]
+        cls,
+        model_dir: Path,
+        engine_dtype: str,
+        packed_modules_mapping: dict[str, list[str]],
+        unloaded: frozenset[str] = frozenset(),
     ) -> WeightSpec:
         """Read the spec from ``model_dir/*.safetensors``.
+
+        ``unloaded`` names the kinds of checkpoint part (:data:`twinkle_core.names.UNSERVED_PARTS`)
+        the engine did not load: their tensors are left out, so an update naming
+        one is refused, saying why, instead of reaching a loader that skips it.
 
         Raises:
             UnsupportedFeatureError: the folder has no safetensors checkpoint.
@@ -96,7 +104,7 @@ class WeightSpec:
         where: dict[str, Path] = {}
         for file in files:
             for name, info in _read_header(file).items():
-                if name == "__metadata__":
+                if name == "__metadata__" or unserved_part(name, unloaded):
                     continue
                 where[name] = file
                 shapes[name] = tuple(info["shape"])

@@ -59,6 +59,7 @@ from twinkle_vllm._engine_args import (
     platform_environment,
     read_ipc_timeout,
 )
+from twinkle_vllm._media import engine_media
 from twinkle_vllm._process import EngineFacts, EngineProcess
 from twinkle_vllm._push import WeightPush
 from twinkle_vllm._recovery import EngineRecovery, ReplayStore, RestartHooks
@@ -189,6 +190,7 @@ class vLLMEngine(Engine):
             supported_params=SUPPORTED_PARAMS,
             concurrent=True,
             weights_dtype=self._facts.dtype,
+            media=engine_media(self._process.engine.vllm_config.model_config),  # type: ignore[union-attr]
         )
         # vLLM's own finalizers stop its processes at exit; this also stops our loop thread first.
         atexit.register(_close_at_exit, weakref.ref(self))
@@ -238,7 +240,14 @@ class vLLMEngine(Engine):
 
     def _read_weight_spec(self) -> WeightSpec:
         worker = self._process.workers[0]
-        return WeightSpec.from_model_dir(self.model_dir, worker["dtype"], worker["packed_modules_mapping"])
+        args = self._process.engine_args
+        # vLLM loads a checkpoint's MTP block only to draft with it, and its tower only without language_model_only
+        unloaded = {"mtp"} if not args.speculative_config else set()
+        if args.language_model_only:
+            unloaded.add("vision")
+        return WeightSpec.from_model_dir(
+            self.model_dir, worker["dtype"], worker["packed_modules_mapping"], frozenset(unloaded)
+        )
 
     def _boot(self) -> None:
         """Start the engine (also on restart); see :meth:`EngineProcess.boot`."""
