@@ -83,9 +83,8 @@ def merge_sequences(
 
         ahead = len(prompt_ids) + len(first.tokens) - 1  # rows first's forwards produced its tokens from
         routes = np.concatenate([first.routed_experts[:ahead], rest.routed_experts[ahead : ahead + keep]])
-    media = _media(first)
     merged = make_sequence(
-        InputFeature(input_ids=prompt_ids, multimodal=media) if media else prompt_ids,
+        _prompt(first, prompt_ids),
         tokens,
         stop_reason=stop_reason,
         stop=stop,
@@ -99,10 +98,16 @@ def merge_sequences(
     return attrs.evolve(merged, version_spans=spans if len(spans) > 1 else None, routed_experts=routes)
 
 
-def _media(sequence: SampledSequence) -> dict[str, Any] | None:
-    """The processed media inputs of a sequence's prompt (its continuation's prefill reads them again)."""
+def _prompt(sequence: SampledSequence, ids: list[int]) -> InputFeature | list[int]:
+    """``ids`` with the media of ``sequence``'s prompt, if it had any: a continuation's prefill reads them again.
+
+    Both what the torch engine's forward takes (the processed inputs) and what
+    vLLM takes (the images they came from) go along.
+    """
     feature = sequence.training_feature
-    return feature.multimodal if feature is not None else None
+    if feature is None or not feature.multimodal:
+        return ids
+    return InputFeature(input_ids=ids, multimodal=feature.multimodal, images=list(feature.images))
 
 
 def _stop_across(first: list[int], rest: list[int], params: SamplingParams, template: Any) -> tuple[str, int] | None:
@@ -162,7 +167,8 @@ def plan_continuation(
                 feed.emit(Finished(i, j, done))
                 continue
             todo.append((i, j))
-            prompts.append(InputFeature(input_ids=ids, multimodal=_media(seq)))
+            prompt = _prompt(seq, ids)
+            prompts.append(prompt if isinstance(prompt, InputFeature) else InputFeature(input_ids=prompt))
             base.append(j)
             generated.append(len(seq.tokens))
     if not todo:

@@ -72,6 +72,8 @@ class SequenceBuilder:
         )
         if media and feature.multimodal is None:  # the trainer's forward reads them: never dropped
             feature.multimodal = dict(media)
+        if media and not feature.images and isinstance(prompt, InputFeature):  # a resumed prompt's engine reads them
+            feature.images = list(prompt.images)
         return SampledSequence(
             tokens=tokens,
             text=text,

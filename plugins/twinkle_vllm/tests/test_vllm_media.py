@@ -112,6 +112,34 @@ def test_ids_that_vllm_would_expand_differently_are_refused_by_name(vlm_sampler:
     assert len(vlm_sampler.sample([feature], GREEDY)[0].sequences[0].tokens) == GREEDY.max_tokens  # still serving
 
 
+def test_an_aborted_image_prompt_resumes_with_its_image(vlm_sampler: Any, tiny_vlm: Path) -> None:
+    """A resumed image sequence is prompted again with its image (vLLM needs the images, not only the arrays):
+    it goes on from its partial tokens as transformers' forward over the prompt, the image and those tokens does."""
+    import time
+
+    import torch
+
+    params = GREEDY.replace(max_tokens=200)
+    handle = vlm_sampler.submit(PROMPTS[0], params)
+    time.sleep(0.3)
+    handle.abort()
+    first = handle.result(timeout=120)[0].sequences[0]
+    assert first.stop_reason == "abort", "the call finished before the abort: give it more tokens"
+    whole = handle.resume().result(timeout=300)[0].sequences[0]
+    assert whole.tokens[: len(first.tokens)] == first.tokens and len(whole.tokens) == params.max_tokens
+    assert whole.training_feature is not None and len(whole.training_feature.images) == 1
+    feature = vlm_sampler.encode(PROMPTS[0])
+    ahead = InputFeature(input_ids=[*feature.input_ids, *first.tokens], multimodal=feature.multimodal)
+    steps = GREEDY.max_tokens
+    want, wide = (_hf_greedy(tiny_vlm, [ahead], steps, dtype)[0] for dtype in (torch.float32, torch.float64))
+    rounding = max(abs(a - b) for a, b in zip(want.logprobs, wide.logprobs))
+    rest = types.SimpleNamespace(
+        tokens=whole.tokens[len(first.tokens) : len(first.tokens) + steps],
+        logprobs=whole.logprobs[len(first.tokens) : len(first.tokens) + steps],
+    )
+    assert_greedy_parity([rest], [want], atol=2 * rounding, min_compared=1.0)
+
+
 def test_the_server_samples_from_image_url_parts_as_the_sampler_does(vlm_sampler: Any, tmp_path: Path) -> None:
     import base64
     import io
