@@ -15,7 +15,11 @@ The carry-over, layer by layer:
   at zero, so the shared expert's output is halved (``sigmoid(0)``); its
   ``down_proj`` is doubled to make up for it. The routed experts and the
   router keep ``transformers``' random initialisation: before training the
-  model is the dense one plus what the fresh experts add.
+  model is the dense one plus what the fresh experts add. Only the routed
+  experts, the router and the shared expert's gate are trained further: the
+  carried-over layers stay as trained, so the answers stay as sharp as the
+  tiny Qwen3.5's (training them all again brought near-ties into greedy
+  decoding).
 - Qwen3-Next fuses the GDN input projections, grouped per key head:
   ``in_proj_qkvz`` holds, for each key head, its query, its key, then its
   value heads and their gates; ``in_proj_ba`` each key head's ``b`` then
@@ -100,3 +104,6 @@ def warm_start(model: Any, arch: str, base: Path) -> None:
     with torch.no_grad():
         for name, tensor in carried.items():
             own[name].copy_(tensor)
+    # only the MoE's own weights train: the carried-over layers keep the trained model's sharp answers
+    for name, parameter in model.named_parameters():
+        parameter.requires_grad_(name not in carried or name.endswith("shared_expert_gate.weight"))
