@@ -33,7 +33,7 @@ from twinkle_torch import TorchSampler
 #: The GDN projections of each family (Qwen3-Next fuses them), plus attention and the shared expert.
 LORA_TARGETS = {
     "qwen3_5_moe": ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj", "gate_proj"],
-    "qwen3_next": ["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "o_proj", "up_proj", "down_proj"],
+    "qwen3_next": ["in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
 
 
