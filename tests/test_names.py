@@ -47,3 +47,50 @@ def test_adapter_tensor_names_follow_their_modules() -> None:
     assert known_adapter_name(nested, TRAINER) == name
     assert known_adapter_name(name, TRAINER) == name
     assert known_adapter_name("not.peft.name", TRAINER) == "not.peft.name"
+
+
+def test_fused_experts_split_into_a_checkpoints_per_expert_tensors() -> None:
+    """transformers 5's 3-D experts (a trainer's state_dict) against a checkpoint that stores one tensor per expert."""
+    import numpy as np
+    import pytest
+
+    from twinkle_core.engine import TensorSpec
+    from twinkle_core.errors import WeightUpdateError
+    from twinkle_core.names import EXPERT_FUSIONS, expert_parts, split_experts
+
+    assert ("experts.gate_up_proj", ("gate_proj.weight", "up_proj.weight")) in EXPERT_FUSIONS
+    experts, inter, hidden = 3, 4, 5
+    known = {  # a VL checkpoint's nesting too: both mappings compose
+        f"model.language_model.layers.0.mlp.experts.{e}.{leaf}": TensorSpec(shape, "float32")
+        for e in range(experts)
+        for leaf, shape in (
+            ("gate_proj.weight", (inter, hidden)),
+            ("up_proj.weight", (inter, hidden)),
+            ("down_proj.weight", (hidden, inter)),
+        )
+    }
+    gate_up = np.arange(experts * 2 * inter * hidden, dtype=np.float32).reshape(experts, 2 * inter, hidden)
+    down = -np.arange(experts * hidden * inter, dtype=np.float32).reshape(experts, hidden, inter)
+    other = ("model.norm.weight", np.ones(5))
+    split = dict(
+        split_experts(
+            [
+                ("model.layers.0.mlp.experts.gate_up_proj", gate_up),
+                ("model.layers.0.mlp.experts.down_proj", down),
+                other,
+            ],
+            known,
+        )
+    )
+    assert set(split) == set(known) | {"model.norm.weight"}
+    np.testing.assert_array_equal(split["model.language_model.layers.0.mlp.experts.2.gate_proj.weight"], gate_up[2, :4])
+    np.testing.assert_array_equal(split["model.language_model.layers.0.mlp.experts.2.up_proj.weight"], gate_up[2, 4:])
+    np.testing.assert_array_equal(split["model.language_model.layers.0.mlp.experts.1.down_proj.weight"], down[1])
+    assert [p[1:] for p in expert_parts("x.experts.gate_up_proj", (2, 8, 5))] == [
+        (0, 0, 4), (0, 4, 8), (1, 0, 4), (1, 4, 8)
+    ]  # fmt: skip
+    assert expert_parts("x.mlp.gate_up_proj.weight", (8, 5)) == []  # a dense MLP's fused projection is not experts
+    with pytest.raises(WeightUpdateError, match=r"experts\.gate_up_proj' has shape \(2, 8, 5\), expected \(3, 8, 5\)"):
+        split_experts([("model.layers.0.mlp.experts.gate_up_proj", gate_up[:2])], known)
+    held = {"model.layers.0.mlp.experts.gate_up_proj": TensorSpec(gate_up.shape, "float32")}
+    assert split_experts([("model.layers.0.mlp.experts.gate_up_proj", gate_up)], held)[0][1] is gate_up  # held fused

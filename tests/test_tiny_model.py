@@ -90,10 +90,19 @@ def test_folder_layout_and_cache(tiny: tuple[str, Path], monkeypatch: pytest.Mon
 def test_config(loaded: tuple[str, Path, Any, Any]) -> None:
     arch, folder, tokenizer, _ = loaded
     config = AutoConfig.from_pretrained(str(folder))
-    assert config.model_type == {"qwen3_5": "qwen3_5_text"}.get(arch, arch)
+    assert config.model_type == {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}.get(arch, arch)
     assert config.architectures == [
-        {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM"}[arch]
+        {
+            "llama": "LlamaForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3_5": "Qwen3_5ForCausalLM",
+            "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+            "qwen3_next": "Qwen3NextForCausalLM",
+        }[arch]
     ]
+    if arch in ("qwen3_5_moe", "qwen3_next"):  # a few small experts beside the shared one, sizes vLLM's CPU MoE takes
+        assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (4, 2, 128)
+        assert config.shared_expert_intermediate_size == config.intermediate_size
     assert config.hidden_size // config.num_attention_heads == 64 == config.head_dim
     assert config.max_position_embeddings == TINY_MAX_MODEL_LEN
     assert config.tie_word_embeddings is False

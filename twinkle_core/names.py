@@ -13,20 +13,36 @@ no engine does string surgery of its own: a name the engine knows is kept,
 another is tried through each nesting, in either direction, and a name
 neither side knows is returned as it came (the engine's validation then
 names it, with its suggestions).
+
+A mixture-of-experts layer is the other difference. ``transformers`` 5 holds
+a layer's routed experts fused across experts, as 3-D tensors
+(``model.layers.0.mlp.experts.gate_up_proj`` ``[experts, 2 x inter, hidden]``,
+``...experts.down_proj`` ``[experts, hidden, inter]``), and that is what a
+trainer's ``state_dict`` pushes; its ``save_pretrained`` writes them back one
+tensor per expert (``...experts.3.gate_proj.weight`` ``[inter, hidden]``), as
+the checkpoints on the hub are. :data:`EXPERT_FUSIONS` declares how one
+layout lies in the other; :func:`expert_parts` lists a fused tensor's
+per-expert names and rows, :func:`split_experts` splits fused tensors for an
+engine that holds them per expert (views, nothing copied).
 """
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable
-from typing import TypeVar
+from collections.abc import Container, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from twinkle_core.errors import WeightUpdateError
 
 __all__ = [
+    "EXPERT_FUSIONS",
     "NESTINGS",
     "PEFT_PREFIXES",
     "UNSERVED_PARTS",
+    "expert_parts",
     "known_adapter_name",
     "known_name",
     "known_names",
+    "split_experts",
     "unserved_part",
 ]
 
@@ -42,6 +58,14 @@ UNSERVED_PARTS: tuple[tuple[str, str, str], ...] = (
     ("mtp.", "mtp", "the multi-token-prediction block"),
     ("model.visual.", "vision", "the vision tower"),
     ("visual.", "vision", "the vision tower"),
+)
+
+#: ``(fused leaf, per-expert leaves)``: a fused expert tensor ``<layer>.experts.<fused leaf>`` is
+#: ``[experts, rows, columns]``; expert ``e``'s rows are ``<layer>.experts.<e>.<leaf>`` for each
+#: per-expert leaf in order, stacked (``gate_up_proj``: the gate projection's rows, then the up one's).
+EXPERT_FUSIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("experts.gate_up_proj", ("gate_proj.weight", "up_proj.weight")),
+    ("experts.down_proj", ("down_proj.weight",)),
 )
 
 #: What PEFT puts before a module's name in an adapter's tensor names.
@@ -107,3 +131,75 @@ def unserved_part(name: str, kinds: Container[str] = ("mtp", "vision")) -> str |
         if kind in kinds and name.startswith(prefix):
             return f"{part} ({prefix}*)"
     return None
+
+
+def expert_parts(name: str, shape: Sequence[int]) -> list[tuple[str, int, int, int]]:
+    """Where each per-expert tensor lies in a fused expert tensor (see :data:`EXPERT_FUSIONS`).
+
+    Args:
+        name: a weight name, e.g. ``model.layers.0.mlp.experts.gate_up_proj``.
+        shape: its shape, ``[experts, rows, columns]``.
+
+    Returns:
+        ``(per-expert name, expert, first row, end row)`` for every expert and
+        part, in order; empty where ``name`` is not a fused expert tensor of
+        that shape.
+    """
+    for fused, leaves in EXPERT_FUSIONS:
+        if name.endswith("." + fused) and len(shape) == 3 and shape[1] % len(leaves) == 0:
+            head = name[: -len(fused)] + "experts."
+            rows = shape[1] // len(leaves)
+            return [
+                (f"{head}{expert}.{leaf}", expert, part * rows, (part + 1) * rows)
+                for expert in range(shape[0])
+                for part, leaf in enumerate(leaves)
+            ]
+    return []
+
+
+def _fused_shape(name: str, known: Mapping[str, Any]) -> tuple[int, int, int] | None:
+    """The fused shape ``known``'s per-expert tensors of the fused ``name`` add up to (``None``: it holds none)."""
+    for fused, leaves in EXPERT_FUSIONS:
+        if not name.endswith("." + fused):
+            continue
+        head = name[: -len(fused)] + "experts."
+        first = known.get(known_name(f"{head}0.{leaves[0]}", known))
+        if first is None:
+            return None
+        experts = 0
+        while known_name(f"{head}{experts}.{leaves[0]}", known) in known:
+            experts += 1
+        rows, columns = tuple(first.shape)
+        return experts, rows * len(leaves), columns
+    return None
+
+
+def split_experts(items: Iterable[tuple[str, Any]], known: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """Fused expert tensors split into the per-expert tensors ``known`` holds; every other pair as it came.
+
+    A fused tensor (``...experts.gate_up_proj``) that ``known`` does not hold
+    but whose experts it holds one by one becomes those tensors, each a view
+    of its rows, named as ``known`` spells them. Everything else is left to
+    the engine's own validation.
+
+    Args:
+        items: ``(name, tensor)`` pairs.
+        known: the engine's names, each with its ``shape``.
+
+    Raises:
+        WeightUpdateError: a fused tensor whose shape is not that of the experts ``known`` holds.
+    """
+    out: list[tuple[str, Any]] = []
+    for name, value in items:
+        want = None if known_name(name, known) in known else _fused_shape(name, known)
+        if want is None:
+            out.append((name, value))
+            continue
+        shape = tuple(getattr(value, "shape", ()))
+        if shape != want:
+            raise WeightUpdateError(
+                f"update_weights: {name!r} has shape {shape}, expected {want} (this model's {want[0]} experts,"
+                " fused as transformers holds them); nothing was updated."
+            )
+        out.extend((known_name(part, known), value[e, start:end]) for part, e, start, end in expert_parts(name, shape))
+    return out

@@ -46,6 +46,7 @@ ROUTER_RULES: dict[str, str] = {
     "Qwen2MoeTopKRouter": "softmax",
     "Qwen3MoeTopKRouter": "softmax",
     "Qwen3NextTopKRouter": "softmax",  # these three: Qwen3-MoE's forward
+    "Qwen3_5MoeTopKRouter": "softmax",  # Qwen3-MoE's forward, always renormalised
     "FlexOlmoTopKRouter": "softmax",
     "MellumTopKRouter": "softmax",
     "OlmoeTopKRouter": "softmax",

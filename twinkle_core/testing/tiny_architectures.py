@@ -1,19 +1,29 @@
-"""The tiny models' architectures: the ``transformers`` config of each (Llama, Qwen2, the Qwen3.5 hybrid)."""
+"""The tiny models' architectures: the ``transformers`` config of each (Llama, Qwen2, Qwen3.5, its MoE, Qwen3-Next)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["ARCH_CLASSES", "TINY_ARCHS", "TINY_MAX_MODEL_LEN", "check_arch", "model_config"]
+__all__ = ["ARCH_CLASSES", "MOE_SHAPE", "TINY_ARCHS", "TINY_MAX_MODEL_LEN", "check_arch", "model_config"]
 
 #: Architectures :func:`build_tiny_model` can build.
-TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3_5")
+TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3_5", "qwen3_5_moe", "qwen3_next")
 
 #: Context window of the tiny models (``max_position_embeddings``).
 TINY_MAX_MODEL_LEN = 512
 
 #: The ``transformers`` model class of each architecture (``config.architectures``).
-ARCH_CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3_5": "Qwen3_5ForCausalLM"}
+ARCH_CLASSES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3_5": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
+}
+
+#: The mixture-of-experts layer of the MoE hybrids: a few small routed experts (top-2 of 4) beside the family's
+#: shared expert, which is as wide as the dense model's MLP.
+MOE_SHAPE = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 128}
 
 
 def check_arch(arch: str) -> str:
@@ -41,7 +51,7 @@ def model_config(arch: str, vocab_size: int) -> Any:
         vocab_size: the tokenizer's size (``len(tokenizer)``).
 
     Returns:
-        A ``LlamaConfig``, ``Qwen2Config`` or ``Qwen3_5TextConfig``.
+        A ``LlamaConfig``, ``Qwen2Config``, ``Qwen3_5TextConfig``, ``Qwen3_5MoeTextConfig`` or ``Qwen3NextConfig``.
     """
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -62,8 +72,8 @@ def model_config(arch: str, vocab_size: int) -> Any:
         architectures=[ARCH_CLASSES[arch]],
         dtype="float32",
     )
-    if arch == "qwen3_5":
-        return _qwen3_5_config(common)
+    if arch in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
+        return _qwen3_5_config(common, arch)
     if arch == "qwen2":
         from transformers import Qwen2Config
 
@@ -73,7 +83,7 @@ def model_config(arch: str, vocab_size: int) -> Any:
     return LlamaConfig(**common, attention_bias=False, mlp_bias=False)
 
 
-def _qwen3_5_config(common: dict[str, Any]) -> Any:
+def _qwen3_5_config(common: dict[str, Any], arch: str = "qwen3_5") -> Any:
     """The tiny Qwen3.5 text model: the real family's 3:1 hybrid, at sizes vLLM's CPU kernels take.
 
     Four layers, three Gated DeltaNet then one gated full attention (the
@@ -85,23 +95,34 @@ def _qwen3_5_config(common: dict[str, Any]) -> Any:
     KV head of 64 (a CPU attention head size). The rotary embedding is the
     real one's shape scaled down: a quarter of each head rotated, with the
     interleaved multimodal sections summing to that quarter's frequencies.
+
+    ``qwen3_5_moe`` and ``qwen3_next`` are the same layers with a mixture of
+    experts in place of every MLP (:data:`MOE_SHAPE`, plus the shared expert
+    of the dense MLP's width); Qwen3-Next rotates the same quarter of each
+    head without the multimodal sections (for text, where the three position
+    axes are equal, the two rotations are the same).
     """
-    from transformers import Qwen3_5TextConfig
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig
 
     rotary_pairs = common["head_dim"] // 4 // 2
-    return Qwen3_5TextConfig(
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25}
+    if arch == "qwen3_next":
+        config_class: Any = Qwen3NextConfig
+    else:
+        config_class = Qwen3_5MoeTextConfig if arch == "qwen3_5_moe" else Qwen3_5TextConfig
+        rope["mrope_interleaved"] = True
+        rope["mrope_section"] = [rotary_pairs - 2 * (rotary_pairs // 3), rotary_pairs // 3, rotary_pairs // 3]
+    moe: dict[str, Any] = {}
+    if arch != "qwen3_5":
+        moe = {**MOE_SHAPE, "shared_expert_intermediate_size": common["intermediate_size"]}
+    return config_class(
         **{**common, "num_hidden_layers": 4},
+        **moe,
         layer_types=["linear_attention"] * 3 + ["full_attention"],
         linear_conv_kernel_dim=4,
         linear_key_head_dim=64,
         linear_value_head_dim=64,
         linear_num_key_heads=1,
         linear_num_value_heads=2,
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": 10_000_000.0,
-            "partial_rotary_factor": 0.25,
-            "mrope_interleaved": True,
-            "mrope_section": [rotary_pairs - 2 * (rotary_pairs // 3), rotary_pairs // 3, rotary_pairs // 3],
-        },
+        rope_parameters=rope,
     )

@@ -47,8 +47,9 @@ from twinkle_core.testing.tiny_architectures import (
     model_config,
 )
 from twinkle_core.testing.tiny_corpus import SEED, TINY_CHAT_PROMPTS, TINY_CHAT_TEMPLATE, TINY_WEATHER_TOOL, tiny_corpus
+from twinkle_core.testing.tiny_moe import WARM_ARCHS, WARM_LEARNING_RATE, WARM_STEPS, warm_start
 from twinkle_core.testing.tiny_tokenizer import TINY_SPECIAL_TOKENS, save_tiny_tokenizer, train_tiny_tokenizer
-from twinkle_core.testing.tiny_training import TRAIN_STEPS, torch_threads, train
+from twinkle_core.testing.tiny_training import LEARNING_RATE, TRAIN_STEPS, torch_threads, train
 
 __all__ = [
     "TINY_ARCHS",
@@ -75,7 +76,7 @@ _MARKER = "twinkle_tiny_model.json"
 
 
 def write_tiny_model(
-    folder: str | os.PathLike[str], arch: str = "llama", *, train_steps: int = TRAIN_STEPS
+    folder: str | os.PathLike[str], arch: str = "llama", *, train_steps: int | None = None
 ) -> dict[str, Any]:
     """Build a tiny model into ``folder`` without any caching.
 
@@ -85,7 +86,9 @@ def write_tiny_model(
     Args:
         folder: the output folder (created; existing files are overwritten).
         arch: one of :data:`TINY_ARCHS`.
-        train_steps: optimizer steps (0 leaves the random initialisation).
+        train_steps: optimizer steps (0 leaves the initialisation); by default
+            :data:`TRAIN_STEPS`, or :data:`~twinkle_core.testing.tiny_moe.WARM_STEPS`
+            for the MoE hybrids, which start from the trained tiny Qwen3.5.
 
     Returns:
         Build metadata, also written to ``twinkle_tiny_model.json``: version,
@@ -95,6 +98,9 @@ def write_tiny_model(
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     check_arch(arch)
+    warm = arch in WARM_ARCHS
+    base = build_tiny_model("qwen3_5") if warm else None  # before the clock: a cached folder, or its own build
+    steps = train_steps if train_steps is not None else WARM_STEPS if warm else TRAIN_STEPS
     start = time.perf_counter()
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
@@ -114,7 +120,10 @@ def write_tiny_model(
     with torch_threads(1), torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-        losses = train(model, token_lists, train_steps, pad_id=0) if train_steps > 0 else []
+        if base is not None:
+            warm_start(model, arch, base)
+        rate = WARM_LEARNING_RATE if warm else LEARNING_RATE
+        losses = train(model, token_lists, steps, pad_id=0, learning_rate=rate) if steps > 0 else []
     model.config.architectures = [ARCH_CLASSES[arch]]
     model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=2, pad_token_id=0)
     model.save_pretrained(str(out))
@@ -128,7 +137,8 @@ def write_tiny_model(
         "arch": arch,
         "architecture": ARCH_CLASSES[arch],
         "vocab_size": vocab_size,
-        "train_steps": train_steps,
+        "train_steps": steps,
+        "warm_start": "qwen3_5" if warm else None,
         "first_loss": losses[0] if losses else None,
         "last_loss": losses[-1] if losses else None,
         "build_seconds": round(time.perf_counter() - start, 2),

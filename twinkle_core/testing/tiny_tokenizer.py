@@ -22,7 +22,7 @@ VOCAB_SIZE = 768
 
 #: Architectures whose tokenizer copies ``transformers``' ``Qwen2Tokenizer`` pipeline
 #: (``AutoTokenizer`` maps Qwen3.5's text model to a tokenizer of that pipeline too).
-QWEN_TOKENIZER_ARCHS = frozenset({"qwen2", "qwen3_5"})
+QWEN_TOKENIZER_ARCHS = frozenset({"qwen2", "qwen3_5", "qwen3_5_moe", "qwen3_next"})
 
 
 def train_tiny_tokenizer(arch: str = "llama") -> Tokenizer:

@@ -40,7 +40,9 @@ def batches(token_lists: list[list[int]], steps: int, batch_size: int) -> Iterat
         del order[:batch_size]
 
 
-def train(model: Any, token_lists: list[list[int]], steps: int, pad_id: int) -> list[float]:
+def train(
+    model: Any, token_lists: list[list[int]], steps: int, pad_id: int, learning_rate: float = LEARNING_RATE
+) -> list[float]:
     """Train ``model`` in place on the tokenized corpus, deterministically.
 
     Args:
@@ -48,13 +50,14 @@ def train(model: Any, token_lists: list[list[int]], steps: int, pad_id: int) -> 
         token_lists: the tokenized corpus.
         steps: optimizer steps.
         pad_id: the padding token id.
+        learning_rate: the peak learning rate.
 
     Returns:
         The loss of every step.
     """
     import torch
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, betas=(0.9, 0.98), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate, betas=(0.9, 0.98), weight_decay=0.0)
     warmup = max(1, steps // 20)
 
     def schedule(step: int) -> float:

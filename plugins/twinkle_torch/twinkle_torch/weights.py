@@ -2,7 +2,11 @@
 
 Names are those of the model as loaded (``model.layers.0.self_attn.q_proj.weight``),
 whatever LoRA layers were injected since: a name that now lives under a PEFT
-layer's ``base_layer`` resolves there. Every tensor is checked (name, shape,
+layer's ``base_layer`` resolves there. A mixture-of-experts layer's experts,
+held fused (``...mlp.experts.gate_up_proj``, ``[experts, rows, hidden]``), also
+answer to a checkpoint's per-expert names (``...mlp.experts.3.gate_proj.weight``,
+see :func:`twinkle_core.names.expert_parts`): those resolve to the expert's rows
+of the fused tensor, so one expert can be updated alone. Every tensor is checked (name, shape,
 dtype) before any is copied, so a rejected update changes nothing.
 """
 
@@ -15,7 +19,7 @@ import torch
 
 from twinkle_core.engine import TensorSpec, check_update
 from twinkle_core.errors import WeightUpdateError, did_you_mean
-from twinkle_core.names import known_names
+from twinkle_core.names import expert_parts, known_names
 
 __all__ = ["WeightTable"]
 
@@ -32,11 +36,16 @@ class WeightTable:
         self.model = model
         self.names = list(model.state_dict().keys())
         self._spec_cache: dict[str, TensorSpec] | None = None
+        # a checkpoint's per-expert name -> (fused name, expert, first row, end row)
+        self._expert_rows: dict[str, tuple[str, int, int, int]] = {}
         self._spec()  # read now, before any adapter changes the module tree
 
     def _resolve(self, name: str) -> torch.Tensor:
         from peft.tuners.tuners_utils import BaseTunerLayer
 
+        if name in self._expert_rows:  # one expert's rows of a fused expert tensor: a view, written in place
+            fused, expert, start, end = self._expert_rows[name]
+            return self._resolve(fused)[expert, start:end]
         path, _, attr = name.rpartition(".")
         module = self.model.get_submodule(path) if path else self.model
         if isinstance(module, BaseTunerLayer):
@@ -114,10 +123,14 @@ class WeightTable:
 
     def _spec(self) -> dict[str, TensorSpec]:
         if self._spec_cache is None:
-            self._spec_cache = {
-                name: TensorSpec(tuple(t.shape), str(t.dtype).removeprefix("torch."))
-                for name, t in self.model.state_dict().items()
-            }
+            spec = {}
+            for name, t in self.model.state_dict().items():
+                dtype = str(t.dtype).removeprefix("torch.")
+                spec[name] = TensorSpec(tuple(t.shape), dtype)
+                for part, expert, start, end in expert_parts(name, tuple(t.shape)):
+                    self._expert_rows[part] = (name, expert, start, end)
+                    spec.setdefault(part, TensorSpec((end - start, *t.shape[2:]), dtype))
+            self._spec_cache = spec
         return self._spec_cache
 
     @staticmethod

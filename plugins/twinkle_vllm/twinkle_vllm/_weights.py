@@ -1,9 +1,11 @@
 """Validation of ``update_weights`` input against the model's checkpoint.
 
 The names a trainer sends are its Hugging Face ``state_dict`` names, which are
-the checkpoint's names: the spec (names, shapes, dtypes) is read from the
-safetensors headers of the model folder, without loading any tensor. Nothing
-is sent to the engine until every tensor passed these checks.
+the checkpoint's names (or their nested twins, and a mixture-of-experts
+layer's experts fused as ``transformers`` holds them: :mod:`twinkle_core.names`):
+the spec (names, shapes, dtypes) is read from the safetensors headers of the
+model folder, without loading any tensor. Nothing is sent to the engine until
+every tensor passed these checks.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 
 from twinkle_core.engine import AdapterInput, TensorSpec, check_update
 from twinkle_core.errors import AdapterError, UnsupportedFeatureError, WeightUpdateError
-from twinkle_core.names import known_name, known_names, unserved_part
+from twinkle_core.names import known_name, known_names, split_experts, unserved_part
 
 __all__ = ["WeightSpec"]
 
@@ -162,8 +164,9 @@ class WeightSpec:
             WeightUpdateError: an unknown or repeated name, a non-tensor, a wrong
                 shape or dtype, or a fused layer sent in part. Nothing is sent then.
         """
-        # a trainer's names (model.*) or a checkpoint's nested ones (model.language_model.*): the checkpoint's
-        items = known_names(items, self.spec)
+        # a trainer's names (model.*) or a checkpoint's nested ones (model.language_model.*): the checkpoint's;
+        # a trainer's fused MoE experts (transformers 5's 3-D tensors): the checkpoint's per-expert tensors
+        items = known_names(split_experts(items, self.spec), self.spec)
         names = [name for name, _ in items]
         if self.tied and "lm_head.weight" in names:
             # One tensor in the trainer; vLLM keeps only the embedding.
@@ -177,9 +180,13 @@ class WeightSpec:
             members = self.groups[self._layer_key(name)]
             missing = [m for m in members if m not in checked]
             if missing:
+                fused = (
+                    " (a layer's experts: all its expert tensors, fused or one by one)" if _EXPERT.search(name) else ""
+                )
                 raise WeightUpdateError(
-                    f"update_weights: {name!r} is loaded into one engine layer together with {missing};"
-                    " send all of them in the same update. Nothing was updated."
+                    f"update_weights: {name!r} is loaded into one engine layer together with {missing[:4]}"
+                    f"{' and more' if len(missing) > 4 else ''}; send all of them in the same update{fused}."
+                    " Nothing was updated."
                 )
         return list(checked.items())
 
