@@ -16,9 +16,9 @@ import pytest
 PIL = pytest.importorskip("PIL.Image")
 
 from twinkle_core.data_format import InputFeature, Message, Trajectory  # noqa: E402
+from twinkle_core.data_format.media_loading import MediaLimits, load_image, load_media  # noqa: E402
 from twinkle_core.errors import InvalidInputError, InvalidMediaError, UnsupportedFeatureError  # noqa: E402
 from twinkle_core.template import Template  # noqa: E402
-from twinkle_core.template.media import MediaLimits, load_image, load_media  # noqa: E402
 
 
 def _image(seed: int, size: tuple[int, int] = (40, 30)) -> Any:

@@ -14,7 +14,7 @@ An image source is a PIL image, the bytes of an encoded image, a local path,
 or a ``data:`` URL; a video is a list of frames (image sources). Only the
 shape is checked here, cheaply, when a message is built: decoding (and the
 checks on size, format and count) happens where the prompt is encoded
-(:mod:`twinkle_core.template.media`). In a plain dict (``to_dict``, JSON
+(:mod:`twinkle_core.data_format.media_loading`). In a plain dict (``to_dict``, JSON
 lines) a PIL image or bytes becomes a ``data:`` URL: PNG for a PIL image
 (lossless), the bytes as they are otherwise; paths and URLs stay strings.
 Nothing here imports PIL.

@@ -37,6 +37,7 @@ from typing import Any
 import attrs
 from fastapi import FastAPI
 
+from twinkle_core.data_format.media_loading import MediaLimits
 from twinkle_core.episode import OnTemplateMismatch
 from twinkle_core.server.auth import KeyCheck
 from twinkle_core.server.chat import add_chat_routes
@@ -51,7 +52,6 @@ from twinkle_core.server.sessions import SessionStore
 from twinkle_core.server.state import ServerState
 from twinkle_core.server.weights import add_weight_routes
 from twinkle_core.server.weights import check_config as check_weight_config
-from twinkle_core.template.media import MediaLimits
 
 __all__ = ["create_app"]
 

@@ -11,7 +11,7 @@ engine and the trainer read; the length checked against the context is the
 expanded one.
 
 The work is bounded in order: the media are counted and the text's tokens
-bounded before any image is decoded (:mod:`twinkle_core.template.media`),
+bounded before any image is decoded (:mod:`twinkle_core.data_format.media_loading`),
 and the processor runs last. A prompt without media is encoded as by
 :class:`~twinkle_core.template.Template`.
 """
@@ -22,10 +22,10 @@ import os
 from typing import Any
 
 from twinkle_core.data_format import InputFeature, Trajectory
+from twinkle_core.data_format.media_loading import MediaLimits, load_media
 from twinkle_core.errors import InvalidInputError, PromptTooLongError, UnsupportedFeatureError
 from twinkle_core.hub import PROCESSOR_FILES, has_processor
 from twinkle_core.template.base import Template, _as_trajectory, _text_only
-from twinkle_core.template.media import MediaLimits, load_media
 
 __all__ = ["PROCESSOR_FILES", "ProcessorTemplate", "has_processor"]
 

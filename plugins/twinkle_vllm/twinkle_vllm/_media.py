@@ -27,8 +27,8 @@ from typing import Any
 from vllm.inputs import tokens_input
 
 from twinkle_core.data_format import InputFeature
+from twinkle_core.data_format.media_loading import MediaLimits, load_image
 from twinkle_core.errors import InvalidInputError, InvalidMediaError, UnsupportedFeatureError
-from twinkle_core.template.media import MediaLimits, load_image
 
 __all__ = ["PromptMedia", "engine_media", "fold_placeholders"]
 
