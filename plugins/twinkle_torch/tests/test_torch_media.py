@@ -317,3 +317,41 @@ def test_a_prefill_batches_media_inputs_as_a_processor_batches_them() -> None:
     assert out["pixel_values"].tolist() == np.concatenate([first["pixel_values"], resumed["pixel_values"]]).tolist()
     assert out["mm_token_type_ids"].tolist() == [[0, 0, 0, 1, 1, 0], [0] * 6, [0, 1, 1, 0, 0, 0]]
     assert media_inputs([None, None], [2, 3], 3, device=torch.device("cpu"), dtype=torch.float32) == {}
+
+
+def test_twinkle_sample_reads_images_from_jsonl_rows(vlm_sampler: Sampler, tiny_vlm: Path, tmp_path: Path) -> None:
+    """``twinkle sample``, run as a user runs it: rows naming an image file (with ``<image>`` in the text) or
+    carrying a ``data:`` URL block sample what the sampler samples for the same images."""
+    import base64
+    import io
+    import json
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    images = [_image(6), _image(7)]
+    path = tmp_path / "six.png"
+    images[0].save(path)
+    buffer = io.BytesIO()
+    images[1].save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    rows = [
+        {"messages": [{"role": "user", "content": "<image>What is it?"}], "images": [str(path)]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]},
+    ]
+    twinkle = shutil.which("twinkle", path=str(Path(sys.executable).parent)) or "twinkle"
+    args = [twinkle, "sample", "-e", "torch", "-m", str(tiny_vlm), "--max-tokens", "8", "--temperature", "0"]
+    out = subprocess.run(
+        [*args, "--ignore-eos", "--full"],
+        input="\n".join(json.dumps(row) for row in rows),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert out.returncode == 0, out.stderr
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.strip()]
+    want = vlm_sampler.sample([Trajectory.from_dict(row) for row in rows], _GREEDY)
+    assert [r["sequences"][0]["tokens"] for r in records] == [w.sequences[0].tokens for w in want]
+    assert records[0]["sequences"][0]["tokens"] != records[1]["sequences"][0]["tokens"]  # the image counts
