@@ -173,7 +173,8 @@ class PolicyContractTests:
     adapter_options: tuple[dict[str, Any], ...] = ()
     #: Module names an engine loads into one layer, which an update must carry together (vLLM fuses
     #: ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj``): an update of one of them gets its
-    #: siblings of the same parent added, at their current values.
+    #: siblings of the same parent added, at their current values. A group may also name parameters of
+    #: one module that a layer loads together (``("A_log", "dt_bias")`` of a Gated DeltaNet layer).
     fused_weights: tuple[tuple[str, ...], ...] = ()
     #: Top log-probs per position the scorings read.
     policy_top_logprobs: int = 8
@@ -265,11 +266,15 @@ class PolicyContractTests:
                 continue
             grand, _, module = parent.rpartition(".")
             for group in self.fused_weights:
-                if module in group:
-                    for sibling in group:
-                        other = f"{grand}.{sibling}.{rest}" if grand else f"{sibling}.{rest}"
-                        if other in current and other not in out:
-                            out[other] = current[other]
+                if module in group:  # modules fused into one layer (q_proj, k_proj, v_proj)
+                    others = [f"{grand}.{sibling}.{rest}" if grand else f"{sibling}.{rest}" for sibling in group]
+                elif rest in group:  # parameters of one module loaded together (a layer's A_log and dt_bias)
+                    others = [f"{parent}.{sibling}" for sibling in group]
+                else:
+                    continue
+                for other in others:
+                    if other in current and other not in out:
+                        out[other] = current[other]
         return out
 
     def _scale_weight(self, base_weights: Mapping[str, Any]) -> tuple[str, Any]:

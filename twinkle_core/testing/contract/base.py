@@ -44,6 +44,9 @@ class ContractBase:
     #: Tolerance when processed log-probs are compared with the reference computed from
     #: the engine's raw ones (raw log-probs come from a separate scoring pass).
     reference_atol: float = 1e-3
+    #: How far a sampling field must move a log-prob to count as a change, between two calls on the same
+    #: inputs that differ only by that field (the forwards are the same; only the field acts).
+    field_change_atol: float = 1e-3
     #: Top-k alternatives asked for in the reference checks.
     reference_top_logprobs: int = 8
     #: Tokens generated per sequence in the reference checks.

@@ -285,7 +285,7 @@ class SamplingFieldTests(ContractBase):
         differs = False
         for a, b in zip(before, after):
             assert a.logprobs is not None and b.logprobs is not None
-            if a.tokens != b.tokens or any(abs(x - y) > self.reference_atol for x, y in zip(a.logprobs, b.logprobs)):
+            if a.tokens != b.tokens or any(abs(x - y) > self.field_change_atol for x, y in zip(a.logprobs, b.logprobs)):
                 differs = True
         assert differs, f"{field}={getattr(changed, field)!r} changed neither the tokens nor their log-probs"
 
