@@ -89,7 +89,8 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     "bamba": dict(attn_layer_indices=[1]),
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
     "kimi_linear": dict(num_key_value_heads=2, layer_types=["linear_attention", "full_attention"]),
-    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    **{name: dict(layer_types=["conv", "full_attention"]) for name in ("lfm2", "lfm2_moe")},  # by default all attention
+    "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
     "mamba2": dict(num_heads=4, head_dim=64, n_groups=1),  # hidden_size * expand == num_heads * head_dim
     "qwen4_exp_text": dict(
         layer_types=["linear_attention", "indexed_attention"], head_dim=64, indexer_n_heads=2, indexer_kv_heads=1,
