@@ -59,6 +59,12 @@ _SEQ2SEQ: dict[str, Any] = dict(
     decoder_ffn_dim=256,
 )  # fmt: skip
 
+#: Multi-head latent attention (DeepSeek-V2 and after) sized to the generic model, with a small sparse indexer.
+_MLA: dict[str, Any] = dict(
+    num_key_value_heads=2, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+    index_n_heads=2, index_head_dim=32,
+)  # fmt: skip
+
 #: A vision tower a few thousand parameters big, for composites and models with one built in.
 _TOWER: dict[str, Any] = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=56, patch_size=14,
@@ -67,11 +73,13 @@ _TOWER: dict[str, Any] = dict(
 #: What a family needs beside (or instead of) ``_GENERIC`` for its own eager forward to run on a short prompt.
 #: A composite's entry sizes its towers; its text model takes the entry of the text config's model type.
 _OVERRIDES: dict[str, dict[str, Any]] = {
-    # multi-head latent attention (and DiffLlama's split values): as many key/value heads as query heads
-    **{name: dict(num_key_value_heads=2) for name in (
-        "axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "diffllama", "glm4_moe_lite", "glm_moe_dsa",
-        "longcat_flash", "minicpm3", "youtu",
-    )},
+    # multi-head latent attention: as many key/value heads as query heads, small low-rank projections and indexer
+    **dict.fromkeys((
+        "axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "minicpm3",
+        "youtu",
+    ), _MLA),
+    "longcat_flash": dict(num_key_value_heads=2),  # at _MLA's latent sizes its attention's shapes disagree
+    "diffllama": dict(num_key_value_heads=2),  # its two attention maps split the values by key/value head
     **dict.fromkeys((
         "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp", "pegasus", "plbart",
         "whisper",
@@ -102,6 +110,7 @@ _OVERRIDES: dict[str, dict[str, Any]] = {
     # towers: a small vision (and audio) model
     "gemma3": dict(vision_config=_TOWER, mm_tokens_per_image=4),
     "git": dict(vision_config=_TOWER),
+    "fuyu": dict(hidden_size=128, patch_size=4),  # its patch embedding is sized by the top-level config
     "got_ocr2": dict(vision_config=dict(
         hidden_size=32, output_channels=32, num_hidden_layers=1, num_attention_heads=2, image_size=64, patch_size=16,
         window_size=2, global_attn_indexes=[0], mlp_dim=64,
