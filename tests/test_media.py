@@ -179,3 +179,18 @@ def test_a_text_only_template_refuses_an_image_as_unsupported() -> None:
     for trajectory in (with_block, with_list):
         with pytest.raises(UnsupportedFeatureError, match="has no processor"):
             template.encode(trajectory)
+
+
+def test_an_episodes_processed_arrays_join_as_one_sequences() -> None:
+    """Arrays per image are concatenated in order; arrays per token lie under the tokens they came with, zero under
+    the tokens between (a sampled turn, a closing), and a run without them adds none."""
+    import numpy as np
+
+    from twinkle_core.episode_media import join_media
+
+    opening = {"pixel_values": np.ones((1, 3, 2, 2)), "mm_token_type_ids": np.array([[0, 1, 1]])}
+    screenshot = {"pixel_values": np.zeros((2, 3, 2, 2)), "mm_token_type_ids": np.array([[1, 1, 0, 1]])}
+    joined = join_media([(0, opening), (5, {"image_grid_thw": np.array([[1, 2, 2]])}), (6, screenshot)], 11)
+    assert joined["pixel_values"].tolist() == np.concatenate([np.ones((1, 3, 2, 2)), np.zeros((2, 3, 2, 2))]).tolist()
+    assert joined["mm_token_type_ids"].tolist() == [[0, 1, 1, 0, 0, 0, 1, 1, 0, 1, 0]]
+    assert joined["image_grid_thw"].tolist() == [[1, 2, 2]]

@@ -27,6 +27,10 @@ and only ever appends to it:
      delta must give the tokens of ``R_new`` (no merge across the boundary).
      The delta's tokens are appended.
 
+Images in new messages (a tool's screenshot) are expanded by the model's
+processor in the delta, and every feature of the episode carries all its
+images so far (:mod:`twinkle_core.episode_media`).
+
 A template that fails either check is not prefix-preserving (Qwen3-style
 templates drop earlier reasoning once a conversation moves on). It is
 detected on the first append, and ``on_template_mismatch`` decides:
@@ -50,8 +54,6 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any, Literal
 
-import attrs
-
 from twinkle_core.data_format import (
     IGNORE_INDEX,
     InputFeature,
@@ -61,6 +63,8 @@ from twinkle_core.data_format import (
     Trajectory,
 )
 from twinkle_core.data_format.output import SampledSequence
+from twinkle_core.episode_media import EpisodeMedia, inline_media, plain_message
+from twinkle_core.episode_turns import Segment, Turn
 from twinkle_core.errors import InvalidInputError, PromptTooLongError, TemplateError
 from twinkle_core.template import Template
 from twinkle_core.tools import ToolCallParser, get_tool_parser
@@ -71,68 +75,6 @@ OnTemplateMismatch = Literal["raise", "keep_sampled"]
 _MISMATCH_CHOICES = ("raise", "keep_sampled")
 # Content no template rewrites, used to find where an assistant message's content ends.
 _SENTINEL = "TWINKLE_CONTENT_SENTINEL_5f1c"
-
-
-@attrs.define(kw_only=True)
-class Segment:
-    """A run of tokens appended to an episode in one step.
-
-    Attributes:
-        kind: ``"prompt"`` (the first encoding), ``"sampled"`` (a turn, as
-            sampled), ``"closing"`` (the template's end of a sampled turn) or
-            ``"delta"`` (new messages and the next generation prompt).
-        tokens: the token ids.
-    """
-
-    kind: Literal["prompt", "sampled", "closing", "delta"]
-    tokens: list[int]
-
-
-@attrs.define(kw_only=True)
-class Turn:
-    """One sampled assistant turn of an episode.
-
-    Attributes:
-        start: the index of its first token in ``Episode.tokens``.
-        tokens: the tokens as sampled.
-        text: the completion's text.
-        logprobs: the sampled tokens' log-probs (``None`` if the engine gave none).
-        stop_reason: why it stopped (``"stop"``, ``"length"``, ``"abort"``).
-        weights_version: the weights version that produced it.
-        adapter_name: the adapter that produced it (``""``: the base model).
-        message: the assistant message parsed from it (content and tool calls).
-        tool_call_errors: one message per malformed tool call (left out of
-            ``message.tool_calls``); reported here, never raised.
-        top_logprobs: with ``logprobs=k > 0``, the top-k alternatives per position.
-        constraint: what constrained its sampling (``None``: nothing), as
-            :attr:`Episode.constraint` said when it was sampled, e.g.
-            ``{"tool_choice": "required", "parallel_tool_calls": True}``.
-        routed_experts: with ``return_routed_experts``, the sequence's
-            ``routed_experts`` (see :class:`~twinkle_core.data_format.SampledSequence`).
-    """
-
-    start: int
-    tokens: list[int]
-    text: str
-    logprobs: list[float] | None
-    stop_reason: str
-    weights_version: int
-    adapter_name: str
-    message: Message
-    tool_call_errors: list[str] = attrs.field(factory=list)
-    top_logprobs: Any = None
-    constraint: dict[str, Any] | None = None
-    routed_experts: Any = None
-
-    @property
-    def end(self) -> int:
-        """One past its last token in ``Episode.tokens``."""
-        return self.start + len(self.tokens)
-
-    @property
-    def tool_calls(self) -> list[dict[str, Any]]:
-        """The well-formed tool calls of the turn."""
-        return list(self.message.tool_calls or [])
 
 
 def _template_of(template_or_sampler: Any) -> Template:
@@ -197,11 +139,11 @@ class Episode:
         self.max_prompt_tokens = max_prompt_tokens
         self.tool_parser = get_tool_parser(tool_parser)
         self.on_template_mismatch: OnTemplateMismatch = on_template_mismatch
-        self.messages: list[Message] = list(trajectory.messages)
+        self.messages: list[Message] = inline_media(trajectory)  # Trajectory.images held in the messages
         self.tools = list(trajectory.tools)
         self.extra = dict(trajectory.extra)
         opening = self.template.encode(trajectory, add_generation_prompt=True, max_tokens=max_prompt_tokens)
-        prompt, self._media = opening.input_ids, dict[str, Any](multimodal=opening.multimodal, images=opening.images)
+        prompt, self._media = opening.input_ids, EpisodeMedia(opening)
         self.tokens: list[int] = list(prompt)
         self.loss_mask: list[int] = [0] * len(prompt)
         self.logprobs: list[float | None] = [None] * len(prompt)
@@ -240,7 +182,7 @@ class Episode:
                 "The episode ends with a sampled turn: add the next message (add_messages, add_tool_result,"
                 " add_user) before sampling again."
             )
-        return InputFeature(input_ids=list(self.tokens), extra=dict(self.extra), **self._media)  # opening's media
+        return InputFeature(input_ids=list(self.tokens), extra=dict(self.extra), **self._media.fields(len(self.tokens)))
 
     def fork(self) -> Episode:
         """An independent copy sharing everything so far; the two diverge from here."""
@@ -252,7 +194,7 @@ class Episode:
         twin.segments = [Segment(kind=s.kind, tokens=list(s.tokens)) for s in self.segments]
         twin.turns = list(self.turns)  # turns are never mutated once recorded
         twin.template_mismatches = list(self.template_mismatches)
-        twin.constraint, twin._media, twin._awaiting = self.constraint, self._media, self._awaiting
+        twin.constraint, twin._media, twin._awaiting = self.constraint, self._media.fork(), self._awaiting
         return twin
 
     # -- sampling --------------------------------------------------------------------------
@@ -351,12 +293,20 @@ class Episode:
     def add_messages(self, messages: Sequence[Message | dict[str, Any]]) -> list[int]:
         """Append tool results or user turns, then the next generation prompt, as the template's delta.
 
+        Images in them (a tool's screenshot) are expanded by the model's
+        processor as in the whole conversation, and the next prompt and the
+        training feature carry them after the earlier ones (see
+        :mod:`twinkle_core.episode_media`).
+
         Returns:
             The token ids appended (closing of the last turn, then the delta).
 
         Raises:
             InvalidInputError: no turn was sampled since the last append, or a message is malformed.
+            InvalidMediaError: an image that cannot be used, named by its place (``messages[0].content[1]``).
             TemplateError: the template is not prefix-preserving (with ``on_template_mismatch="raise"``).
+            PromptTooLongError: the episode would hold more than ``max_prompt_tokens``.
+            Nothing is appended when any is raised.
         """
         if self.awaiting_sample:
             raise InvalidInputError(
@@ -368,6 +318,7 @@ class Episode:
             raise InvalidInputError(
                 "add_messages takes tool, user or system messages; assistant turns come from sampling."
             )
+        images = self._media.load(self.template, new)  # decoded and bounded before anything is appended
         closing = self._closing()
         before = self._render(self.messages, False)
         after = self._render(self.messages + new, True)
@@ -375,19 +326,27 @@ class Episode:
         problem = self._prefix_problem(before, after)
         if problem is None:
             delta_text = after[len(before) :]
+        elif self.on_template_mismatch == "raise":
+            raise TemplateError(
+                f"The chat template is not prefix-preserving, so this episode cannot stay token-exact: {problem}"
+                " Use a template that renders earlier turns unchanged, or pass"
+                " on_template_mismatch='keep_sampled' to keep the sampled tokens and encode new messages"
+                " on their own (see twinkle_core.episode)."
+            )
         else:
-            if self.on_template_mismatch == "raise":
-                raise TemplateError(
-                    f"The chat template is not prefix-preserving, so this episode cannot stay token-exact: {problem}"
-                    " Use a template that renders earlier turns unchanged, or pass"
-                    " on_template_mismatch='keep_sampled' to keep the sampled tokens and encode new messages"
-                    " on their own (see twinkle_core.episode)."
-                )
-            self.template_mismatches.append(problem)
             delta_text = self._isolated_delta(new)
+        closing_ids = self._encode(closing) if closing else []
+        delta_ids, processed = self._encode(delta_text) if delta_text else [], None
+        if images:  # the delta's placeholders expanded, the room checked again on the expanded count
+            bound = self.max_prompt_tokens
+            room = None if bound is None else bound - len(self.tokens) - len(closing_ids)
+            delta_ids, processed = self._media.expand(self.template, delta_text, images, room)
+        if problem is not None:
+            self.template_mismatches.append(problem)
         appended: list[int] = []
-        for kind, text in (("closing", closing), ("delta", delta_text)):
-            ids = self._encode(text) if text else []
+        for kind, ids in (("closing", closing_ids), ("delta", delta_ids)):
+            if processed is not None and kind == "delta":
+                self._media.add(len(self.tokens), processed, images)
             if ids:
                 self.segments.append(Segment(kind=kind, tokens=ids))  # type: ignore[arg-type]
                 self.tokens.extend(ids)
@@ -398,12 +357,13 @@ class Episode:
         self._awaiting = True
         return appended
 
-    def add_tool_result(self, content: str, tool_call_id: str | None = None) -> list[int]:
-        """Append one ``tool`` message (the result of a call) and the next generation prompt."""
+    def add_tool_result(self, content: str | list[dict[str, Any]], tool_call_id: str | None = None) -> list[int]:
+        """Append one ``tool`` message (the result of a call: text, or content parts with images) and the next
+        generation prompt."""
         return self.add_messages([Message(role="tool", content=content, tool_call_id=tool_call_id)])
 
-    def add_user(self, content: str) -> list[int]:
-        """Append one ``user`` message and the next generation prompt."""
+    def add_user(self, content: str | list[dict[str, Any]]) -> list[int]:
+        """Append one ``user`` message (text, or content parts with images) and the next generation prompt."""
         return self.add_messages([Message(role="user", content=content)])
 
     # -- template helpers ----------------------------------------------------------------------
@@ -490,7 +450,8 @@ class Episode:
         (the sampled log-prob on sampled tokens, ``None`` elsewhere),
         ``weights_versions`` (the producing version on sampled tokens, ``None``
         elsewhere) and ``turns`` (each turn's span, version, adapter, stop reason
-        and ``constraint``: what constrained it, ``None`` for nothing).
+        and ``constraint``: what constrained it, ``None`` for nothing). ``multimodal`` and ``images`` hold
+        every image of the episode, in order (see :mod:`twinkle_core.episode_media`).
         """
         versions: list[int | None] = [None] * len(self.tokens)
         for turn in self.turns:
@@ -498,6 +459,7 @@ class Episode:
         return InputFeature(
             input_ids=list(self.tokens),
             labels=[t if m else IGNORE_INDEX for t, m in zip(self.tokens, self.loss_mask)],
+            **self._media.fields(len(self.tokens)),
             extra={
                 "loss_mask": list(self.loss_mask),
                 "logprobs": list(self.logprobs),
@@ -519,9 +481,9 @@ class Episode:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready record: the messages, the tools and the training feature."""
+        """A JSON-ready record: the messages, the tools and the training feature (images as ``data:`` URLs)."""
         return {
-            "messages": [m.to_hf() for m in self.messages],
+            "messages": [plain_message(m) for m in self.messages],
             "tools": [t.to_hf() for t in self.tools],
             "feature": self.training_feature().to_dict(),
         }

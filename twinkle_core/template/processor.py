@@ -22,6 +22,7 @@ import os
 from typing import Any
 
 from twinkle_core.data_format import InputFeature, Trajectory
+from twinkle_core.data_format.media import MediaRef
 from twinkle_core.data_format.media_loading import MediaLimits, load_media
 from twinkle_core.errors import InvalidInputError, PromptTooLongError, UnsupportedFeatureError
 from twinkle_core.hub import PROCESSOR_FILES, has_processor
@@ -88,19 +89,10 @@ class ProcessorTemplate(Template):
         if not refs:
             return super().encode(trajectory, add_generation_prompt, max_tokens=max_tokens, keep_last=keep_last)
         self._check_parts(trajectory, max_tokens)
-        if any(kind == "video" for kind, _, _ in refs) and getattr(self.processor, "video_processor", None) is None:
-            raise UnsupportedFeatureError(
-                f"The prompt holds a video, but this model's processor ({type(self.processor).__name__}) takes"
-                " images only."
-            )
-        images, videos = load_media(refs, self.limits)  # counted before any is decoded
+        images, videos = self.load_media(refs)
         text = self.render(trajectory, add_generation_prompt)
         self.tokenize(text, max_tokens=max_tokens)  # the text alone, bounded, before the processor's work
-        media: dict[str, Any] = {"images": images} if images else {}
-        if videos:
-            media["videos"] = videos
-        out = self.processor(text=[text], return_tensors="np", add_special_tokens=False, **media)
-        ids = [int(t) for t in out["input_ids"][0]]
+        ids, multimodal = self.process(text, images, videos)
         if max_tokens is not None and len(ids) > max_tokens:
             raise PromptTooLongError(
                 f"The prompt has {len(ids)} tokens with its media expanded, more than the {max_tokens} accepted.",
@@ -113,8 +105,33 @@ class ProcessorTemplate(Template):
                 f"The prompt has {len(ids)} tokens with its media expanded; truncating it to its last {keep_last}"
                 " would cut media from it. Send a shorter prompt, or fewer or smaller images."
             )
-        multimodal = {k: v for k, v in out.items() if k not in _TEXT_OUTPUTS and v is not None}
         return InputFeature(input_ids=ids, multimodal=multimodal, images=images, extra=dict(trajectory.extra))
+
+    def load_media(self, refs: list[MediaRef]) -> tuple[list[Any], list[list[Any]]]:
+        """The media of ``refs`` decoded, in order, within :attr:`limits` (counted before any is decoded).
+
+        Raises:
+            InvalidMediaError: a medium that cannot be used (named by its place in ``refs``), or too many.
+            UnsupportedFeatureError: a video, and the processor takes none.
+        """
+        if any(kind == "video" for kind, _, _ in refs) and getattr(self.processor, "video_processor", None) is None:
+            raise UnsupportedFeatureError(
+                f"The prompt holds a video, but this model's processor ({type(self.processor).__name__}) takes"
+                " images only."
+            )
+        return load_media(refs, self.limits)
+
+    def process(
+        self, text: str, images: list[Any], videos: list[list[Any]] | None = None
+    ) -> tuple[list[int], dict[str, Any]]:
+        """Rendered ``text`` (a whole prompt, or the part an episode appends) through the processor: its ids with
+        the placeholder of each medium expanded, and the processed inputs of those media, in their order."""
+        media: dict[str, Any] = {"images": images} if images else {}
+        if videos:
+            media["videos"] = videos
+        out = self.processor(text=[text], return_tensors="np", add_special_tokens=False, **media)
+        ids = [int(t) for t in out["input_ids"][0]]
+        return ids, {k: v for k, v in out.items() if k not in _TEXT_OUTPUTS and v is not None}
 
 
 def _has_media(message: dict[str, Any]) -> bool:

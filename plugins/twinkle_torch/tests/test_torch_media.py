@@ -355,3 +355,74 @@ def test_twinkle_sample_reads_images_from_jsonl_rows(vlm_sampler: Sampler, tiny_
     want = vlm_sampler.sample([Trajectory.from_dict(row) for row in rows], _GREEDY)
     assert [r["sequences"][0]["tokens"] for r in records] == [w.sequences[0].tokens for w in want]
     assert records[0]["sequences"][0]["tokens"] != records[1]["sequences"][0]["tokens"]  # the image counts
+
+
+def _hf_chat(messages: list[Any]) -> list[dict[str, Any]]:
+    return [m.to_hf() for m in messages]
+
+
+def test_an_episode_carries_each_later_turns_images_token_exact_and_the_trainer_replays_every_turn(
+    vlm_sampler: Sampler, hf_vlm: Any, processor: Any
+) -> None:
+    """A screenshot in a tool result, then a picture in a user turn: each delta is what the processor gives
+    for the whole conversation cut at the previous end, every prompt carries all images so far, a bad image
+    changes nothing, and an HF forward over the exported training feature gives every turn's log-probs."""
+    from twinkle_core.episode import Episode
+    from twinkle_core.errors import InvalidMediaError
+
+    images = [_image(11), _image(12), _image(13)]
+    episode = Episode(vlm_sampler, {"messages": [{"role": "user", "content": "<image>Open it."}], "images": images[:1]})
+    episode.sample(vlm_sampler, _GREEDY)
+    kept = (list(episode.tokens), len(episode.segments), len(episode.messages))
+    with pytest.raises(InvalidMediaError, match=r"messages\[0\]\.content\[1\].*not a decodable image") as bad:
+        episode.add_tool_result([{"type": "text", "text": "shot"}, {"type": "image", "image": b"not an image"}])
+    assert bad.value.part == "messages[0].content[1]"
+    assert (episode.tokens, len(episode.segments), len(episode.messages)) == kept
+    additions = (
+        lambda: episode.add_tool_result([{"type": "image", "image": images[1]}, {"type": "text", "text": "shot"}]),
+        lambda: episode.add_user([{"type": "text", "text": "And this?"}, {"type": "image", "image": images[2]}]),
+    )
+    for count, add in enumerate(additions, start=2):
+        old = processor.apply_chat_template(_hf_chat(episode.messages), tokenize=True, return_dict=True)
+        add()
+        whole = _processed(processor, _hf_chat(episode.messages))
+        assert episode.segments[-1].tokens == whole["input_ids"][0].tolist()[len(old["input_ids"][0]) :]
+        prompt = episode.prompt()
+        assert prompt.multimodal is not None and len(prompt.images) == count
+        assert np.array_equal(prompt.multimodal["pixel_values"], whole["pixel_values"])
+        episode.sample(vlm_sampler, _GREEDY)
+    exported = json.loads(json.dumps(episode.to_dict()))
+    feature = type(prompt).from_dict(exported["feature"])
+    assert feature.multimodal is not None and feature.labels is not None and len(feature.images) == 3
+    blocks = [p for m in exported["messages"] if isinstance(m["content"], list) for p in m["content"]]
+    assert [p["image"] for p in blocks if p["type"] == "image"] == feature.images  # the messages hold them too
+    for image, url in zip(images, feature.images):  # the images themselves, losslessly
+        assert np.array_equal(
+            np.asarray(image), np.asarray(vlm_sampler.template.load_media([("image", url, "")])[0][0])
+        )
+    labels = torch.tensor(feature.labels)
+    trained = (labels != IGNORE_INDEX).nonzero()[:, 0]
+    replays = []
+    for pixels in (feature.multimodal["pixel_values"], feature.multimodal["pixel_values"][[0, 0, 2]]):
+        with torch.no_grad():
+            logits = hf_vlm(input_ids=torch.tensor([feature.input_ids]), pixel_values=torch.from_numpy(pixels)).logits
+        replays.append(logits[0, trained - 1].log_softmax(-1).gather(-1, labels[trained][:, None])[:, 0])
+    sampled = torch.tensor([lp for turn in episode.turns for lp in turn.logprobs or []])
+    assert labels[trained].tolist() == [t for turn in episode.turns for t in turn.tokens] and len(episode.turns) == 3
+    assert float((replays[0] - sampled).abs().max()) < _TOLERANCE
+    assert float((replays[1] - sampled).abs().max()) > 10 * _TOLERANCE  # the tool's screenshot was read
+
+
+def test_an_episode_holds_no_more_images_than_a_prompt_may(template: ProcessorTemplate) -> None:
+    from twinkle_core.data_format.media_loading import MediaLimits
+    from twinkle_core.episode import Episode
+    from twinkle_core.errors import InvalidMediaError
+
+    bounded = ProcessorTemplate(template.tokenizer, processor=template.processor, limits=MediaLimits(max_images=2))
+    episode = Episode(bounded, Trajectory(messages=_chat(_image(1))))
+    answer = bounded.tokenize("A cat.<|im_end|>")
+    episode.append_sampled(SampledSequence(tokens=answer, text="A cat.<|im_end|>", stop_reason="stop"))
+    three = [{"type": "image", "image": _image(2)}, {"type": "image", "image": _image(3)}]
+    with pytest.raises(InvalidMediaError, match=r"messages\[0\]\.content\[1\] would be image 3 of the episode"):
+        episode.add_user(three)
+    assert len(episode.add_user(three[:1])) > 16 and len(episode.prompt().images) == 2

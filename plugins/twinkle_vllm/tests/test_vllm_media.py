@@ -175,3 +175,34 @@ def test_the_server_samples_from_image_url_parts_as_the_sampler_does(vlm_sampler
         with pytest.raises(openai.BadRequestError, match=r"messages\[0\]\.content\[0\].*not a decodable image"):
             client.chat.completions.create(model="vlm", messages=[{"role": "user", "content": bad}], max_tokens=2)
     assert reply.choices[0].message.content == want.text
+
+
+def test_an_episode_with_a_picture_in_its_second_turn_samples_as_the_torch_engine_does(
+    vlm_sampler: Any, tiny_vlm: Path
+) -> None:
+    """The second turn's prompt holds both images, the first turn's sampled tokens between them: vLLM expands
+    them as the template did, and each turn is the torch engine's own episode's, greedily, both in float32."""
+    import torch
+
+    from twinkle_core.episode import Episode
+    from twinkle_torch.sampler import TorchSampler
+
+    opening = {"messages": [{"role": "user", "content": "<image>What is in the picture?"}], "images": IMAGES[:1]}
+    picture = [{"type": "text", "text": "And in this one?"}, {"type": "image", "image": IMAGES[1]}]
+
+    def run(sampler: Any) -> tuple[Episode, list[InputFeature]]:
+        episode, prompts = Episode(sampler, opening), []
+        for add in (lambda: None, lambda: episode.add_user(picture)):
+            add()
+            prompts.append(episode.prompt())
+            episode.sample(sampler, GREEDY)
+        return episode, prompts
+
+    got, prompts = run(vlm_sampler)
+    assert len(prompts[1].images) == 2 and prompts[1].multimodal is not None
+    with TorchSampler(tiny_vlm, dtype="float32") as torch_sampler:
+        want, _ = run(torch_sampler)
+    wide, narrow = (_hf_greedy(tiny_vlm, prompts, GREEDY.max_tokens, dtype) for dtype in (torch.float64, torch.float32))
+    rounding = max(abs(a - b) for w, v in zip(wide, narrow) for a, b in zip(w.logprobs, v.logprobs))
+    assert_greedy_parity(got.turns, want.turns, atol=2 * rounding, min_compared=1.0)
+    assert got.tokens == want.tokens
