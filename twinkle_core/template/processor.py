@@ -26,6 +26,7 @@ from twinkle_core.data_format.media_loading import MediaLimits, load_media
 from twinkle_core.errors import InvalidInputError, PromptTooLongError, UnsupportedFeatureError
 from twinkle_core.hub import PROCESSOR_FILES, has_processor
 from twinkle_core.template.base import Template, _as_trajectory, _text_only
+from twinkle_core.template.image_only import image_only_processor, needs_torchvision
 
 __all__ = ["PROCESSOR_FILES", "ProcessorTemplate", "has_processor"]
 
@@ -57,10 +58,21 @@ class ProcessorTemplate(Template):
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike[str], **kwargs: Any) -> ProcessorTemplate:
-        """Build from a local model folder with a processor (imports transformers lazily)."""
+        """Build from a local model folder with a processor (imports transformers lazily).
+
+        Where the processor's video processor needs torchvision, which is not
+        installed, the processor is built for images only
+        (:func:`~twinkle_core.template.image_only.image_only_processor`): a
+        prompt with a video is then refused by name.
+        """
         from transformers import AutoProcessor
 
-        processor = AutoProcessor.from_pretrained(str(model_dir))
+        try:
+            processor = AutoProcessor.from_pretrained(str(model_dir))
+        except ImportError as exc:
+            if not needs_torchvision(exc):
+                raise
+            processor = image_only_processor(model_dir)
         return cls(processor.tokenizer, processor=processor, **kwargs)
 
     def _messages(self, trajectory: Trajectory) -> list[dict[str, Any]]:
