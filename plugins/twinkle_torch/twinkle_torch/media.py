@@ -27,10 +27,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from twinkle_core.data_format.feature import PER_TOKEN_INPUTS
+
 __all__ = ["PER_TOKEN", "media_inputs"]
 
 #: Processor outputs with one value per prompt token (``[1, prompt length]``), zero for text tokens.
-PER_TOKEN = frozenset({"token_type_ids", "mm_token_type_ids"})
+PER_TOKEN = PER_TOKEN_INPUTS
 
 
 def media_inputs(
