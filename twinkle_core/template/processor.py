@@ -125,8 +125,29 @@ class ProcessorTemplate(Template):
                 f"The prompt has {len(ids)} tokens with its media expanded; truncating it to its last {keep_last}"
                 " would cut media from it. Send a shorter prompt, or fewer or smaller images."
             )
+        self._check_placed(ids, len(images))
         multimodal = {k: v for k, v in out.items() if k not in _TEXT_OUTPUTS and v is not None}
         return InputFeature(input_ids=ids, multimodal=multimodal, images=images, extra=dict(trajectory.extra))
+
+    def _check_placed(self, ids: list[int], images: int) -> None:
+        """Refuse images the expanded ids hold no tokens for (the model would never see them).
+
+        A chat template that renders no placeholder for an image block, or a
+        tokenizer without the processor's image token (a checkpoint's text
+        tokenizer beside a vision tower), gives ids without image tokens,
+        and the processor does not say so.
+        """
+        if not images or not hasattr(self.processor, "image_token_id"):
+            return  # a processor that names no image token: nothing to count
+        token = self.processor.image_token_id
+        if isinstance(token, int) and ids.count(token) >= images:
+            return
+        name = getattr(self.processor, "image_token", None)
+        raise UnsupportedFeatureError(
+            f"The prompt holds {images} image(s), but its ids hold {0 if token is None else ids.count(token)} of"
+            f" the image token {name!r} (id {token}): this model's chat template or tokenizer does not place"
+            " images, so the model would not see them."
+        )
 
 
 def _has_media(message: dict[str, Any]) -> bool:

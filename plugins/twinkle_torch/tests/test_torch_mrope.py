@@ -174,3 +174,13 @@ def test_the_trainer_replays_each_sample_from_its_training_feature(sampler: Samp
         tokens, logprobs = replayed_logprobs(hf_model, sequence)
         assert tokens == sequence.tokens
         assert sequence.logprobs == pytest.approx(logprobs, abs=_TOLERANCE)
+
+
+def test_a_checkpoint_whose_tokenizer_places_no_image_refuses_it_by_name() -> None:
+    """The tiny Qwen3.5 layout ships Qwen3-VL's processor configs beside a text tokenizer without the vision
+    tokens: its processor builds, but an image would vanish from the ids, so it is refused, not dropped."""
+    from twinkle_core.testing.tiny_layouts import build_tiny_checkpoint_layout
+
+    template = ProcessorTemplate.from_pretrained(build_tiny_checkpoint_layout())
+    with pytest.raises(UnsupportedFeatureError, match=r"0 of the image token '<\|image_pad\|>'"):
+        template.encode(Trajectory(messages=_chat(_image(1, (64, 64)))))
