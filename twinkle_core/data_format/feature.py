@@ -7,14 +7,32 @@ from typing import Any
 import attrs
 
 from twinkle_core.data_format._base import Record, check_extra
-from twinkle_core.data_format.media import check_source
+from twinkle_core.data_format.media import PER_TOKEN_INPUTS, check_source
 from twinkle_core.data_format.routes import decode_routes, is_routes
 from twinkle_core.errors import InvalidInputError
 
-__all__ = ["IGNORE_INDEX", "InputFeature", "training_feature"]
+__all__ = ["IGNORE_INDEX", "PER_TOKEN_INPUTS", "InputFeature", "over_tokens", "training_feature"]
 
 #: Label of a position that is not trained on (PyTorch's cross-entropy default).
 IGNORE_INDEX = -100
+
+
+def over_tokens(multimodal: dict[str, Any], length: int) -> dict[str, Any]:
+    """A prompt's processed media inputs for a forward over ``length`` tokens (the prompt, then text).
+
+    Per-token arrays (:data:`PER_TOKEN_INPUTS`) are extended with zeros (text)
+    to ``length``: a model that reads them (Qwen-VL's ``mm_token_type_ids``,
+    Gemma 3's ``token_type_ids``) refuses a forward whose ids they do not
+    cover. The other arrays are shared, not copied.
+    """
+    import numpy as np
+
+    out = dict(multimodal)
+    for key in PER_TOKEN_INPUTS & out.keys():
+        array = np.asarray(out[key])
+        if array.ndim == 2 and array.shape[0] == 1 and array.shape[1] < length:
+            out[key] = np.pad(array, ((0, 0), (0, length - array.shape[1])))
+    return out
 
 
 def _to_int_list(value: Any) -> Any:

@@ -7,6 +7,7 @@ import os
 from typing import Any, ClassVar
 
 from twinkle_core.data_format import InputFeature, Trajectory, training_feature
+from twinkle_core.data_format.feature import over_tokens
 from twinkle_core.data_format.media import media_kind
 from twinkle_core.errors import InvalidInputError, PromptTooLongError, TemplateError, UnsupportedFeatureError
 from twinkle_core.template.bounds import first_tokens, last_tokens
@@ -337,7 +338,7 @@ class Template:
         prompt_ids = prompt.input_ids if isinstance(prompt, InputFeature) else prompt
         feature = training_feature(prompt_ids, completion_tokens)
         if isinstance(prompt, InputFeature) and prompt.multimodal is not None:  # the trainer's forward needs them too
-            feature.multimodal = dict(prompt.multimodal)
+            feature.multimodal = over_tokens(prompt.multimodal, len(feature.input_ids))
             feature.images = list(prompt.images)
         return feature
 

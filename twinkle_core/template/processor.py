@@ -27,6 +27,7 @@ from twinkle_core.data_format.media_loading import MediaLimits, load_media
 from twinkle_core.errors import InvalidInputError, PromptTooLongError, UnsupportedFeatureError
 from twinkle_core.hub import PROCESSOR_FILES, has_processor
 from twinkle_core.template.base import Template, _as_trajectory, _text_only
+from twinkle_core.template.image_only import image_only_processor, needs_torchvision
 
 __all__ = ["PROCESSOR_FILES", "ProcessorTemplate", "has_processor"]
 
@@ -58,10 +59,21 @@ class ProcessorTemplate(Template):
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike[str], **kwargs: Any) -> ProcessorTemplate:
-        """Build from a local model folder with a processor (imports transformers lazily)."""
+        """Build from a local model folder with a processor (imports transformers lazily).
+
+        Where the processor's video processor needs torchvision, which is not
+        installed, the processor is built for images only
+        (:func:`~twinkle_core.template.image_only.image_only_processor`): a
+        prompt with a video is then refused by name.
+        """
         from transformers import AutoProcessor
 
-        processor = AutoProcessor.from_pretrained(str(model_dir))
+        try:
+            processor = AutoProcessor.from_pretrained(str(model_dir))
+        except ImportError as exc:
+            if not needs_torchvision(exc):
+                raise
+            processor = image_only_processor(model_dir)
         return cls(processor.tokenizer, processor=processor, **kwargs)
 
     def _messages(self, trajectory: Trajectory) -> list[dict[str, Any]]:
@@ -131,7 +143,28 @@ class ProcessorTemplate(Template):
             media["videos"] = videos
         out = self.processor(text=[text], return_tensors="np", add_special_tokens=False, **media)
         ids = [int(t) for t in out["input_ids"][0]]
+        self._check_placed(ids, len(images))
         return ids, {k: v for k, v in out.items() if k not in _TEXT_OUTPUTS and v is not None}
+
+    def _check_placed(self, ids: list[int], images: int) -> None:
+        """Refuse images the expanded ids hold no tokens for (the model would never see them).
+
+        A chat template that renders no placeholder for an image block, or a
+        tokenizer without the processor's image token (a checkpoint's text
+        tokenizer beside a vision tower), gives ids without image tokens,
+        and the processor does not say so.
+        """
+        if not images or not hasattr(self.processor, "image_token_id"):
+            return  # a processor that names no image token: nothing to count
+        token = self.processor.image_token_id
+        if isinstance(token, int) and ids.count(token) >= images:
+            return
+        name = getattr(self.processor, "image_token", None)
+        raise UnsupportedFeatureError(
+            f"The prompt holds {images} image(s), but its ids hold {0 if token is None else ids.count(token)} of"
+            f" the image token {name!r} (id {token}): this model's chat template or tokenizer does not place"
+            " images, so the model would not see them."
+        )
 
 
 def _has_media(message: dict[str, Any]) -> bool:

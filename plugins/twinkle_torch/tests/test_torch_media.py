@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from torch_helpers import replayed_logprobs
 
 from twinkle_core import Sampler, create_sampler
 from twinkle_core.data_format import IGNORE_INDEX, SampledSequence, SamplingParams, Trajectory
@@ -185,18 +186,10 @@ def test_the_trainer_replays_each_sample_from_its_training_feature(vlm_sampler: 
     assert all(f is not None and f.multimodal is not None for f in features)
     assert features[0].multimodal["pixel_values"] is features[1].multimodal["pixel_values"]  # type: ignore[union-attr]
     assert response.sequences[0].tokens != response.sequences[1].tokens
-    for sequence, feature in zip(response.sequences, features):
-        assert feature is not None
-        replayed = type(feature).from_dict(json.loads(json.dumps(feature.to_dict())))
-        assert replayed.multimodal is not None and replayed.labels is not None
-        media = {k: torch.from_numpy(v) for k, v in replayed.multimodal.items()}
-        with torch.no_grad():
-            logits = hf_vlm(input_ids=torch.tensor([replayed.input_ids]), **media).logits[0].float()
-        labels = torch.tensor(replayed.labels)
-        trained = (labels != IGNORE_INDEX).nonzero()[:, 0]
-        logprobs = logits[trained - 1].log_softmax(-1).gather(-1, labels[trained][:, None])[:, 0]
-        assert labels[trained].tolist() == sequence.tokens
-        assert sequence.logprobs == pytest.approx(logprobs.tolist(), abs=_TOLERANCE)
+    for sequence in response.sequences:
+        tokens, logprobs = replayed_logprobs(hf_vlm, sequence)
+        assert tokens == sequence.tokens
+        assert sequence.logprobs == pytest.approx(logprobs, abs=_TOLERANCE)
 
 
 def test_encode_gives_exactly_what_the_models_own_processor_gives(tiny_vlm: Path, template: ProcessorTemplate) -> None:
@@ -324,7 +317,6 @@ def test_twinkle_sample_reads_images_from_jsonl_rows(vlm_sampler: Sampler, tiny_
     carrying a ``data:`` URL block sample what the sampler samples for the same images."""
     import base64
     import io
-    import json
     import os
     import shutil
     import subprocess

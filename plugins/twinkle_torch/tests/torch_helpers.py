@@ -80,3 +80,25 @@ def state_bytes_per_row(model: Any) -> int:
         model(input_ids=torch.tensor([[5]] * 2), past_key_values=cache, use_cache=True)
     tensors = [t for layer in cache.layers if isinstance(layer, StateLayer) for pair in layer.states() for t in pair]
     return sum(t.numel() * t.element_size() for t in tensors if t is not None) // 2
+
+
+def replayed_logprobs(model: Any, sequence: Any) -> tuple[list[int], list[float]]:
+    """What a trainer computes from a sampled sequence's training feature, as it gets it (through JSON).
+
+    One HF forward over the feature's ``input_ids`` and media inputs, as they
+    are; returns the trained tokens (labels not ``-100``) and their log-probs.
+    """
+    import json
+
+    from twinkle_core.data_format import IGNORE_INDEX, InputFeature
+
+    assert sequence.training_feature is not None
+    replayed = InputFeature.from_dict(json.loads(json.dumps(sequence.training_feature.to_dict())))
+    assert replayed.multimodal is not None and replayed.labels is not None
+    media = {k: torch.from_numpy(v) for k, v in replayed.multimodal.items()}
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([replayed.input_ids]), **media).logits[0].float()
+    labels = torch.tensor(replayed.labels)
+    trained = (labels != IGNORE_INDEX).nonzero()[:, 0]
+    logprobs = logits[trained - 1].log_softmax(-1).gather(-1, labels[trained][:, None])[:, 0]
+    return labels[trained].tolist(), logprobs.tolist()

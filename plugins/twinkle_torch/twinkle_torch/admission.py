@@ -30,6 +30,7 @@ from twinkle_core.errors import NumericalError
 from twinkle_torch.batch import Batch
 from twinkle_torch.cache import gather_prefills, joinable, make_cache, select_rows
 from twinkle_torch.media import media_inputs
+from twinkle_torch.mrope import RopeIndex
 from twinkle_torch.routes import RouteRecorder
 from twinkle_torch.rows import Job, PromptScores, Row
 
@@ -119,6 +120,7 @@ class _Plan:
     total: int
     remaining: int  # the most tokens a decoding row may still generate
     ends: list[torch.Tensor]  # per group, the logits of its next token (filled by the prefill)
+    deltas: list[int]  # per group, how far its positions run behind its length (multimodal rotary positions)
 
     @property
     def expand(self) -> bool:
@@ -161,6 +163,7 @@ class _Plan:
             total=sum(counts),
             remaining=max((r.limit - len(r.tokens) for d in decoding for r in d), default=0),
             ends=[torch.empty(0)] * len(members),
+            deltas=[0] * len(members),
         )
 
 
@@ -215,6 +218,7 @@ class Prefiller:
         self.logits_to_keep = logits_to_keep
         self.routes = routes
         self.dtype = next(model.parameters()).dtype
+        self.rope_index = RopeIndex.of(model)  # a model that places image tokens on a grid
         # whether this model's caches are all preallocated layers: chunked prefills can be gathered
         self.gatherable = joinable(make_cache(model.config, 1))
 
@@ -256,7 +260,8 @@ class Prefiller:
         mask = torch.zeros(plan.total, width + remaining, dtype=torch.bool, device=device)
         mask[:, :width] = torch.arange(width, device=device).unsqueeze(0) >= (width - lengths_t[source]).unsqueeze(1)
         logits_out = torch.stack(plan.ends)[source]
-        return Batch(new_rows, cache, width, mask, lengths_t[source], logits_out, None)
+        next_pos = (lengths_t + torch.tensor(plan.deltas, dtype=torch.long, device=device))[source]
+        return Batch(new_rows, cache, width, mask, next_pos, logits_out, None)
 
     def _chunk(self, plan: _Plan, chunk: list[int], out: Prefilled) -> tuple[Any, torch.Tensor, torch.Tensor]:
         """Prefill one chunk: its cache, its rows each decoding row takes, and where they go in the batch."""
@@ -268,8 +273,10 @@ class Prefiller:
         media = [members[b][0].media for b in chunk]
         record = any(r.routes is not None for b in chunk for r in members[b])
         scoring = any(plan.scoring[b] for b in chunk)
-        cache, logits, routes = self._forward(ids, media, capacity, scoring, record, out)
+        cache, logits, routes, deltas = self._forward(ids, media, capacity, scoring, record, out)
         chunk_width = max(lengths[b] for b in chunk)
+        for i, b in enumerate(chunk):
+            plan.deltas[b] = int(deltas[i])
         for i, b in enumerate(chunk):  # each prompt's routes, past its left padding, for each of its rows
             for row in members[b]:
                 if routes is not None and row.routes is not None:
@@ -300,15 +307,17 @@ class Prefiller:
         scoring: bool,
         record: bool,
         out: Prefilled,
-    ) -> tuple[Any, torch.Tensor, np.ndarray | None]:
+    ) -> tuple[Any, torch.Tensor, np.ndarray | None, list[int]]:
         """One left-padded prefill forward of ``ids`` into a fresh cache of at least ``capacity`` columns.
 
         ``media``: per row, its prompt's processed media inputs, passed to the forward
-        (:func:`twinkle_torch.media.media_inputs`).
+        (:func:`twinkle_torch.media.media_inputs`); for a model with multimodal
+        rotary positions, they place the rows' tokens (:mod:`twinkle_torch.mrope`).
 
         Returns the cache, the logits (of every position when ``scoring``,
-        prompt log-probs, else where the model allows of the last only) and,
-        when ``record``, the routed experts ``[rows, width, layers, top_k]``.
+        prompt log-probs, else where the model allows of the last only),
+        when ``record`` the routed experts ``[rows, width, layers, top_k]``,
+        and per row how far its positions run behind its length.
         """
         device = self.device
         lengths = [len(x) for x in ids]
@@ -320,8 +329,12 @@ class Prefiller:
         positions = (prompt_mask.cumsum(-1) - 1).clamp_(min=0)
         cache = make_cache(self.model.config, max(capacity, width))
         kwargs: dict[str, Any] = {}
+        deltas = [0] * len(ids)
         if any(media):
             kwargs.update(media_inputs(media, lengths, width, device=device, dtype=self.dtype))
+            placed = self.rope_index(input_ids, prompt_mask, kwargs) if self.rope_index is not None else None
+            if placed is not None:
+                positions, deltas = placed[0], placed[1].tolist()
         if self.logits_to_keep and not scoring:
             kwargs["logits_to_keep"] = 1
         recorder = self.routes if record else None
@@ -332,4 +345,4 @@ class Prefiller:
             use_cache=True, **kwargs,
         ).logits  # fmt: skip
         out.forwards += 1
-        return cache, logits, recorder.take(len(ids)) if recorder is not None else None
+        return cache, logits, recorder.take(len(ids)) if recorder is not None else None, deltas

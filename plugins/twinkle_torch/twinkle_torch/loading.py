@@ -16,6 +16,7 @@ from twinkle_torch.attention import ATTN_IMPLEMENTATION, NATIVE_ATTN_IMPLEMENTAT
 from twinkle_torch.attention import register as register_attention
 from twinkle_torch.cache import make_cache
 from twinkle_torch.linear import available as onednn_available
+from twinkle_torch.mrope import multimodal_positions
 from twinkle_torch.native import KernelUnavailable
 from twinkle_torch.native import load as load_native_kernel
 from twinkle_torch.state import StateLayer, uncarried_state
@@ -247,9 +248,10 @@ def image_text_class(config: Any, path: Any) -> Any:
     expands them (:func:`twinkle_core.hub.has_processor`):
     without one no prompt can carry an image, and a checkpoint that
     ``AutoModelForCausalLM`` also loads (Qwen3.5, Gemma 3) keeps the class and
-    the weight names it has as a text model. Models whose rotary positions
-    are multimodal (Qwen2-VL's ``mrope_section``) place an image's tokens on
-    a grid the decode loop does not compute: they load as text models, as before.
+    the weight names it has as a text model. A model whose rotary positions
+    are multimodal (Qwen2-VL's ``mrope_section``) places an image's tokens on
+    a grid its own ``get_rope_index`` computes (:mod:`twinkle_torch.mrope`);
+    one with a recurrent state as well (Qwen3.5) still loads as its text model.
     """
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
@@ -259,16 +261,11 @@ def image_text_class(config: Any, path: Any) -> Any:
         cls = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING[type(config)]
     except KeyError:
         return None
-    if not has_processor(path) or multimodal_positions(config):
+    if not has_processor(path):
+        return None
+    if multimodal_positions(config) and getattr(cls, "_is_stateful", False):
         return None
     return cls
-
-
-def multimodal_positions(config: Any) -> bool:
-    """Whether the model places tokens by multimodal rotary positions (a temporal, height and width section)."""
-    text = config.get_text_config(decoder=True)
-    rope = getattr(text, "rope_parameters", None) or getattr(text, "rope_scaling", None) or {}
-    return isinstance(rope, dict) and "mrope_section" in rope
 
 
 #: The load check's tolerances on log-probs. A causal model's log-probs at a position do not
