@@ -30,6 +30,7 @@ from twinkle_core.errors import InvalidInputError
 
 __all__ = [
     "MEDIA_KINDS",
+    "PER_TOKEN_INPUTS",
     "MediaRef",
     "expand_placeholders",
     "input_media",
@@ -41,6 +42,9 @@ __all__ = [
 
 #: The media a prompt may carry.
 MEDIA_KINDS = ("image", "video")
+#: Processed media inputs with one value per prompt token (``[1, prompt length]``), zero for text tokens: a
+#: forward over more tokens than the prompt (generated ones) reads zeros under them.
+PER_TOKEN_INPUTS = frozenset({"token_type_ids", "mm_token_type_ids"})
 #: Placeholders in text that ``Trajectory.images`` / ``videos`` fill, in order.
 PLACEHOLDERS = {"image": "<image>", "video": "<video>"}
 _PLACEHOLDER = re.compile("(<image>|<video>)")

@@ -27,10 +27,9 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["PER_TOKEN", "media_inputs"]
+from twinkle_core.data_format.media import PER_TOKEN_INPUTS as PER_TOKEN
 
-#: Processor outputs with one value per prompt token (``[1, prompt length]``), zero for text tokens.
-PER_TOKEN = frozenset({"token_type_ids", "mm_token_type_ids"})
+__all__ = ["PER_TOKEN", "media_inputs"]
 
 
 def media_inputs(
