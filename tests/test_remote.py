@@ -909,3 +909,43 @@ def test_routed_experts_come_back_from_replicas(cluster, tmp_path):
         for a, b in zip(here.sequences, there.sequences):
             assert b.routed_experts.shape == (len(there.prompt_token_ids) + len(b.tokens) - 1, 2, 2)
             assert (a.tokens, a.routed_experts.tolist()) == (b.tokens, b.routed_experts.tolist())
+
+
+def test_image_prompts_sample_on_replicas_and_their_media_cross_once(cluster):
+    """Prompts with images on two torch replicas: the local sampler's greedy outputs, and each prompt's media
+    come back once, shared by its samples' training features as locally (not one copy per sample)."""
+    import numpy as np
+    from PIL import Image
+
+    from twinkle_core.testing.tiny_vlm import build_tiny_vlm
+
+    def chat(seed: int) -> Trajectory:
+        image = Image.frombytes("RGB", (40, 32), bytes((seed * 53 + i * 11) % 256 for i in range(40 * 32 * 3)))
+        content = [{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]
+        return Trajectory(messages=[{"role": "user", "content": content}])
+
+    vlm = str(build_tiny_vlm())
+    inputs = [chat(1), chats()[0], chat(2), chat(3)]
+    params = {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "num_samples": 4, "logprobs": 0}
+    with TorchSampler(vlm, dtype="float32") as s:
+        local = s.sample(inputs, params)
+    with TorchSampler(vlm, dtype="float32", device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="aux") as s:
+        assert s.engine.info.media == {"image"}
+        remote = s.sample(inputs, params)
+    assert tokens(remote) == tokens(local)
+    for here, there in zip(local, remote):
+        assert there.prompt_token_ids == here.prompt_token_ids
+        features = [seq.training_feature for seq in there.sequences]
+        for a, b in zip(here.sequences, there.sequences):
+            assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+        if here.sequences[0].training_feature.multimodal is None:  # the text prompt
+            assert all(f.multimodal is None and not f.images for f in features)
+            continue
+        expected = here.sequences[0].training_feature
+        for feature in features:
+            assert feature.multimodal.keys() == expected.multimodal.keys()
+            assert all(np.array_equal(feature.multimodal[k], expected.multimodal[k]) for k in expected.multimodal)
+            assert [im.tobytes() for im in feature.images] == [im.tobytes() for im in expected.images]
+            # the prompt's arrays and images, once: every sample holds the same objects
+            assert feature.multimodal["pixel_values"] is features[0].multimodal["pixel_values"]
+            assert feature.images[0] is features[0].images[0]

@@ -277,6 +277,59 @@ def test_uneven_and_plain_prompts(torch_sampler: Any, model_dir: Path, tmp_path:
         rollout([{"text": "not a prompt"}], trainer)
 
 
+def test_an_images_column_reaches_the_sampler_and_the_trainers_check(tmp_path: Path) -> None:
+    """TRL's VLM recipe (conversational ``prompt`` plus an ``images`` column) on the tiny Llava: each completion
+    TRL trains on is the sampler's own greedy output for that row's image, and the trainer's forward on the
+    image agrees with the sampler's log-probs."""
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from twinkle_core.data_format import Trajectory
+    from twinkle_core.testing.tiny_vlm import build_tiny_vlm
+
+    vlm = str(build_tiny_vlm())
+    images = [
+        Image.frombytes("RGB", (40, 32), bytes((seed * 53 + i * 11) % 256 for i in range(40 * 32 * 3)))
+        for seed in range(4)
+    ]
+    question = "What is it?"
+    args = config(
+        tmp_path, per_device_train_batch_size=4, num_generations=2, max_steps=1, generation_kwargs={"do_sample": False}
+    )
+    seen: list[dict[str, Any]] = []
+
+    def reward(completions: list[Any], **kwargs: Any) -> list[float]:
+        seen.append({"completion_ids": kwargs["completion_ids"], "images": kwargs["images"]})
+        return even_share(kwargs["completion_ids"])
+
+    with create_sampler("torch", model_id=vlm) as sampler:
+        params = trl_sampling_params(args, context_window=sampler.max_model_len)
+
+        chats = [[{"type": "image", "image": im}, {"type": "text", "text": question}] for im in images]
+        responses = sampler.sample([Trajectory(messages=[{"role": "user", "content": c}]) for c in chats], params)
+        expected = [r.sequences[0].tokens for r in responses]
+        assert len({tuple(t) for t in expected}) > 1  # the model's output depends on the image
+        rollout = TwinkleRollout(sampler)
+        trainer = trl.GRPOTrainer(
+            model=AutoModelForImageTextToText.from_pretrained(vlm, dtype=torch.float32),
+            reward_funcs=reward,
+            args=args,
+            train_dataset=datasets.Dataset.from_dict(
+                {"prompt": [[{"role": "user", "content": question}]] * 4, "images": [[im] for im in images]}
+            ),
+            processing_class=AutoProcessor.from_pretrained(vlm),
+            rollout_func=rollout,
+        )
+        trainer.train()
+    (call,) = seen
+    assert len(call["completion_ids"]) == 4
+    by_pixels = {im.tobytes(): k for k, im in enumerate(images)}
+    for ids, row_images in zip(call["completion_ids"], call["images"]):
+        assert ids == expected[by_pixels[row_images[0].tobytes()]]
+    # greedy: the check scored the completions with the sampler and the trainer's forward, both on the images
+    assert rollout.history[0]["logp_diff_max"] < TOLERANCE
+
+
 # -- settings ------------------------------------------------------------------------------------------
 
 

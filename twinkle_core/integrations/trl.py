@@ -52,6 +52,7 @@ import torch
 from transformers import TrainerCallback
 
 from twinkle_core.data_format import InputFeature, SampledSequence, SamplingParams, Trajectory
+from twinkle_core.data_format.media import PER_TOKEN_INPUTS
 from twinkle_core.errors import (
     ConfigError,
     InvalidSamplingParams,
@@ -192,32 +193,60 @@ def _plain(params: SamplingParams) -> bool:
     )
 
 
-def _model_logprobs(model: Any, rows: Sequence[tuple[list[int], list[int]]], temperature: float) -> list[list[float]]:
-    """The model's log-prob of each completion token given what precedes it (no grad, dropout off)."""
-    device = next(model.parameters()).device
-    width = max(len(p) + len(c) for p, c in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    attn = torch.zeros_like(ids)
-    for i, (p, c) in enumerate(rows):
-        ids[i, : len(p) + len(c)] = torch.tensor(p + c)
-        attn[i, : len(p) + len(c)] = 1
+def _media_kwargs(media: Mapping[str, Any], length: int, device: Any, dtype: torch.dtype) -> dict[str, Any]:
+    """A prompt's processed media inputs as the forward over ``length`` tokens (prompt and completion) reads them."""
+    out = {}
+    for key, value in media.items():
+        tensor = torch.tensor(value)  # a copy: the arrays may be read-only (from Ray's object store)
+        if key in PER_TOKEN_INPUTS:  # [1, prompt length]: zeros under the completion
+            tensor = torch.nn.functional.pad(tensor, (0, length - tensor.shape[-1]))
+        out[key] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
+    return out
+
+
+def _model_logprobs(
+    model: Any,
+    rows: Sequence[tuple[list[int], list[int]]],
+    temperature: float,
+    media: Sequence[Mapping[str, Any] | None] | None = None,
+) -> list[list[float]]:
+    """The model's log-prob of each completion token given what precedes it (no grad, dropout off).
+
+    ``media``: per row, its prompt's processed media inputs (``InputFeature.multimodal``) or ``None``; a
+    row with media is scored in a forward of its own, with them.
+    """
+    parameter = next(model.parameters())
+    device = parameter.device
+    media = list(media) if media is not None else [None] * len(rows)
+    text = [i for i, m in enumerate(media) if not m]
+    groups = ([text] if text else []) + [[i] for i, m in enumerate(media) if m]
+    out: list[list[float]] = [[] for _ in rows]
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
-            # the class's forward, not the instance's: under mixed precision accelerate wraps the instance's in
-            # autocast, and the check is about the weights the sampler serves, compared in their own precision
-            forward = type(model).forward
-            logits = forward(model, input_ids=ids.to(device), attention_mask=attn.to(device)).logits.float()
+        for group in groups:
+            picked = [rows[i] for i in group]
+            width = max(len(p) + len(c) for p, c in picked)
+            ids = torch.zeros(len(picked), width, dtype=torch.long)
+            attn = torch.zeros_like(ids)
+            for j, (p, c) in enumerate(picked):
+                ids[j, : len(p) + len(c)] = torch.tensor(p + c)
+                attn[j, : len(p) + len(c)] = 1
+            first = media[group[0]]
+            extra = _media_kwargs(first, width, device, parameter.dtype) if first else {}
+            with torch.no_grad():
+                # the class's forward, not the instance's: under mixed precision accelerate wraps the instance's in
+                # autocast, and the check is about the weights the sampler serves, compared in their own precision
+                forward = type(model).forward
+                logits = forward(model, input_ids=ids.to(device), attention_mask=attn.to(device), **extra).logits
+            for j, (p, c) in enumerate(picked):
+                scores = logits[j, len(p) - 1 : len(p) + len(c) - 1].float()
+                if temperature > 0:
+                    scores = scores / temperature
+                chosen = torch.tensor(c, device=scores.device).unsqueeze(-1)
+                out[group[j]] = torch.log_softmax(scores, dim=-1).gather(-1, chosen).squeeze(-1).tolist()
     finally:
         model.train(was_training)
-    out = []
-    for i, (p, c) in enumerate(rows):
-        scores = logits[i, len(p) - 1 : len(p) + len(c) - 1]
-        if temperature > 0:
-            scores = scores / temperature
-        chosen = torch.tensor(c, device=scores.device).unsqueeze(-1)
-        out.append(torch.log_softmax(scores, dim=-1).gather(-1, chosen).squeeze(-1).tolist())
     return out
 
 
@@ -444,13 +473,19 @@ class TwinkleRollout(TrainerCallback):  # type: ignore[misc]
         if not picks:
             return {}
         rows = [(prompt_ids[i], list(seqs[i].tokens)) for i in picks]
+        # a prompt's images: the trainer's forward reads them as the sampler did (the training feature's arrays)
+        features = [seqs[i].training_feature for i in picks]
+        media = [None if f is None else f.multimodal for f in features]
         plain = _plain(self._params)
         if plain:  # the sampling log-probs are the trainer's formula: compare them directly
             sampler_lp = [list(seqs[i].logprobs or ()) for i in picks]
             temperature = self._params.temperature
         else:  # truncation or a penalty: compare the plain log-softmax, scored by the sampler
             scored = self.sampler.sample(
-                [InputFeature(input_ids=p + c) for p, c in rows],
+                [
+                    InputFeature(input_ids=p + c, multimodal=m, images=f.images if m and f else [])
+                    for (p, c), m, f in zip(rows, media, features)
+                ],
                 SamplingParams(max_tokens=0, prompt_logprobs=0),
                 adapter_name=self.serving,
             )
@@ -463,7 +498,7 @@ class TwinkleRollout(TrainerCallback):  # type: ignore[misc]
                     " (or a missing one): it does not report what it sampled."
                 )
         model = trainer.accelerator.unwrap_model(trainer.model)
-        trainer_lp = _model_logprobs(model, rows, temperature)
+        trainer_lp = _model_logprobs(model, rows, temperature, media)
         log_ratios = [a - float(b) for t_row, s_row in zip(trainer_lp, sampler_lp) for a, b in zip(t_row, s_row)]
         diffs = [abs(x) if math.isfinite(x) else math.inf for x in log_ratios]  # NaN must fail, not pass
         ratios = [math.exp(min(x, 80.0)) for x in log_ratios]  # capped: a wild mismatch must not overflow

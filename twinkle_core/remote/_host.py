@@ -22,6 +22,7 @@ import attrs
 from twinkle_core import placement
 from twinkle_core.data_format import SampledSequence, SampleResponse, SamplingParams
 from twinkle_core.placement import ReplicaContext, current_replica
+from twinkle_core.remote._media import shed_prompt_media
 
 __all__ = ["ReplayCopies", "ReplicaContext", "ReplicaHost", "current_replica"]
 
@@ -174,6 +175,7 @@ class ReplicaHost:
                 supported_params=sorted(self._target.supported_params),
                 weights_dtype=engine.info.weights_dtype,
                 weights_version=self._target.weights_version,
+                media=sorted(engine.info.media),
                 # the engine's own limits, so the driver checks prompts as the replica would
                 max_prompt_len={
                     "score": engine.max_prompt_len(SamplingParams(max_tokens=0)),
@@ -306,13 +308,15 @@ class ReplicaHost:
         adapter_name: str,
         on_invalid: str,
         cont: tuple[list[int], list[int], list[int]] | None,
-    ) -> Iterator[tuple[int, int, SampledSequence] | list[SampleResponse]]:
+    ) -> Iterator[tuple[int, int, SampledSequence, bool] | list[SampleResponse]]:
         """Run this replica's share of a call, yielding each sequence as it finishes, then the prompts' scores.
 
         A Ray streaming generator: the driver reads ``(input, sample,
-        sequence)`` items (``input`` counts within ``items``) while the engine
+        sequence, shed)`` items (``input`` counts within ``items``) while the engine
         runs, and then the list of responses without their sequences (each
-        sequence crosses once, as it finishes: the driver assembles). ``cont``: the share is a
+        sequence crosses once, as it finishes: the driver assembles). ``shed``:
+        the sequence comes without its prompt's media, which the driver holds
+        (:mod:`twinkle_core.remote._media`). ``cont``: the share is a
         continuation; per item, its sample index, the tokens it generated
         before, and its token budget (the driver merges each with its first
         part). :meth:`abort_shard` stops it.
@@ -341,7 +345,8 @@ class ReplicaHost:
         threading.Thread(target=work, name=f"twinkle-shard-{shard_id}", daemon=True).start()
         try:
             for item in handle.as_completed():
-                yield item.input_index, item.sample_index, item.sequence
+                sequence, shed = shed_prompt_media(item.sequence, items[item.input_index])
+                yield item.input_index, item.sample_index, sequence, shed
             yield [attrs.evolve(response, sequences=[]) for response in handle.result()]
         except BaseException as exc:
             _make_picklable(exc)

@@ -27,6 +27,7 @@ from twinkle_core.errors import ConfigError, WeightUpdateError
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
 from twinkle_core.remote._balance import item_cost, split_by_cost
 from twinkle_core.remote._host import ReplayCopies
+from twinkle_core.remote._media import restore_prompt_media
 from twinkle_core.remote._pool import Op, ReplicaPool, _Died, add_note
 from twinkle_core.remote._runtime import PlacedGroup, import_ray
 from twinkle_core.remote.errors import ReplicaLostError
@@ -112,6 +113,7 @@ class RemoteEngine(Engine):
                 concurrent=True,
                 streams_weights=isinstance(self.weight_transport, CollectiveOptions),
                 weights_dtype=info.get("weights_dtype"),
+                media=frozenset(info.get("media", ())),
             )
             self._prompt_limits: dict[str, int] = dict(info.get("max_prompt_len") or {})
             context.init_template(self._replicas_template)
@@ -584,11 +586,11 @@ class RemoteEngine(Engine):
             value = self.pool.result(replica, incarnation, ref)
             if isinstance(value, list):
                 return value
-            k, s, seq = value
+            k, s, seq, shed = value
             if failed.is_set() or (k, s) in streamed:
                 continue  # another share failed: the call raises; or already reported before a retry
             streamed.add((k, s))
-            run.finish(shard[k], s, seq)
+            run.finish(shard[k], s, restore_prompt_media(seq, run.prompts[shard[k]]) if shed else seq)
 
     # -- lifecycle -------------------------------------------------------------------------
     def close(self) -> None:

@@ -59,7 +59,9 @@ def media_inputs(
             out[key] = _per_token([m.get(key) if m else None for m in media], lengths, width)
         else:
             parts = [np.asarray(m[key]) for m in media if m and key in m]
-            out[key] = torch.from_numpy(np.concatenate(parts) if len(parts) > 1 else parts[0])
+            joined = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            # a prompt's arrays arrive read-only from Ray's object store: the forward gets its own copy then
+            out[key] = torch.from_numpy(joined if joined.flags.writeable else joined.copy())
     return {
         key: value.to(device=device, dtype=dtype if value.is_floating_point() else value.dtype)
         for key, value in out.items()
