@@ -87,7 +87,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-hf", action="store_true", help="skip the hf-generate runner")
     args = parser.parse_args(argv)
     model = str(build_model(args.model))
-    engine_args = {k: v for k, v in ENGINE_ARGS.items() if k != "max_num_seqs"} | {"max_num_seqs": 64}
+    # vLLM's hybrid prefix cache needs chunked prefill, which is off on CPU: twinkle's engine turns the cache
+    # off by itself (twinkle_vllm._hybrid); raw vLLM is told the same, so both arms run one engine
+    engine_args = {k: v for k, v in ENGINE_ARGS.items() if k != "max_num_seqs"}
+    engine_args |= {"max_num_seqs": 64, "enable_prefix_caching": False}
     runners = [
         Runner("vllm-raw", "bench_vllm:vllm_raw_runner", dict(engine_args)),
         Runner("twinkle-vllm", "harness:sampler_runner", {"engine": "vllm", "engine_args": dict(engine_args)}),

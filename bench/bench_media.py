@@ -69,9 +69,7 @@ def hf_vlm_runner(workload: Workload) -> Callable[[Workload], int]:
 
     def as_hf(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         convert = {"image_url": lambda b: {"type": "image", "url": b["image_url"]["url"]}}
-        return [
-            {**m, "content": [convert.get(b["type"], lambda b: b)(b) for b in m["content"]]} for m in messages
-        ]
+        return [{**m, "content": [convert.get(b["type"], lambda b: b)(b) for b in m["content"]]} for m in messages]
 
     def run(w: Workload) -> int:
         inputs = processor.apply_chat_template(

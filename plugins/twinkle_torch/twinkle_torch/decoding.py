@@ -60,6 +60,7 @@ from twinkle_torch.admission import Prefilled, Prefiller, admissible
 from twinkle_torch.batch import Batch, seen_of
 from twinkle_torch.cache import joinable, rewindable
 from twinkle_torch.draw import Drawn, Ending, Samplers, draw, non_finite
+from twinkle_torch.gdn import decode_kernels, modeling_modules
 from twinkle_torch.openmp import release_idle_workers
 from twinkle_torch.process import (
     close_at_exit,
@@ -153,6 +154,8 @@ class Decoder:
         self.sdpa_masks = sdpa_masks
         # a hybrid model's per-row linear-attention state, charged to the budget as KV tokens of its size
         self.state_tokens = state_tokens_per_row(model.config, next(model.parameters()).dtype)
+        #: modeling modules whose Gated DeltaNet decode step runs twinkle's reordering (:mod:`twinkle_torch.gdn`)
+        self.gdn_modules = modeling_modules(model)
         self.max_batch_tokens = max(1, int(max_batch_tokens))
         self.stats = DecoderStats()
         self._prefill = Prefiller(
@@ -515,14 +518,15 @@ class Decoder:
         if recorder is not None:
             recorder.arm()
         try:
-            out = self.model(
-                input_ids=tokens_in.unsqueeze(1),
-                attention_mask=step_mask,
-                position_ids=batch.next_pos.unsqueeze(1),
-                past_key_values=cache,
-                use_cache=True,
-                **forward_kwargs,
-            )
+            with decode_kernels(self.gdn_modules):
+                out = self.model(
+                    input_ids=tokens_in.unsqueeze(1),
+                    attention_mask=step_mask,
+                    position_ids=batch.next_pos.unsqueeze(1),
+                    past_key_values=cache,
+                    use_cache=True,
+                    **forward_kwargs,
+                )
         except BaseException as exc:
             if not is_cuda_oom(exc) or live <= 1:
                 raise

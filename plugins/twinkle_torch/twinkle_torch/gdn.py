@@ -1,0 +1,145 @@
+"""The Gated DeltaNet decode step in fewer passes over the state: ``transformers``' recurrence, reordered.
+
+Without ``flash-linear-attention``, a Gated DeltaNet layer (Qwen3.5, Qwen3-Next,
+OLMo hybrid) decodes one token with ``transformers``' pure-PyTorch
+``torch_recurrent_gated_delta_rule``. Per row and head it keeps a float32
+state ``S`` of ``key dim x value dim`` (64 KiB at 128 x 128) and, per token::
+
+    S = exp(g) * S                    # decay
+    delta = beta * (v - k S)          # what the state mispredicts for v
+    S = S + k^T delta                 # the rank-one correction
+    o = q S
+
+which that function writes as broadcast products and sums: each line makes a
+temporary as large as the state and reads it again, about a dozen passes over
+the state per token, which on a CPU is the whole cost of the step (at 16 rows
+of 16 heads, 11 ms of a layer's 13). :func:`recurrent_gated_delta_rule` does the
+same arithmetic in three passes: ``q S`` and ``k S`` in one batched matmul over
+the old state, then the new state as ``exp(g) S`` (one pass) plus
+``k^T delta`` added in place by ``baddbmm`` (one pass), and the output from
+the old state's product, ``o = exp(g) (q S) + (q . k) delta``, which equals
+``q`` times the new state without reading it. The results are
+``transformers``' own up to float32 rounding order (about 1e-7 relative on the
+state).
+
+:func:`decode_kernels` puts it in place of ``transformers``' function for the
+duration of a decode step, in the modeling modules of ``model`` whose function is
+``transformers``' own (compared by code, so a kernel from the hub or a patched
+function is left alone), and puts the original back after; counted, so
+samplers in several threads share it.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import ModuleType
+from typing import Any
+
+import torch
+
+__all__ = ["decode_kernels", "modeling_modules", "recurrent_gated_delta_rule"]
+
+_NAME = "torch_recurrent_gated_delta_rule"
+_LOCK = threading.Lock()
+_USERS: Counter[str] = Counter()
+_ORIGINALS: dict[str, Any] = {}
+
+
+def recurrent_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    **_: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``transformers``' ``torch_recurrent_gated_delta_rule`` (same arguments and results) in three passes a token.
+
+    Args:
+        query, key: ``[batch, tokens, heads, key dim]``.
+        value: ``[batch, tokens, heads, value dim]``.
+        g: the log decay, ``[batch, tokens, heads]``.
+        beta: the write strength, ``[batch, tokens, heads]``.
+        initial_state: ``[batch, heads, key dim, value dim]`` (not changed), or ``None`` for zeros.
+        output_final_state: return the last state.
+        use_qk_l2norm_in_kernel: normalise queries and keys to unit length first.
+
+    Returns:
+        The outputs ``[batch, tokens, heads, value dim]`` in the query's dtype, and the last state in float32
+        (``None`` unless asked for).
+    """
+    dtype = query.dtype
+    batch, tokens, heads, key_dim = key.shape
+    value_dim = value.shape[-1]
+    q, k, v, b, decay = (x.transpose(1, 2).float() for x in (query, key, value, beta, g))
+    if use_qk_l2norm_in_kernel:
+        q = q * torch.rsqrt((q * q).sum(dim=-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(dim=-1, keepdim=True) + 1e-6)
+    q = q / key_dim**0.5
+    if initial_state is None:
+        state = torch.zeros(batch, heads, key_dim, value_dim, dtype=torch.float32, device=value.device)
+    else:
+        state = initial_state.to(torch.float32)
+    out = torch.empty(batch, heads, tokens, value_dim, dtype=torch.float32, device=value.device)
+    rows = batch * heads
+    for t in range(tokens):
+        q_t, k_t = q[:, :, t], k[:, :, t]
+        keep = decay[:, :, t].exp().unsqueeze(-1)  # [batch, heads, 1]
+        read = torch.matmul(torch.stack((q_t, k_t), dim=-2), state)  # q S and k S of the old state, one pass
+        delta = (v[:, :, t] - keep * read[:, :, 1]) * b[:, :, t].unsqueeze(-1)
+        state = state * keep.unsqueeze(-1)  # a new tensor: the caller's state is never written
+        state.view(rows, key_dim, value_dim).baddbmm_(k_t.reshape(rows, key_dim, 1), delta.reshape(rows, 1, value_dim))
+        out[:, :, t] = keep * read[:, :, 0] + (q_t * k_t).sum(dim=-1, keepdim=True) * delta
+    return out.transpose(1, 2).contiguous().to(dtype), (state if output_final_state else None)
+
+
+def _is_transformers_own(function: Any) -> bool:
+    """Whether ``function`` is ``transformers``' pure-PyTorch recurrence (its code, whichever module holds it)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    own = getattr(modeling_qwen3_5, _NAME)
+    code = getattr(function, "__code__", None)
+    return code is not None and (code.co_code, code.co_consts) == (own.__code__.co_code, own.__code__.co_consts)
+
+
+def modeling_modules(model: Any) -> list[str]:
+    """The names of ``model``'s modeling modules whose decode step calls ``transformers``' own recurrence."""
+    names = {type(m).__module__ for m in model.modules()}
+    return sorted(
+        name
+        for name in names
+        if isinstance(sys.modules.get(name), ModuleType) and _replaceable(getattr(sys.modules[name], _NAME, None))
+    )
+
+
+def _replaceable(function: Any) -> bool:
+    return function is recurrent_gated_delta_rule or _is_transformers_own(function)
+
+
+@contextmanager
+def decode_kernels(modules: list[str]) -> Iterator[None]:
+    """:func:`recurrent_gated_delta_rule` in place of ``transformers``' in ``modules`` while the block runs."""
+    if not modules:
+        yield
+        return
+    with _LOCK:
+        for name in modules:
+            if _USERS[name] == 0:
+                _ORIGINALS[name] = getattr(sys.modules[name], _NAME)
+                setattr(sys.modules[name], _NAME, recurrent_gated_delta_rule)
+            _USERS[name] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            for name in modules:
+                _USERS[name] -= 1
+                if _USERS[name] == 0:
+                    setattr(sys.modules[name], _NAME, _ORIGINALS.pop(name))
