@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 from test_torch_architectures import eager, prompts
-from test_torch_hybrid import _FLOAT32_NOISE, _forward_gap
+from test_torch_hybrid import _FLOAT32_NOISE
 from test_torch_routes import assert_routes_are_own
-from torch_helpers import make_lora
+from torch_helpers import forward_gap, make_lora
 
 from twinkle_core.data_format import SamplingParams, Trajectory
 from twinkle_core.testing import build_tiny_model
@@ -62,7 +62,7 @@ def test_greedy_tokens_logprobs_and_routes_are_the_full_forwards(
     )
     results = sampler.sample(chat_prompts[:4], params)
     reference = eager(folder)
-    worst, compared, greedy = _forward_gap(results, reference)
+    worst, compared, greedy = forward_gap(results, reference)
     assert compared > 100
     assert greedy, "a greedy token is not the full forward's argmax"
     assert worst < _FLOAT32_NOISE, f"a log-prob is {worst:.2e} nats from the full forward"
@@ -80,7 +80,7 @@ def test_an_adapter_on_the_delta_net_and_the_experts_mlp_is_served(arch: str, fo
     params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, logprobs=0, num_samples=2, seed=5)
     with TorchSampler(folder, device="cpu") as sampler:
         sampler.add_adapter_to_model("a", str(adapter))
-        gap = _forward_gap(sampler.sample(prompts(), params, adapter_name="a"), with_adapter)[0]
+        gap = forward_gap(sampler.sample(prompts(), params, adapter_name="a"), with_adapter)[0]
     assert gap < _FLOAT32_NOISE, gap
     ids = torch.tensor([[5, 17, 99, 3, 250, 41]])
     with torch.no_grad():
@@ -103,11 +103,11 @@ def test_a_trainers_fused_experts_and_a_checkpoints_per_expert_tensors_both_upda
     gaps = {}
     try:
         sampler.update_weights(fused)
-        gaps["fused"] = _forward_gap(sampler.sample(prompts(), params), trainer)[0]
+        gaps["fused"] = forward_gap(sampler.sample(prompts(), params), trainer)[0]
         sampler.update_weights(checkpoint_weights(folder))  # back to the base, one expert at a time
-        gaps["base"] = _forward_gap(sampler.sample(prompts(), params), base)[0]
+        gaps["base"] = forward_gap(sampler.sample(prompts(), params), base)[0]
         sampler.update_weights(per_expert)
-        gaps["per expert"] = _forward_gap(sampler.sample(prompts(), params), trainer)[0]
+        gaps["per expert"] = forward_gap(sampler.sample(prompts(), params), trainer)[0]
     finally:
         sampler.update_weights(base.state_dict())
     assert max(gaps.values()) < _FLOAT32_NOISE, gaps
