@@ -131,13 +131,15 @@ def test_an_aborted_image_prompt_resumes_with_its_image(vlm_sampler: Any, tiny_v
     feature = vlm_sampler.encode(PROMPTS[0])
     ahead = InputFeature(input_ids=[*feature.input_ids, *first.tokens], multimodal=feature.multimodal)
     steps = GREEDY.max_tokens
-    want, wide = (_hf_greedy(tiny_vlm, [ahead], steps, dtype)[0] for dtype in (torch.float32, torch.float64))
-    rounding = max(abs(a - b) for a, b in zip(want.logprobs, wide.logprobs))
+    want = _hf_greedy(tiny_vlm, [ahead], steps, torch.float32)[0]
     rest = types.SimpleNamespace(
         tokens=whole.tokens[len(first.tokens) : len(first.tokens) + steps],
         logprobs=whole.logprobs[len(first.tokens) : len(first.tokens) + steps],
     )
-    assert_greedy_parity([rest], [want], atol=2 * rounding, min_compared=1.0)
+    # A re-prefill of prompt and tokens against a forward over them: float32 in another order of sums (1e-6 at a
+    # log-prob of -6 was seen here), so the torch engine's image tests' 1e-3; without its image (or with another)
+    # the continuation moves by tenths of a nat.
+    assert_greedy_parity([rest], [want], atol=1e-3, min_compared=1.0)
 
 
 def test_the_server_samples_from_image_url_parts_as_the_sampler_does(vlm_sampler: Any, tmp_path: Path) -> None:
