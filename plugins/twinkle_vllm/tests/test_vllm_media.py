@@ -119,9 +119,9 @@ def test_an_aborted_image_prompt_resumes_with_its_image(vlm_sampler: Any, tiny_v
 
     import torch
 
-    params = GREEDY.replace(max_tokens=200)
+    params = GREEDY.replace(max_tokens=400)  # far more than any CPU decodes in the 50 ms before the abort
     handle = vlm_sampler.submit(PROMPTS[0], params)
-    time.sleep(0.3)
+    time.sleep(0.05)
     handle.abort()
     first = handle.result(timeout=120)[0].sequences[0]
     assert first.stop_reason == "abort", "the call finished before the abort: give it more tokens"
