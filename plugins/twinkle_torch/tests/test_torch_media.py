@@ -14,23 +14,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-from torch_helpers import replayed_logprobs
+from torch_helpers import image_chat, patterned_image, replayed_logprobs
 
 from twinkle_core import Sampler, create_sampler
 from twinkle_core.data_format import IGNORE_INDEX, SampledSequence, SamplingParams, Trajectory
 from twinkle_core.errors import PromptTooLongError, UnsupportedFeatureError
 from twinkle_core.template.processor import ProcessorTemplate
 from twinkle_core.testing.tiny_vlm import build_tiny_vlm
-
-
-def _image(seed: int) -> Any:
-    data = bytes((seed * 53 + i * 11) % 256 for i in range(64 * 48 * 3))
-    return Image.frombytes("RGB", (64, 48), data)
-
-
-def _chat(image: Any) -> list[dict[str, Any]]:
-    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]}]
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +107,11 @@ def test_greedy_image_prompts_are_the_hf_forward_on_the_processors_inputs(
 ) -> None:
     """Two images and a text prompt in one call, two samples each (one prefill shared): every sequence is the
     HF forward's on exactly what the processor gives, and neither image's output is the other image's."""
-    chats = [_chat(_image(1)), [{"role": "user", "content": "What is it?"}], _chat(_image(2))]
+    chats = [
+        image_chat(patterned_image(1)),
+        [{"role": "user", "content": "What is it?"}],
+        image_chat(patterned_image(2)),
+    ]
     responses = vlm_sampler.sample([Trajectory(messages=c) for c in chats], _GREEDY.replace(num_samples=2))
     inputs = [_processed(processor, c) for c in chats]
     for response, own in zip(responses, inputs):
@@ -139,7 +133,9 @@ def test_an_image_prompt_joins_a_running_batch(vlm_sampler: Sampler, hf_vlm: Any
     """A text call is decoding when an image prompt arrives: it joins the batch (its prefill reads its image)."""
     stats = vlm_sampler.engine._decoder.stats  # type: ignore[attr-defined]
     steps, joined = stats.steps, stats.joined_rows
-    image_prompt = vlm_sampler.template.encode(Trajectory(messages=_chat(_image(3))))  # encoded before, to be quick
+    image_prompt = vlm_sampler.template.encode(
+        Trajectory(messages=image_chat(patterned_image(3)))
+    )  # encoded before, to be quick
     text = Trajectory(messages=[{"role": "user", "content": "Tell me a story."}])
     running = vlm_sampler.submit(text, _GREEDY.replace(max_tokens=400))
     deadline = time.monotonic() + 120
@@ -149,7 +145,7 @@ def test_an_image_prompt_joins_a_running_batch(vlm_sampler: Sampler, hf_vlm: Any
     assert stats.joined_rows > joined
     running.abort()  # its long budget only kept it decoding while the image prompt came
     assert running.result(timeout=300)[0].sequences[0].stop_reason == "abort"
-    gap, greedy = _gap(hf_vlm, _processed(processor, _chat(_image(3))), late)
+    gap, greedy = _gap(hf_vlm, _processed(processor, image_chat(patterned_image(3))), late)
     assert greedy and gap < _TOLERANCE, gap
 
 
@@ -158,7 +154,7 @@ def test_an_aborted_image_prompt_resumes_with_its_image(vlm_sampler: Sampler, hf
     forward's, and its training feature still carries the image."""
     stats = vlm_sampler.engine._decoder.stats  # type: ignore[attr-defined]
     steps = stats.steps
-    handle = vlm_sampler.submit(Trajectory(messages=_chat(_image(4))), _GREEDY.replace(max_tokens=40))
+    handle = vlm_sampler.submit(Trajectory(messages=image_chat(patterned_image(4))), _GREEDY.replace(max_tokens=40))
     deadline = time.monotonic() + 120
     while stats.steps < steps + 3 and time.monotonic() < deadline:
         time.sleep(0.005)
@@ -167,7 +163,7 @@ def test_an_aborted_image_prompt_resumes_with_its_image(vlm_sampler: Sampler, hf
     assert first.stop_reason == "abort" and 0 < len(first.tokens) < 40
     whole = handle.resume().result(timeout=300)[0].sequences[0]
     assert whole.tokens[: len(first.tokens)] == first.tokens and len(whole.tokens) == 40
-    own = _processed(processor, _chat(_image(4)))
+    own = _processed(processor, image_chat(patterned_image(4)))
     gap, greedy = _gap(hf_vlm, own, whole)
     assert greedy and gap < _TOLERANCE, gap
     assert whole.training_feature is not None and whole.training_feature.multimodal is not None
@@ -180,7 +176,7 @@ def test_the_trainer_replays_each_sample_from_its_training_feature(vlm_sampler: 
     stats = vlm_sampler.engine._decoder.stats  # type: ignore[attr-defined]
     prefills = stats.prefills
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, logprobs=0, num_samples=2, seed=3)
-    response = vlm_sampler.sample(Trajectory(messages=_chat(_image(5))), params)[0]
+    response = vlm_sampler.sample(Trajectory(messages=image_chat(patterned_image(5))), params)[0]
     assert stats.prefills == prefills + 1
     features = [s.training_feature for s in response.sequences]
     assert all(f is not None and f.multimodal is not None for f in features)
@@ -196,10 +192,10 @@ def test_encode_gives_exactly_what_the_models_own_processor_gives(tiny_vlm: Path
     from transformers import AutoProcessor
 
     reference = AutoProcessor.from_pretrained(str(tiny_vlm))
-    for image in (_image(1), _image(2)):
-        ours = template.encode(Trajectory(messages=_chat(image)))
+    for image in (patterned_image(1), patterned_image(2)):
+        ours = template.encode(Trajectory(messages=image_chat(image)))
         theirs = reference.apply_chat_template(
-            _chat(image), add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="np"
+            image_chat(image), add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="np"
         )
         assert ours.input_ids == theirs["input_ids"][0].tolist()
         assert ours.multimodal is not None and set(ours.multimodal) == set(theirs) - {"input_ids", "attention_mask"}
@@ -210,9 +206,9 @@ def test_encode_gives_exactly_what_the_models_own_processor_gives(tiny_vlm: Path
 
 
 def test_the_placeholder_form_encodes_as_the_block_form(template: ProcessorTemplate) -> None:
-    blocks = template.encode(Trajectory(messages=_chat(_image(3))))
+    blocks = template.encode(Trajectory(messages=image_chat(patterned_image(3))))
     placed = template.encode(
-        Trajectory(messages=[{"role": "user", "content": "<image>What is it?"}], images=[_image(3)])
+        Trajectory(messages=[{"role": "user", "content": "<image>What is it?"}], images=[patterned_image(3)])
     )
     assert placed.input_ids == blocks.input_ids
     assert placed.multimodal is not None and blocks.multimodal is not None
@@ -227,7 +223,7 @@ def test_a_hf_forward_over_the_encoded_feature_runs_and_depends_on_the_image(
     model = AutoModelForImageTextToText.from_pretrained(str(tiny_vlm)).eval()
     logits = []
     for seed in (4, 5):
-        feature = template.encode(Trajectory(messages=_chat(_image(seed))))
+        feature = template.encode(Trajectory(messages=image_chat(patterned_image(seed))))
         feature = feature.from_dict(feature.to_dict())  # what a trainer gets across a process boundary
         assert feature.multimodal is not None
         inputs = {k: torch.from_numpy(v) for k, v in feature.multimodal.items()}
@@ -239,7 +235,7 @@ def test_a_hf_forward_over_the_encoded_feature_runs_and_depends_on_the_image(
 
 
 def test_the_length_checked_is_the_expanded_one(template: ProcessorTemplate) -> None:
-    trajectory = Trajectory(messages=_chat(_image(6)))
+    trajectory = Trajectory(messages=image_chat(patterned_image(6)))
     expanded = len(template.encode(trajectory).input_ids)
     text_only = len(template.tokenize(template.render(trajectory)))
     assert text_only < expanded
@@ -250,14 +246,14 @@ def test_the_length_checked_is_the_expanded_one(template: ProcessorTemplate) -> 
 
 
 def test_a_video_is_unsupported_where_the_processor_takes_images_only(template: ProcessorTemplate) -> None:
-    trajectory = Trajectory(messages=[{"role": "user", "content": "<video>"}], videos=[[_image(1)]])
+    trajectory = Trajectory(messages=[{"role": "user", "content": "<video>"}], videos=[[patterned_image(1)]])
     with pytest.raises(UnsupportedFeatureError, match="takes images only"):
         template.encode(trajectory)
 
 
 def test_the_sampler_refuses_media_for_an_engine_that_takes_none(text_sampler: Sampler) -> None:
     good = Trajectory(messages=[{"role": "user", "content": "Hello"}])
-    with_image = Trajectory(messages=_chat(_image(1)))
+    with_image = Trajectory(messages=image_chat(patterned_image(1)))
     for on_invalid in ("raise", "skip"):
         with pytest.raises(UnsupportedFeatureError, match=r"inputs\[1\] holds an image, but the torch engine"):
             text_sampler.sample([good, with_image], {"max_tokens": 2}, on_invalid=on_invalid)  # type: ignore[arg-type]
@@ -265,7 +261,7 @@ def test_the_sampler_refuses_media_for_an_engine_that_takes_none(text_sampler: S
 
 def test_a_text_model_given_an_image_is_unsupported(text_sampler: Sampler) -> None:
     with pytest.raises(UnsupportedFeatureError, match="has no processor"):
-        text_sampler.template.encode(Trajectory(messages=_chat(_image(1))))
+        text_sampler.template.encode(Trajectory(messages=image_chat(patterned_image(1))))
 
 
 def test_skip_isolates_a_bad_image(vlm_sampler: Sampler) -> None:
@@ -294,7 +290,7 @@ def test_a_processor_this_machine_cannot_load_leaves_the_model_sampling_text(
         )
         assert len(out[0].sequences[0].tokens) == 3
         with pytest.raises(UnsupportedFeatureError):
-            sampler.sample(Trajectory(messages=_chat(_image(1))), {"max_tokens": 3})
+            sampler.sample(Trajectory(messages=image_chat(patterned_image(1))), {"max_tokens": 3})
     assert "could not be loaded" in caplog.text
 
 
@@ -322,7 +318,7 @@ def test_twinkle_sample_reads_images_from_jsonl_rows(vlm_sampler: Sampler, tiny_
     import subprocess
     import sys
 
-    images = [_image(6), _image(7)]
+    images = [patterned_image(6), patterned_image(7)]
     path = tmp_path / "six.png"
     images[0].save(path)
     buffer = io.BytesIO()
@@ -362,7 +358,7 @@ def test_an_episode_carries_each_later_turns_images_token_exact_and_the_trainer_
     from twinkle_core.episode import Episode
     from twinkle_core.errors import InvalidMediaError
 
-    images = [_image(11), _image(12), _image(13)]
+    images = [patterned_image(11), patterned_image(12), patterned_image(13)]
     episode = Episode(vlm_sampler, {"messages": [{"role": "user", "content": "<image>Open it."}], "images": images[:1]})
     episode.sample(vlm_sampler, _GREEDY)
     kept = (list(episode.tokens), len(episode.segments), len(episode.messages))
@@ -411,10 +407,10 @@ def test_an_episode_holds_no_more_images_than_a_prompt_may(template: ProcessorTe
     from twinkle_core.errors import InvalidMediaError
 
     bounded = ProcessorTemplate(template.tokenizer, processor=template.processor, limits=MediaLimits(max_images=2))
-    episode = Episode(bounded, Trajectory(messages=_chat(_image(1))))
+    episode = Episode(bounded, Trajectory(messages=image_chat(patterned_image(1))))
     answer = bounded.tokenize("A cat.<|im_end|>")
     episode.append_sampled(SampledSequence(tokens=answer, text="A cat.<|im_end|>", stop_reason="stop"))
-    three = [{"type": "image", "image": _image(2)}, {"type": "image", "image": _image(3)}]
+    three = [{"type": "image", "image": patterned_image(2)}, {"type": "image", "image": patterned_image(3)}]
     with pytest.raises(InvalidMediaError, match=r"messages\[0\]\.content\[1\] would be image 3 of the episode"):
         episode.add_user(three)
     assert len(episode.add_user(three[:1])) > 16 and len(episode.prompt().images) == 2

@@ -12,8 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-from torch_helpers import replayed_logprobs
+from torch_helpers import image_chat, patterned_image, replayed_logprobs
 
 from twinkle_core import Sampler, create_sampler
 from twinkle_core.data_format import InputFeature, SampledSequence, SamplingParams, Trajectory
@@ -24,15 +23,6 @@ from twinkle_core.testing.tiny_qwen_vl import build_tiny_qwen_vl
 #: Float32 summation order between a batched, cached decode and one full forward (as test_torch_media's).
 _TOLERANCE = 1e-3
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
-
-
-def _image(seed: int, size: tuple[int, int]) -> Any:
-    data = bytes((seed * 53 + i * 11) % 256 for i in range(size[0] * size[1] * 3))
-    return Image.frombytes("RGB", size, data)
-
-
-def _chat(image: Any) -> list[dict[str, Any]]:
-    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]}]
 
 
 @pytest.fixture(scope="module")
@@ -86,12 +76,12 @@ def test_the_processor_is_built_for_images_without_torchvision_and_expands_as_th
     assert isinstance(template, ProcessorTemplate) and isinstance(template.processor, Qwen3VLProcessor)
     tokenizer = template.tokenizer
     image_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    for image in (_image(1, (90, 40)), _image(2, (96, 96))):
-        feature = template.encode(Trajectory(messages=_chat(image)))
+    for image in (patterned_image(1, (90, 40)), patterned_image(2, (96, 96))):
+        feature = template.encode(Trajectory(messages=image_chat(image)))
         assert feature.multimodal is not None
         grid = feature.multimodal["image_grid_thw"]
         count = int(np.prod(grid)) // 4  # merge_size 2: four patches to a token
-        text = template.render(Trajectory(messages=_chat(image))).replace("<|image_pad|>", "<|image_pad|>" * count)
+        text = template.render(Trajectory(messages=image_chat(image))).replace("<|image_pad|>", "<|image_pad|>" * count)
         assert feature.input_ids == tokenizer(text, add_special_tokens=False)["input_ids"]
         assert feature.multimodal["mm_token_type_ids"][0].tolist() == [int(t == image_id) for t in feature.input_ids]
         with torch.no_grad():
@@ -100,7 +90,9 @@ def test_the_processor_is_built_for_images_without_torchvision_and_expands_as_th
             )
         assert sum(len(part) for part in out.pooler_output) == feature.input_ids.count(image_id) == count
     with pytest.raises(UnsupportedFeatureError, match="takes images only"):
-        template.encode(Trajectory(messages=[{"role": "user", "content": "<video>"}], videos=[[_image(1, (32, 32))]]))
+        template.encode(
+            Trajectory(messages=[{"role": "user", "content": "<video>"}], videos=[[patterned_image(1, (32, 32))]])
+        )
 
 
 def test_greedy_image_prompts_are_the_hf_forward_on_their_grid_positions(sampler: Sampler, hf_model: Any) -> None:
@@ -109,7 +101,11 @@ def test_greedy_image_prompts_are_the_hf_forward_on_their_grid_positions(sampler
     tokens are not the HF forward's under the other image."""
     assert type(sampler.engine.model).__name__ == "Qwen3VLForConditionalGeneration"  # type: ignore[attr-defined]
     assert sampler.engine.info.media == {"image"}
-    chats = [_chat(_image(1, (90, 40))), [{"role": "user", "content": "What is it?"}], _chat(_image(2, (96, 96)))]
+    chats = [
+        image_chat(patterned_image(1, (90, 40))),
+        [{"role": "user", "content": "What is it?"}],
+        image_chat(patterned_image(2, (96, 96))),
+    ]
     trajectories = [Trajectory(messages=c) for c in chats]
     responses = sampler.sample(trajectories, _GREEDY.replace(num_samples=2))
     features = [sampler.template.encode(t) for t in trajectories]
@@ -127,7 +123,7 @@ def test_greedy_image_prompts_are_the_hf_forward_on_their_grid_positions(sampler
 
 
 def _pixels(sampler: Sampler, seed: int) -> Any:
-    feature = sampler.template.encode(Trajectory(messages=_chat(_image(seed, (96, 96)))))
+    feature = sampler.template.encode(Trajectory(messages=image_chat(patterned_image(seed, (96, 96)))))
     assert feature.multimodal is not None
     return feature.multimodal["pixel_values"]
 
@@ -137,7 +133,7 @@ def test_an_image_prompt_joins_a_running_batch_and_resumes_after_an_abort(sample
     aborted image prompt resumes by a prefill of its ids and what it generated: the whole is the HF forward's."""
     stats = sampler.engine._decoder.stats  # type: ignore[attr-defined]
     steps, joined = stats.steps, stats.joined_rows
-    feature = sampler.template.encode(Trajectory(messages=_chat(_image(4, (64, 96)))))
+    feature = sampler.template.encode(Trajectory(messages=image_chat(patterned_image(4, (64, 96)))))
     running = sampler.submit(
         Trajectory(messages=[{"role": "user", "content": "Tell me a story."}]), _GREEDY.replace(max_tokens=400)
     )
@@ -168,7 +164,7 @@ def test_the_trainer_replays_each_sample_from_its_training_feature(sampler: Samp
     """An HF forward over each seeded sample's training feature, as a trainer gets it (through JSON), gives its
     log-probs: the feature's per-token media inputs cover the completion too, which the model's forward needs."""
     params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, logprobs=0, num_samples=2, seed=3)
-    response = sampler.sample(Trajectory(messages=_chat(_image(5, (96, 64)))), params)[0]
+    response = sampler.sample(Trajectory(messages=image_chat(patterned_image(5, (96, 64)))), params)[0]
     assert response.sequences[0].tokens != response.sequences[1].tokens
     for sequence in response.sequences:
         tokens, logprobs = replayed_logprobs(hf_model, sequence)
@@ -183,4 +179,4 @@ def test_a_checkpoint_whose_tokenizer_places_no_image_refuses_it_by_name() -> No
 
     template = ProcessorTemplate.from_pretrained(build_tiny_checkpoint_layout())
     with pytest.raises(UnsupportedFeatureError, match=r"0 of the image token '<\|image_pad\|>'"):
-        template.encode(Trajectory(messages=_chat(_image(1, (64, 64)))))
+        template.encode(Trajectory(messages=image_chat(patterned_image(1, (64, 64)))))

@@ -102,3 +102,16 @@ def replayed_logprobs(model: Any, sequence: Any) -> tuple[list[int], list[float]
     trained = (labels != IGNORE_INDEX).nonzero()[:, 0]
     logprobs = logits[trained - 1].log_softmax(-1).gather(-1, labels[trained][:, None])[:, 0]
     return labels[trained].tolist(), logprobs.tolist()
+
+
+def patterned_image(seed: int, size: tuple[int, int] = (64, 48)) -> Any:
+    """A deterministic RGB image of ``size`` whose pixels depend on ``seed`` (the media tests' inputs)."""
+    from PIL import Image
+
+    data = bytes((seed * 53 + i * 11) % 256 for i in range(size[0] * size[1] * 3))
+    return Image.frombytes("RGB", size, data)
+
+
+def image_chat(image: Any) -> list[dict[str, Any]]:
+    """One user turn: ``image`` as an image block, then a question."""
+    return [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is it?"}]}]
