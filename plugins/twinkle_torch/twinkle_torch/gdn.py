@@ -120,7 +120,8 @@ def modeling_modules(model: Any) -> list[str]:
 
 
 def _replaceable(function: Any) -> bool:
-    return function is recurrent_gated_delta_rule or _is_transformers_own(function)
+    # a module without the function (every non-GDN model) is decided without importing transformers' Qwen3.5
+    return function is not None and (function is recurrent_gated_delta_rule or _is_transformers_own(function))
 
 
 @contextmanager
