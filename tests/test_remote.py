@@ -949,3 +949,70 @@ def test_image_prompts_sample_on_replicas_and_their_media_cross_once(cluster):
             # the prompt's arrays and images, once: every sample holds the same objects
             assert feature.multimodal["pixel_values"] is features[0].multimodal["pixel_values"]
             assert feature.images[0] is features[0].images[0]
+
+
+def test_a_trainers_names_reach_replicas_serving_a_checkpoints_nested_layout(cluster):
+    """A trainer's ``AutoModelForCausalLM`` names (``model.layers.*``, ``lm_head.weight``) into replicas of
+    Qwen3.5's checkpoint layout (``model.language_model.*``, a tower, an MTP block; :mod:`twinkle_core.names`):
+    the whole model, a part, a LoRA adapter of the trainer's, then the checkpoint's own nested names, each served
+    as a local sampler given the same update serves it; an MTP tensor is refused with its type and message intact."""
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from twinkle_core.testing.tiny_layouts import build_tiny_checkpoint_layout
+
+    layout = str(build_tiny_checkpoint_layout())
+    trainer = AutoModelForCausalLM.from_pretrained(layout, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    whole = [(n, t + 0.3 * t.std() * torch.randn(t.shape, generator=gen)) for n, t in trainer.state_dict().items()]
+    assert {n.split(".")[1] for n, _ in whole if n.startswith("model.")} == {"embed_tokens", "layers", "norm"}
+    partial = [(n, 2 * t) for n, t in whole if n in ("lm_head.weight", "model.layers.3.self_attn.o_proj.weight")]
+    torch.manual_seed(0)
+    config = LoraConfig(
+        r=4, lora_alpha=16, target_modules=["in_proj_qkv", "out_proj", "q_proj"], init_lora_weights=False
+    )
+    peft_model = get_peft_model(trainer, config)
+    lora = get_peft_model_state_dict(peft_model)
+    assert any(k.startswith("base_model.model.model.layers.0.linear_attn.in_proj_qkv.lora_A") for k in lora)
+    checkpoint = load_file(os.path.join(layout, "model.safetensors"))
+    nested = [(n, t) for n, t in checkpoint.items() if n.startswith("model.language_model.") or n == "lm_head.weight"]
+    params = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True, "logprobs": 0}
+    prompts = chats()[:2]  # one per replica
+
+    def served(adapter_name: str = "") -> list[SampleResponse]:
+        got = remote.sample(prompts, params, adapter_name=adapter_name)
+        want = local.sample(prompts, params, adapter_name=adapter_name)
+        assert tokens(got) == tokens(want)
+        for here, there in zip(want, got):
+            assert there.sequences[0].logprobs == pytest.approx(here.sequences[0].logprobs, abs=1e-5)
+        return want
+
+    def moved(a: list[SampleResponse], b: list[SampleResponse]) -> float:
+        return max(abs(x - y) for r, s in zip(a, b) for x, y in zip(r.sequences[0].logprobs, s.sequences[0].logprobs))
+
+    with (
+        TorchSampler(layout) as local,
+        TorchSampler(layout, device_mesh=DeviceMesh.from_sizes(dp_size=2), remote_group="aux") as remote,
+    ):
+        base = served()
+        steps = []
+        for update in (whole, partial):
+            assert remote.update_weights(update) == local.update_weights(update)
+            steps.append(served())
+        for s in (remote, local):
+            s.add_adapter_to_model("trainer", config, weights=lora)
+        tuned = served("trainer")
+        assert min(moved(base, steps[0]), moved(*steps), moved(steps[1], tuned)) > 1e-2  # each change was served
+        remote.update_weights(nested)  # the checkpoint's own spelling puts its weights back
+        back = remote.sample(prompts, params)
+        assert tokens(back) == tokens(base) and moved(back, base) < 1e-5
+        errors = []
+        for s in (remote, local):
+            version = s.weights_version
+            with pytest.raises(WeightUpdateError, match="multi-token-prediction") as info:
+                s.update_weights({"mtp.fc.weight": checkpoint["mtp.fc.weight"]})
+            errors.append(info.value)
+            assert s.weights_version == version
+        assert type(errors[0]) is WeightUpdateError and str(errors[0]) == str(errors[1])
+        assert "'mtp.fc.weight'" in str(errors[0]) and any("Raised in replica" in n for n in errors[0].__notes__)

@@ -8,6 +8,7 @@ with a sampler here that took the same update directly.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import subprocess
@@ -145,6 +146,63 @@ def test_a_trainer_in_another_process_pushes_weights_into_the_server(server, loc
         client.update_weights(original)
         local.update_weights(original)
         assert served_tokens(server, local)[0] == local_tokens(local)
+
+
+def test_a_trainers_names_reach_a_server_of_the_checkpoints_nested_layout(tmp_path):
+    """A trainer's ``AutoModelForCausalLM`` names (``model.layers.*``, ``lm_head.weight``) into a server of
+    Qwen3.5's checkpoint layout (``model.language_model.*``, a tower, an MTP block; :mod:`twinkle_core.names`):
+    the whole model and a part over the weight routes, a LoRA adapter of the trainer's over
+    ``/v1/load_lora_adapter``, each served as a local sampler given it serves it; an MTP tensor is a 400 naming it."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from twinkle_core.testing.tiny_layouts import build_tiny_checkpoint_layout
+    from twinkle_torch.sampler import TorchSampler
+
+    layout = str(build_tiny_checkpoint_layout())
+    trainer = AutoModelForCausalLM.from_pretrained(layout, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(0)
+    whole = {n: t + 0.3 * t.std() * torch.randn(t.shape, generator=gen) for n, t in trainer.state_dict().items()}
+    partial = {n: 2 * whole[n] for n in ("lm_head.weight", "model.layers.3.self_attn.o_proj.weight")}
+    torch.manual_seed(0)
+    config = LoraConfig(r=4, lora_alpha=16, target_modules=["in_proj_qkv", "q_proj"], init_lora_weights=False)
+    get_peft_model(trainer, config).save_pretrained(str(tmp_path / "lora"))
+    mtp = load_file(os.path.join(layout, "model.safetensors"))["mtp.fc.weight"]
+    prompt = PROMPTS[0]
+    params = {"temperature": 0.0, "max_tokens": 6, "logprobs": 0}
+
+    def served(model: str = "tiny") -> list[float]:
+        """The server's greedy log-probs of the prompt, checked against the local sampler's (same model)."""
+        ids = list(local.encode(prompt).input_ids)
+        body = {"model": model, "prompt": ids, **params}
+        choice = httpx.post(url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+        want = local.sample(prompt, params, adapter_name="" if model == "tiny" else model)[0].sequences[0]
+        assert choice["token_ids"] == want.tokens
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(want.logprobs, abs=1e-5)
+        return want.logprobs
+
+    proc, url = _serve(layout, "--weight-transfer-config", '{"backend": "gloo", "timeout_s": 60}')
+    try:
+        with TorchSampler(layout) as local, WeightClient(url, host="127.0.0.1", timeout_s=60) as client:
+            client.init_communicator()
+            seen = [served()]
+            for update in (whole, partial):
+                version = client.update_weights(update)
+                assert version == local.update_weights(update)
+                seen.append(served())
+            with pytest.raises(WeightUpdateError, match=r"'mtp\.fc\.weight' belongs to the multi-token-prediction"):
+                client.update_weights({"mtp.fc.weight": mtp})
+            assert httpx.get(url + "/server_info").json()["twinkle"]["weights_version"] == version
+            body = {"lora_name": "trainer", "lora_path": str(tmp_path / "lora")}
+            assert httpx.post(url + "/v1/load_lora_adapter", json=body, timeout=60).status_code == 200
+            local.add_adapter_to_model("trainer", str(tmp_path / "lora"))
+            seen.append(served("trainer"))
+        for a, b in itertools.pairwise(seen):  # each change was served
+            assert max(abs(x - y) for x, y in zip(a, b)) > 1e-2
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_misuse_of_the_client_and_routes_leaves_the_group_working(server, local, model_dir):

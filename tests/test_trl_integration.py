@@ -330,6 +330,34 @@ def test_an_images_column_reaches_the_sampler_and_the_trainers_check(tmp_path: P
     assert rollout.history[0]["logp_diff_max"] < TOLERANCE
 
 
+def test_a_policy_loaded_from_a_checkpoints_nested_layout_is_followed(tmp_path: Path) -> None:
+    """The trainer's policy is ``AutoModelForCausalLM`` of Qwen3.5's checkpoint layout (the language model
+    nested as ``model.language_model.*`` beside a tower and an MTP block): its ``state_dict`` holds
+    ``model.layers.*``, which the push hands the sampler of that folder as they are (:mod:`twinkle_core.names`).
+    After a step the sampler serves the trained weights, which moved the completion's log-probs."""
+    from twinkle_core.integrations.trl import _model_logprobs
+    from twinkle_core.testing.tiny_layouts import build_tiny_checkpoint_layout
+
+    layout = build_tiny_checkpoint_layout()
+    seen: list[dict[str, Any]] = []
+    with create_sampler("torch", model_id=str(layout)) as sampler:
+        rollout = TwinkleRollout(sampler)
+        trainer = trainer_for(layout, rollout, config(tmp_path, max_steps=1, learning_rate=1e-2), seen=seen)
+        names = list(trainer.model.state_dict())
+        assert "model.layers.0.linear_attn.in_proj_qkv.weight" in names and "lm_head.weight" in names
+        assert not any(n.startswith(("model.language_model.", "mtp.", "model.visual.")) for n in names)
+        trainer.train()
+        assert_followed(rollout, seen, steps=1)
+        assert sampler.weights_version == rollout.version > rollout.history[0]["version"]  # the push after the step
+        prompt = sampler.encode({"messages": [{"role": "user", "content": "Count from 3 to 7."}]})
+        out = sampler.sample([prompt], {"temperature": 0, "max_tokens": 8, "logprobs": 0})[0].sequences[0]
+    row = [(list(prompt.input_ids), list(out.tokens))]
+    trained = _model_logprobs(trainer.model, row, 0.0)[0]
+    start = _model_logprobs(AutoModelForCausalLM.from_pretrained(str(layout), dtype=torch.float32), row, 0.0)[0]
+    assert out.logprobs == pytest.approx(trained, abs=TOLERANCE)
+    assert max(abs(a - b) for a, b in zip(trained, start)) > 10 * TOLERANCE  # a sampler left behind would fail
+
+
 # -- settings ------------------------------------------------------------------------------------------
 
 
