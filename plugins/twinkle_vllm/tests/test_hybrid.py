@@ -158,7 +158,8 @@ def test_the_reference_id_in_the_checkpoints_layout_samples_the_text_model(
     vLLM runs it as ``Qwen3_5ForConditionalGeneration`` with its tower skipped, not as the
     text class: the same weights in another class may round differently, never by more
     than one bfloat16 computation's rounding twice. An update to the tower or the MTP
-    block, which this engine did not load, is refused by name instead of being skipped.
+    block, which this engine did not load, is refused by name instead of being skipped;
+    one in a trainer's ``AutoModelForCausalLM`` names (``model.layers.*``) is served.
     """
     import torch
     from safetensors.torch import load_file
@@ -177,7 +178,16 @@ def test_the_reference_id_in_the_checkpoints_layout_samples_the_text_model(
         for name, part in (("mtp.fc.weight", "multi-token-prediction"), ("model.visual.pos_embed.weight", "tower")):
             with pytest.raises(WeightUpdateError, match=part):
                 sampler.update_weights({name: weights[name].to(torch.bfloat16)})
-        assert sampler.sample(PROMPTS[:1], GREEDY)[0].sequences[0].tokens == got[0].sequences[0].tokens
+        first = sampler.sample(PROMPTS[:1], GREEDY)[0].sequences[0]
+        assert first.tokens == got[0].sequences[0].tokens
+        # a trainer's AutoModelForCausalLM names reach the nested weights this engine holds, and back
+        nested = "model.language_model.layers.3.self_attn.o_proj.weight"
+        sampler.update_weights({"model.layers.3.self_attn.o_proj.weight": 4 * weights[nested].to(torch.bfloat16)})
+        moved = sampler.sample(PROMPTS[:1], GREEDY)[0].sequences[0]
+        sampler.update_weights({nested: weights[nested].to(torch.bfloat16)})
+        again = sampler.sample(PROMPTS[:1], GREEDY)[0].sequences[0]
+        assert max(abs(a - b) for a, b in zip(moved.logprobs, first.logprobs)) > 0.1
+        assert (again.tokens, again.logprobs) == (first.tokens, first.logprobs)
     assert_greedy_parity([r.sequences[0] for r in got], [r.sequences[0] for r in greedy], atol=parity_tolerance)
 
 
