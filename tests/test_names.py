@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from twinkle_core.names import NESTINGS, known_adapter_name, known_name, known_names
+import pytest
+
+from twinkle_core.errors import IncompleteUpdateError
+from twinkle_core.names import NESTINGS, known_adapter_name, known_name, known_names, trainer_spelling
+from twinkle_core.sampler.policy import PolicyState
 
 TRAINER = {"model.embed_tokens.weight", "model.layers.0.linear_attn.in_proj_qkv.weight", "lm_head.weight"}
 CHECKPOINT = {
@@ -94,3 +98,16 @@ def test_fused_experts_split_into_a_checkpoints_per_expert_tensors() -> None:
         split_experts([("model.layers.0.mlp.experts.gate_up_proj", gate_up[:2])], known)
     held = {"model.layers.0.mlp.experts.gate_up_proj": TensorSpec(gate_up.shape, "float32")}
     assert split_experts([("model.layers.0.mlp.experts.gate_up_proj", gate_up)], held)[0][1] is gate_up  # held fused
+
+
+def test_either_spelling_settles_tensors_an_update_left_in_doubt() -> None:
+    assert trainer_spelling("model.language_model.norm.weight") == trainer_spelling("model.norm.weight")
+    assert trainer_spelling("mtp.fc.weight") == "mtp.fc.weight"
+    state = PolicyState()
+    state.doubt(3, ["model.language_model.layers.0.mlp.up_proj.weight", "lm_head.weight"], RuntimeError("lost"))
+    state.settle(["model.layers.0.mlp.up_proj.weight"])  # the trainer's spelling of the first
+    with pytest.raises(IncompleteUpdateError, match=r"'lm_head\.weight'") as info:
+        state.require_settled()
+    assert "up_proj" not in str(info.value)
+    state.settle(["lm_head.weight"])
+    state.require_settled()

@@ -1005,6 +1005,7 @@ def test_a_trainers_names_reach_replicas_serving_a_checkpoints_nested_layout(clu
         tuned = served("trainer")
         assert min(moved(base, steps[0]), moved(*steps), moved(steps[1], tuned)) > 1e-2  # each change was served
         remote.update_weights(nested)  # the checkpoint's own spelling puts its weights back
+        assert len(remote.engine._weight_ops) == 1  # and supersedes the trainer's pushes kept for rebuilds
         back = remote.sample(prompts, params)
         assert tokens(back) == tokens(base) and moved(back, base) < 1e-5
         errors = []

@@ -43,6 +43,7 @@ __all__ = [
     "known_name",
     "known_names",
     "split_experts",
+    "trainer_spelling",
     "unserved_part",
 ]
 
@@ -93,6 +94,19 @@ def known_name(name: str, known: Container[str]) -> str:
             continue
         if other in known:
             return other
+    return name
+
+
+def trainer_spelling(name: str) -> str:
+    """``name`` as a trainer spells it, whichever layout it came in: one key for the weight both spellings name.
+
+    What keeps pushed tensors by name (the updates a remote sampler replays to
+    a rebuilt replica, the tensors an update left in doubt) compares names by
+    this key, so a push in one spelling supersedes or settles one in the other.
+    """
+    for trainer, checkpoint in NESTINGS:
+        if name.startswith(checkpoint):
+            return trainer + name[len(checkpoint) :]
     return name
 
 

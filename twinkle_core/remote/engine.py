@@ -25,6 +25,7 @@ from twinkle_core.data_format import SampleResponse, SamplingParams
 from twinkle_core.engine import Engine, EngineContext, EngineInfo, EngineRun
 from twinkle_core.errors import ConfigError, WeightUpdateError
 from twinkle_core.mesh import DeviceGroup, DeviceMesh
+from twinkle_core.names import trainer_spelling
 from twinkle_core.remote._balance import item_cost, split_by_cost
 from twinkle_core.remote._host import ReplayCopies
 from twinkle_core.remote._media import restore_prompt_media
@@ -248,6 +249,8 @@ class RemoteEngine(Engine):
         )
 
     def _record_weights(self, version: int, source: Any, names: set[str]) -> None:
+        # by the trainer's spelling: a push of model.language_model.* supersedes one of model.*
+        names = {trainer_spelling(name) for name in names}
         for old_version in list(self._weight_ops):
             _old, old_names = self._weight_ops[old_version]
             old_names -= names

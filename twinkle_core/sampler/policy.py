@@ -25,6 +25,7 @@ from twinkle_core.errors import (
     did_you_mean,
 )
 from twinkle_core.locks import ReadWriteLock
+from twinkle_core.names import trainer_spelling
 from twinkle_core.requests import IN_FLIGHT_POLICIES, CallFeed
 
 __all__ = ["AdapterInfo", "AppliedWithError", "Lifecycle", "PolicyState"]
@@ -154,8 +155,9 @@ class PolicyState:
         self._doubt_cause = f"{change} to version {version} failed part-way ({detail})"
 
     def settle(self, names: list[str]) -> None:
-        """``names`` were pushed whole: no longer in doubt."""
-        self._in_doubt = self._in_doubt - set(names)
+        """``names`` were pushed whole, in either spelling (:mod:`twinkle_core.names`): no longer in doubt."""
+        pushed = {trainer_spelling(name) for name in names}
+        self._in_doubt = frozenset(name for name in self._in_doubt if trainer_spelling(name) not in pushed)
 
     def require_settled(self) -> None:
         """Refuse to run while tensors are in doubt: the engine may run a mix no weights version names."""
