@@ -403,6 +403,32 @@ def test_a_sampler_serving_someone_elses_weights_is_caught(torch_sampler: Any, m
         first(prompts, trainer_a)  # same step: no push of its own, and the sampler now runs trainer b's weights
 
 
+def test_a_trainer_in_another_precision_is_pushed_in_the_samplers(
+    vllm_sampler: Any, model_dir: Path, tmp_path: Path
+) -> None:
+    """vLLM takes weights in its own dtype only (Qwen3.5's CPU path runs bfloat16 while TRL trains in float32):
+    the push casts them, so a bfloat16 policy updates the float32 engine, which then serves its weights."""
+    from twinkle_core.integrations.trl import _model_logprobs
+
+    base_state(vllm_sampler, model_dir)
+    rollout = TwinkleRollout(vllm_sampler, verify_every=0)
+    trainer = trainer_for(model_dir, rollout, config(tmp_path))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.3 * p.std() * torch.randn(p.shape, generator=gen))
+    trainer.model.to(torch.bfloat16)
+    out = rollout(["Numbers: 1 2 3"] * 4, trainer)
+    assert out["weights_version"] == [vllm_sampler.weights_version] * 4
+    prompt = vllm_sampler.encode({"messages": [{"role": "user", "content": "Count from 3 to 7."}]})
+    got = vllm_sampler.sample([prompt], {"temperature": 0, "max_tokens": 8, "logprobs": 0})[0].sequences[0]
+    row = [(list(prompt.input_ids), list(got.tokens))]
+    policy = _model_logprobs(trainer.model.float(), row, 0.0)[0]  # the bfloat16 values, in float32 as served
+    start = _model_logprobs(AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32), row, 0.0)[0]
+    assert got.logprobs == pytest.approx(policy, abs=TOLERANCE)
+    assert max(abs(a - b) for a, b in zip(policy, start)) > 10 * TOLERANCE
+
+
 def test_what_twinkle_cannot_do_is_refused(torch_sampler: Any, model_dir: Path, tmp_path: Path) -> None:
     rollout = TwinkleRollout(torch_sampler)
     trainer = trainer_for(model_dir, rollout, config(tmp_path))

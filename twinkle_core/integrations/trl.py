@@ -8,7 +8,8 @@
    moved since the last push (and on the first call), it pushes the trainer's
    model: a PEFT model's active adapter with ``add_adapter_to_model`` (the
    adapter's tensors only, never the whole model), any other model's
-   ``state_dict`` with ``update_weights``. That is TRL's own rule for vLLM
+   ``state_dict`` with ``update_weights`` (floating tensors in the dtype the
+   sampler holds its weights in, which an engine such as vLLM requires). That is TRL's own rule for vLLM
    (``sync_weights`` when ``global_step`` changes), so ``steps_per_generation``,
    ``num_iterations`` and gradient accumulation need nothing more. When
    training ends it pushes once more, so the sampler holds the final policy.
@@ -202,6 +203,18 @@ def _media_kwargs(media: Mapping[str, Any], length: int, device: Any, dtype: tor
             tensor = torch.nn.functional.pad(tensor, (0, length - tensor.shape[-1]))
         out[key] = tensor.to(device=device, dtype=dtype if tensor.is_floating_point() else tensor.dtype)
     return out
+
+
+def _sent(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A copy of a trainer's tensor to push: a floating one in ``dtype``, the one the sampler holds weights in.
+
+    An engine may take only its own dtype (vLLM does: Qwen3.5's CPU path runs
+    bfloat16 while TRL trains in float32); the trainer's values are what it
+    serves either way, rounded as the engine would hold them.
+    """
+    if dtype is not None and tensor.is_floating_point():
+        return tensor.detach().to(dtype=dtype, copy=True)
+    return tensor.detach().clone()
 
 
 def _model_logprobs(
@@ -402,7 +415,9 @@ class TwinkleRollout(TrainerCallback):  # type: ignore[misc]
             )
             self.serving = self.adapter_name
         else:
-            self.version = self.sampler.update_weights([(k, v.detach().clone()) for k, v in model.state_dict().items()])
+            into = self.sampler.engine.info.weights_dtype
+            dtype = getattr(torch, into) if into else None
+            self.version = self.sampler.update_weights([(k, _sent(v, dtype)) for k, v in model.state_dict().items()])
             self.serving = ""
 
     def _feature(self, prompt: Any) -> InputFeature:
