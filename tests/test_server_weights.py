@@ -152,7 +152,8 @@ def test_a_trainers_names_reach_a_server_of_the_checkpoints_nested_layout(tmp_pa
     """A trainer's ``AutoModelForCausalLM`` names (``model.layers.*``, ``lm_head.weight``) into a server of
     Qwen3.5's checkpoint layout (``model.language_model.*``, a tower, an MTP block; :mod:`twinkle_core.names`):
     the whole model and a part over the weight routes, a LoRA adapter of the trainer's over
-    ``/v1/load_lora_adapter``, each served as a local sampler given it serves it; an MTP tensor is a 400 naming it."""
+    ``/v1/load_lora_adapter`` (all by the client), each served as a local sampler given it serves it; an MTP
+    tensor is a 400 naming it."""
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -194,8 +195,7 @@ def test_a_trainers_names_reach_a_server_of_the_checkpoints_nested_layout(tmp_pa
             with pytest.raises(WeightUpdateError, match=r"'mtp\.fc\.weight' belongs to the multi-token-prediction"):
                 client.update_weights({"mtp.fc.weight": mtp})
             assert httpx.get(url + "/server_info").json()["twinkle"]["weights_version"] == version
-            body = {"lora_name": "trainer", "lora_path": str(tmp_path / "lora")}
-            assert httpx.post(url + "/v1/load_lora_adapter", json=body, timeout=60).status_code == 200
+            assert client.load_adapter("trainer", str(tmp_path / "lora")) == version + 1
             local.add_adapter_to_model("trainer", str(tmp_path / "lora"))
             seen.append(served("trainer"))
         for a, b in itertools.pairwise(seen):  # each change was served
