@@ -86,3 +86,12 @@ def test_no_local_file_is_read_by_default_and_the_folder_must_exist(tmp_path: Pa
         check_message_media([message], MediaAccess())
     with pytest.raises(ConfigError, match="expected an existing folder"):
         MediaAccess(allowed_local_media_path=tmp_path / "missing")
+
+
+def test_completions_with_multi_modal_data_is_a_400_naming_the_field(client: Any) -> None:
+    """vLLM 0.32's ``/v1/completions`` has no ``multi_modal_data`` field and ignores it (with a log line), so
+    its images would be dropped; twinkle's refuses it, as any field it does not take."""
+    image = {"image": ["data:image/png;base64," + base64.b64encode(_png()).decode()]}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=1, extra_body={"multi_modal_data": image})
+    assert "multi_modal_data" in caught.value.message

@@ -39,14 +39,14 @@ def needs_torchvision(exc: BaseException) -> bool:
     return isinstance(exc, ImportError) and "torchvision" in str(exc).lower()
 
 
-def image_only_processor(model_dir: str | os.PathLike[str]) -> Any:
+def image_only_processor(model_dir: str | os.PathLike[str], tokenizer: Any = None) -> Any:
     """The processor ``AutoProcessor`` would build for ``model_dir``, without its video processor.
 
     The class is the one the folder names (``processor_class`` in its
     processor or tokenizer config), else the one ``AutoProcessor`` maps its
     config to; the image processor is ``AutoImageProcessor``'s (the PIL one
     where torchvision is missing); the tokenizer and its chat template
-    ``AutoTokenizer``'s.
+    ``AutoTokenizer``'s, unless ``tokenizer`` is given (vLLM hands its own).
 
     Raises:
         ConfigError: the folder names no processor class transformers has, or
@@ -70,7 +70,8 @@ def image_only_processor(model_dir: str | os.PathLike[str]) -> Any:
             super().__init__(image_processor, tokenizer, None, chat_template=chat_template)
 
     ImageOnly.__name__ = ImageOnly.__qualname__ = f"{base.__name__}ImagesOnly"
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     images = AutoImageProcessor.from_pretrained(str(model_dir))
     return ImageOnly(images, tokenizer, chat_template=getattr(tokenizer, "chat_template", None))
 

@@ -20,6 +20,7 @@ from twinkle_core import Sampler, create_sampler
 from twinkle_core.data_format import IGNORE_INDEX, SampledSequence, SamplingParams, Trajectory
 from twinkle_core.errors import PromptTooLongError, UnsupportedFeatureError
 from twinkle_core.template.processor import ProcessorTemplate
+from twinkle_core.testing.contract import MediaContractTests
 from twinkle_core.testing.tiny_vlm import build_tiny_vlm
 
 
@@ -414,3 +415,12 @@ def test_an_episode_holds_no_more_images_than_a_prompt_may(template: ProcessorTe
     with pytest.raises(InvalidMediaError, match=r"messages\[0\]\.content\[1\] would be image 3 of the episode"):
         episode.add_user(three)
     assert len(episode.add_user(three[:1])) > 16 and len(episode.prompt().images) == 2
+
+
+class TestMediaContract(MediaContractTests):
+    """The shared suite's image cases, on this module's engine."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def sampler(cls, vlm_sampler: Any) -> Any:
+        return vlm_sampler

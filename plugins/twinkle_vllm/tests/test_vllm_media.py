@@ -23,6 +23,7 @@ import pytest
 
 from twinkle_core.data_format import InputFeature, SamplingParams, Trajectory
 from twinkle_core.errors import InvalidInputError, UnsupportedFeatureError
+from twinkle_core.testing.contract import MediaContractTests
 from twinkle_core.testing.parity import assert_greedy_parity
 
 from .conftest import make_sampler
@@ -208,3 +209,12 @@ def test_an_episode_with_a_picture_in_its_second_turn_samples_as_the_torch_engin
     rounding = max(abs(a - b) for w, v in zip(wide, narrow) for a, b in zip(w.logprobs, v.logprobs))
     assert_greedy_parity(got.turns, want.turns, atol=2 * rounding, min_compared=1.0)
     assert got.tokens == want.tokens
+
+
+class TestMediaContract(MediaContractTests):
+    """The shared suite's image cases, on this module's engine."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def sampler(cls, vlm_sampler: Any) -> Any:
+        return vlm_sampler

@@ -30,8 +30,10 @@ The suite is one class composed of parts, each in a module named for what it
 probes: :mod:`.output` (the shape of the responses), :mod:`.stopping`,
 :mod:`.determinism`, :mod:`.logprobs`, :mod:`.sampling_fields` (the numbers
 against the reference, field by field), :mod:`.errors` (bad input),
-:mod:`.masks`, :mod:`.options` (constraints, bias, text and prompt options) and
-:mod:`.structured`; :mod:`.base` holds the tolerances, the ``sampler`` fixture
+:mod:`.masks`, :mod:`.options` (constraints, bias, text and prompt options),
+:mod:`.structured` and :mod:`.media` (images: sampled from, or refused by name;
+a vision-language engine's module runs its image cases through
+:class:`MediaContractTests` alone); :mod:`.base` holds the tolerances, the ``sampler`` fixture
 and the helpers they share, :mod:`.prompts` the inputs.
 """
 
@@ -41,6 +43,7 @@ from twinkle_core.testing.contract.determinism import DeterminismTests
 from twinkle_core.testing.contract.errors import BadInputTests
 from twinkle_core.testing.contract.logprobs import LogprobTests
 from twinkle_core.testing.contract.masks import SamplingMaskTests
+from twinkle_core.testing.contract.media import MediaContractTests
 from twinkle_core.testing.contract.options import SamplingOptionTests
 from twinkle_core.testing.contract.output import OutputShapeTests
 from twinkle_core.testing.contract.prompts import CONTRACT_PROMPTS
@@ -48,12 +51,13 @@ from twinkle_core.testing.contract.sampling_fields import SamplingFieldTests
 from twinkle_core.testing.contract.stopping import StoppingTests
 from twinkle_core.testing.contract.structured import StructuredOutputTests
 
-__all__ = ["CONTRACT_PROMPTS", "SamplerContractTests"]
+__all__ = ["CONTRACT_PROMPTS", "MediaContractTests", "SamplerContractTests"]
 
 
 # pytest runs inherited tests base by base, from the last base to the first: listed in reverse,
 # the parts run in reading order (output shape first, structured outputs last).
 class SamplerContractTests(
+    MediaContractTests,
     StructuredOutputTests,
     SamplingOptionTests,
     SamplingMaskTests,
