@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5
 
-from twinkle_torch.gdn import gdn_kernels, kernel_sites, recurrent_gated_delta_rule
+from twinkle_torch.gdn import decode_step, gdn_kernels, kernel_sites, recurrent_gated_delta_rule
 from twinkle_torch.gdn_chunk import chunk_gated_delta_rule
 
 _OWN = modeling_qwen3_5.torch_recurrent_gated_delta_rule
@@ -51,6 +51,20 @@ def test_it_is_transformers_recurrence(tokens: int, start: str, normalise: bool)
     assert float((got_out.float() - want_out.float()).abs().max()) <= 2**-7 * float(want_out.float().abs().max())
     if kept is not None:
         assert torch.equal(state, kept)  # the caller's state (the cache's) is read, never written
+
+
+def test_the_engines_decode_step_updates_the_given_state_in_place() -> None:
+    inputs = _inputs(3, 1, 4, 64, seed=3)
+    state = torch.randn(3, 4, 64, 64, generator=torch.Generator().manual_seed(7))
+    options = dict(output_final_state=True, use_qk_l2norm_in_kernel=True)
+    want_out, want_state = _OWN(**inputs, initial_state=state.clone(), **options)
+    kept = state.clone()
+    recurrent_gated_delta_rule(**inputs, initial_state=state, output_final_state=False, in_place=True)
+    assert torch.equal(state, kept)  # a state not asked for back is not written
+    got_out, got_state = decode_step(**inputs, initial_state=state, **options)
+    assert got_state is state  # the layer's copy into its cache copies it onto itself
+    assert float((state - want_state).abs().max()) < 1e-5 * float(want_state.abs().max())
+    assert float((got_out.float() - want_out.float()).abs().max()) <= 2**-7 * float(want_out.float().abs().max())
 
 
 # 1 token; 7 (one short chunk); 64 (exactly one); 100 (a full chunk and a part: more than one block and chunk)
@@ -104,9 +118,9 @@ def test_it_stands_in_only_while_a_step_runs_and_threads_share_it() -> None:
     other.start()
     inside.wait(10)
     with gdn_kernels(sites):
-        assert modeling_qwen3_5.torch_recurrent_gated_delta_rule is recurrent_gated_delta_rule
+        assert modeling_qwen3_5.torch_recurrent_gated_delta_rule is decode_step
         assert modeling_qwen3_5.torch_chunk_gated_delta_rule is chunk_gated_delta_rule
-    assert modeling_qwen3_5.torch_recurrent_gated_delta_rule is recurrent_gated_delta_rule  # the other step runs on
+    assert modeling_qwen3_5.torch_recurrent_gated_delta_rule is decode_step  # the other step runs on
     release.set()
     other.join(10)
     assert modeling_qwen3_5.torch_recurrent_gated_delta_rule is _OWN

@@ -22,7 +22,8 @@ the old state's product, ``o = exp(g) (q S) + (q . k) delta``, which equals
 ``transformers``' own up to float32 rounding order (about 1e-7 relative on the
 state).
 
-:func:`gdn_kernels` puts it, and :func:`twinkle_torch.gdn_chunk.chunk_gated_delta_rule`
+:func:`gdn_kernels` puts it (as :data:`decode_step`: the cache's state updated in
+place, which the layer then copies onto itself), and :func:`twinkle_torch.gdn_chunk.chunk_gated_delta_rule`
 for the prefill's chunked kernel, in place of ``transformers``' functions for the
 duration of a forward, in the modeling modules of ``model`` whose function is
 ``transformers``' own (compared by code, so a kernel from the hub or a patched
@@ -37,6 +38,7 @@ import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from types import ModuleType
 from typing import Any
 
@@ -44,7 +46,7 @@ import torch
 
 from twinkle_torch.gdn_chunk import chunk_gated_delta_rule
 
-__all__ = ["gdn_kernels", "kernel_sites", "recurrent_gated_delta_rule"]
+__all__ = ["decode_step", "gdn_kernels", "kernel_sites", "recurrent_gated_delta_rule"]
 
 _LOCK = threading.Lock()
 _USERS: Counter[tuple[str, str]] = Counter()
@@ -60,6 +62,8 @@ def recurrent_gated_delta_rule(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
+    *,
+    in_place: bool = False,
     **_: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``transformers``' ``torch_recurrent_gated_delta_rule`` (same arguments and results) in three passes a token.
@@ -69,9 +73,14 @@ def recurrent_gated_delta_rule(
         value: ``[batch, tokens, heads, value dim]``.
         g: the log decay, ``[batch, tokens, heads]``.
         beta: the write strength, ``[batch, tokens, heads]``.
-        initial_state: ``[batch, heads, key dim, value dim]`` (not changed), or ``None`` for zeros.
+        initial_state: ``[batch, heads, key dim, value dim]`` (not changed unless ``in_place``), or ``None`` for
+            zeros.
         output_final_state: return the last state.
         use_qk_l2norm_in_kernel: normalise queries and keys to unit length first.
+        in_place: when the last state is asked for and ``initial_state`` is a contiguous float32 tensor, update
+            it in place and return it: no new tensor of the state's size (at 64 rows of 16 heads, 64 MiB a
+            layer and a step, which the allocator maps and faults in afresh), and a layer that copies the
+            result into its cache (``transformers``' do) copies a tensor onto itself, which is free.
 
     Returns:
         The outputs ``[batch, tokens, heads, value dim]`` in the query's dtype, and the last state in float32
@@ -89,6 +98,10 @@ def recurrent_gated_delta_rule(
         state = torch.zeros(batch, heads, key_dim, value_dim, dtype=torch.float32, device=value.device)
     else:
         state = initial_state.to(torch.float32)
+    # whether ``state`` may be written: ours, or the caller's when asked (and the same tensor)
+    writable = initial_state is None or (
+        in_place and output_final_state and state is initial_state and state.is_contiguous()
+    )
     out = torch.empty(batch, heads, tokens, value_dim, dtype=torch.float32, device=value.device)
     rows = batch * heads
     for t in range(tokens):
@@ -96,15 +109,21 @@ def recurrent_gated_delta_rule(
         keep = decay[:, :, t].exp().unsqueeze(-1)  # [batch, heads, 1]
         read = torch.matmul(torch.stack((q_t, k_t), dim=-2), state)  # q S and k S of the old state, one pass
         delta = (v[:, :, t] - keep * read[:, :, 1]) * b[:, :, t].unsqueeze(-1)
-        state = state * keep.unsqueeze(-1)  # a new tensor: the caller's state is never written
+        if writable:
+            state.mul_(keep.unsqueeze(-1))
+        else:  # a new tensor: the caller's state is not written
+            state, writable = state * keep.unsqueeze(-1), True
         state.view(rows, key_dim, value_dim).baddbmm_(k_t.reshape(rows, key_dim, 1), delta.reshape(rows, 1, value_dim))
         out[:, :, t] = keep * read[:, :, 0] + (q_t * k_t).sum(dim=-1, keepdim=True) * delta
     return out.transpose(1, 2).contiguous().to(dtype), (state if output_final_state else None)
 
 
+#: The decode step's recurrence in a forward of the engine: the cache's state updated in place.
+decode_step = partial(recurrent_gated_delta_rule, in_place=True)
+
 #: ``transformers``' pure-PyTorch Gated DeltaNet functions (their names in the modeling modules) -> twinkle's.
 _KERNELS: dict[str, Any] = {
-    "torch_recurrent_gated_delta_rule": recurrent_gated_delta_rule,
+    "torch_recurrent_gated_delta_rule": decode_step,
     "torch_chunk_gated_delta_rule": chunk_gated_delta_rule,
 }
 
