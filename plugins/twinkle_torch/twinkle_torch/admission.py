@@ -29,6 +29,7 @@ import torch
 from twinkle_core.errors import NumericalError
 from twinkle_torch.batch import Batch
 from twinkle_torch.cache import gather_prefills, joinable, make_cache, select_rows
+from twinkle_torch.gdn import gdn_kernels
 from twinkle_torch.media import media_inputs
 from twinkle_torch.mrope import RopeIndex
 from twinkle_torch.routes import RouteRecorder
@@ -201,6 +202,8 @@ class Prefiller:
         pad_token_id: the id left padding uses (any valid id: it is masked).
         logits_to_keep: whether the model's forward takes ``logits_to_keep``.
         routes: the model's route recorder (``return_routed_experts``); ``None``: never recorded.
+        gdn_sites: where its Gated DeltaNet layers call ``transformers``' kernels
+            (:func:`twinkle_torch.gdn.kernel_sites`), which twinkle's replace in the forward.
     """
 
     def __init__(
@@ -211,8 +214,10 @@ class Prefiller:
         pad_token_id: int,
         logits_to_keep: bool,
         routes: RouteRecorder | None,
+        gdn_sites: list[tuple[str, str]],
     ) -> None:
         self.model = model
+        self.gdn_sites = gdn_sites
         self.device = device
         self.pad_token_id = pad_token_id
         self.logits_to_keep = logits_to_keep
@@ -340,9 +345,10 @@ class Prefiller:
         recorder = self.routes if record else None
         if recorder is not None:
             recorder.arm()
-        logits = self.model(
-            input_ids=input_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
-            use_cache=True, **kwargs,
-        ).logits  # fmt: skip
+        with gdn_kernels(self.gdn_sites):
+            logits = self.model(
+                input_ids=input_ids, attention_mask=prompt_mask, position_ids=positions, past_key_values=cache,
+                use_cache=True, **kwargs,
+            ).logits  # fmt: skip
         out.forwards += 1
         return cache, logits, recorder.take(len(ids)) if recorder is not None else None, deltas

@@ -60,7 +60,7 @@ from twinkle_torch.admission import Prefilled, Prefiller, admissible
 from twinkle_torch.batch import Batch, seen_of
 from twinkle_torch.cache import joinable, rewindable
 from twinkle_torch.draw import Drawn, Ending, Samplers, draw, non_finite
-from twinkle_torch.gdn import decode_kernels, modeling_modules
+from twinkle_torch.gdn import gdn_kernels, kernel_sites
 from twinkle_torch.openmp import release_idle_workers
 from twinkle_torch.process import (
     close_at_exit,
@@ -154,13 +154,15 @@ class Decoder:
         self.sdpa_masks = sdpa_masks
         # a hybrid model's per-row linear-attention state, charged to the budget as KV tokens of its size
         self.state_tokens = state_tokens_per_row(model.config, next(model.parameters()).dtype)
-        #: modeling modules whose Gated DeltaNet decode step runs twinkle's reordering (:mod:`twinkle_torch.gdn`)
-        self.gdn_modules = modeling_modules(model)
+        #: where the model's Gated DeltaNet layers call ``transformers``' kernels, which twinkle's replace
+        #: in its forwards (:mod:`twinkle_torch.gdn`)
+        self.gdn_sites = kernel_sites(model)
         self.max_batch_tokens = max(1, int(max_batch_tokens))
         self.stats = DecoderStats()
         self._prefill = Prefiller(
-            model, device=device, pad_token_id=pad_token_id, logits_to_keep=logits_to_keep, routes=routes
-        )
+            model, device=device, pad_token_id=pad_token_id, logits_to_keep=logits_to_keep, routes=routes,
+            gdn_sites=self.gdn_sites,
+        )  # fmt: skip
         self._cond = threading.Condition()
         self._queue: list[Row] = []  # waiting rows, first come first served
         self._jobs: list[Job] = []  # runs with rows queued or in the batch
@@ -518,7 +520,7 @@ class Decoder:
         if recorder is not None:
             recorder.arm()
         try:
-            with decode_kernels(self.gdn_modules):
+            with gdn_kernels(self.gdn_sites):
                 out = self.model(
                     input_ids=tokens_in.unsqueeze(1),
                     attention_mask=step_mask,
