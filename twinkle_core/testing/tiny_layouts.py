@@ -129,7 +129,7 @@ def _write_layout(text: Path, out: Path, images: bool = False) -> None:
         weights["lm_head.weight"] = torch.cat(
             [weights["lm_head.weight"], torch.zeros(extra, weights["lm_head.weight"].shape[1])]
         )
-    weights.update(_random_tower(config, generator))
+    weights.update(_random_tower(config, generator, reads_images=images))
     weights.update(_random_mtp(config["text_config"], generator))
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     version = TINY_QWEN3_5_VL_VERSION if images else TINY_LAYOUT_VERSION
@@ -200,15 +200,25 @@ def _processor_configs(config: dict[str, Any]) -> dict[str, dict[str, Any]]:
     }
 
 
-def _random_tower(config: dict[str, Any], generator: Any) -> dict[str, Any]:
-    """A random vision tower of ``config``'s shape, under the checkpoint's names (``model.visual.*``)."""
+def _random_tower(config: dict[str, Any], generator: Any, reads_images: bool = False) -> dict[str, Any]:
+    """A random vision tower of ``config``'s shape, under the checkpoint's names (``model.visual.*``).
+
+    ``reads_images``: its norms scale by one, as initialised, so that its
+    output depends on the pixels (norm weights of noise would leave mostly
+    the biases, the same for every image); else every tensor is noise.
+    """
     import torch
     from transformers import Qwen3_5Config
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
     vision_config = Qwen3_5Config(**config).vision_config
     tower = Qwen3_5VisionModel._from_config(vision_config, dtype=torch.float32)
-    return {f"model.visual.{name}": _noise(t, generator) for name, t in tower.state_dict().items()}
+    return {
+        f"model.visual.{name}": (
+            torch.ones_like(t) if reads_images and "norm" in name and name.endswith("weight") else _noise(t, generator)
+        )
+        for name, t in tower.state_dict().items()
+    }
 
 
 def _random_mtp(text_config: dict[str, Any], generator: Any) -> dict[str, Any]:
