@@ -98,3 +98,17 @@ def test_images_sample_in_bfloat16_at_greedy_parity_with_the_torch_engine(vllm_s
     tolerance = 2 * _rounding_of_bfloat16(folder, features, want)
     assert_greedy_parity(got, want, atol=tolerance)
     assert got[0].tokens != got[1].tokens  # one question, two images: two answers
+
+
+def test_without_the_tower_the_engine_declares_no_media_so_an_image_is_refused(folder: Path) -> None:
+    """The default (``language_model_only``, the tower skipped): vLLM takes no image, and the engine says so,
+    so the sampler refuses a prompt with one by name before any work instead of sampling it without its image."""
+    from vllm.config import ModelConfig
+
+    from twinkle_vllm._hybrid import hybrid_options
+    from twinkle_vllm._media import engine_media
+
+    options = hybrid_options(folder, {}, cpu=True)
+    assert options["language_model_only"] is True
+    config = ModelConfig(model=str(folder), language_model_only=True, dtype=options["dtype"])
+    assert engine_media(config) == frozenset()
