@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["assert_greedy_parity"]
+__all__ = ["assert_greedy_parity", "hf_logprobs"]
 
 
 def assert_greedy_parity(got: Sequence[Any], want: Sequence[Any], *, atol: float, min_compared: float = 0.75) -> None:
@@ -57,3 +57,24 @@ def assert_greedy_parity(got: Sequence[Any], want: Sequence[Any], *, atol: float
     assert compared >= min_compared * total, (
         f"only {compared} of {total} tokens lie before a divergence: the two sides agree on too little"
     )
+
+
+def hf_logprobs(model: Any, feature: Any, tokens: Sequence[int]) -> Any:
+    """Log-softmax of an HF model's one forward over a prompt's feature plus ``tokens``, at each of ``tokens``.
+
+    The feature's processed media (``InputFeature.multimodal``) go in as they
+    are, cast to the model's dtype where floating; its per-token arrays
+    (``mm_token_type_ids``) are extended over ``tokens`` as text (type 0).
+    Returns a float32 ``[len(tokens), vocab]`` tensor (the whole distributions).
+    """
+    import numpy as np
+    import torch
+
+    dtype = next(model.parameters()).dtype
+    media = {k: torch.from_numpy(np.asarray(v)) for k, v in (feature.multimodal or {}).items()}
+    media = {k: v.to(dtype) if v.is_floating_point() else v for k, v in media.items()}
+    if "mm_token_type_ids" in media:
+        media["mm_token_type_ids"] = torch.nn.functional.pad(media["mm_token_type_ids"], (0, len(tokens)))
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([list(feature.input_ids) + list(tokens)]), **media).logits[0].float()
+    return logits.log_softmax(-1)[len(feature.input_ids) - 1 : -1]

@@ -27,38 +27,60 @@ from typing import Any
 
 from twinkle_core.hub import build_cached_folder, cache_root
 
-__all__ = ["TINY_QWEN_VL_CHAT_TEMPLATE", "TINY_QWEN_VL_VERSION", "build_tiny_qwen_vl"]
+__all__ = [
+    "IMAGE_BLOCK",
+    "TINY_QWEN_VL_CHAT_TEMPLATE",
+    "TINY_QWEN_VL_VERSION",
+    "VIDEO_BLOCK",
+    "VISION_TOKENS",
+    "add_vision_tokens",
+    "build_tiny_qwen_vl",
+]
 
 #: Bumped whenever the built folder changes.
 TINY_QWEN_VL_VERSION = 1
 _SEED = 20260358
 _MARKER = "twinkle_tiny_qwen_vl.json"
-_VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|video_pad|>", "<|vision_end|>")
+#: Qwen's vision tokens, in the order the tiny models append them to their vocabularies.
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|video_pad|>", "<|vision_end|>")
+#: What Qwen's chat templates write for an image block and for a video block.
+IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
+VIDEO_BLOCK = "<|vision_start|><|video_pad|><|vision_end|>"
 
 #: ChatML, with an image block rendered as Qwen's vision placeholder and a video block as its video one.
 TINY_QWEN_VL_CHAT_TEMPLATE = (
     "{%- for message in messages %}{{ '<|im_start|>' + message.role + '\\n' }}"
     "{%- if message.content is string %}{{ message.content }}{%- else %}{%- for part in message.content %}"
     "{%- if part.type == 'text' %}{{ part.text }}"
-    "{%- elif part.type == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{%- elif part.type == 'video' %}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}{%- endif %}"
+    "{%- elif part.type == 'image' %}{{ '" + IMAGE_BLOCK + "' }}"
+    "{%- elif part.type == 'video' %}{{ '" + VIDEO_BLOCK + "' }}{%- endif %}"
     "{%- endfor %}{%- endif %}{{ '<|im_end|>\\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 
 
-def _tokenizer(folder: Path) -> Any:
+def add_vision_tokens(tokenizer: Any, chat_template: str) -> Any:
+    """``tokenizer`` with Qwen's vision tokens appended as special tokens (the next free ids, in order) and
+    ``chat_template``; the ids of existing tokens, and so how any text tokenizes, do not change."""
     from tokenizers import AddedToken
+
+    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS], special_tokens=True)
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+def _tokenizer(folder: Path) -> Any:
     from transformers import PreTrainedTokenizerFast
 
     from twinkle_core.testing.tiny_model import TINY_MAX_MODEL_LEN, train_tiny_tokenizer
 
-    raw = train_tiny_tokenizer("qwen2")
-    raw.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in _VISION_TOKENS])
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=raw, eos_token="<|im_end|>", pad_token="<|endoftext|>", model_max_length=TINY_MAX_MODEL_LEN
+        tokenizer_object=train_tiny_tokenizer("qwen2"),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=TINY_MAX_MODEL_LEN,
     )
-    tokenizer.chat_template = TINY_QWEN_VL_CHAT_TEMPLATE
+    add_vision_tokens(tokenizer, TINY_QWEN_VL_CHAT_TEMPLATE)
     tokenizer.save_pretrained(str(folder))
     return tokenizer
 
@@ -88,7 +110,7 @@ def _write(out: Path) -> None:
 
     tokenizer = _tokenizer(out)
     _processor_configs(out)
-    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in _VISION_TOKENS}
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in VISION_TOKENS}
     config = Qwen3VLConfig(
         text_config={
             "vocab_size": len(tokenizer), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

@@ -1,6 +1,7 @@
 """Images for a model with multimodal rotary positions (the Qwen-VL family) on the torch engine, on a tiny
-Qwen3-VL: its processor built without torchvision, its expansion checked against the model's own vision
-tower, and its samples against the HF forward, which places image tokens on a grid by its own code."""
+Qwen3-VL (plain attention) and a tiny Qwen3.5 (Gated DeltaNet layers, whose state the engine carries per row):
+the processor built without torchvision, its expansion checked against the model's own vision tower, and the
+samples against the HF forward, which places image tokens on a grid by its own code. One engine at a time."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from twinkle_core import Sampler, create_sampler
 from twinkle_core.data_format import InputFeature, SampledSequence, SamplingParams, Trajectory
 from twinkle_core.errors import UnsupportedFeatureError
 from twinkle_core.template.processor import ProcessorTemplate
+from twinkle_core.testing.parity import hf_logprobs
+from twinkle_core.testing.tiny_layouts import build_tiny_qwen3_5_vl
 from twinkle_core.testing.tiny_qwen_vl import build_tiny_qwen_vl
 
 #: Float32 summation order between a batched, cached decode and one full forward (as test_torch_media's).
@@ -25,9 +28,9 @@ _TOLERANCE = 1e-3
 _GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=0)
 
 
-@pytest.fixture(scope="module")
-def folder() -> Path:
-    return build_tiny_qwen_vl()
+@pytest.fixture(scope="module", params=["qwen3_vl", "qwen3_5_vl"])
+def folder(request: pytest.FixtureRequest) -> Path:
+    return build_tiny_qwen_vl() if request.param == "qwen3_vl" else build_tiny_qwen3_5_vl()
 
 
 @pytest.fixture(scope="module")
@@ -43,19 +46,9 @@ def hf_model(folder: Path) -> Any:
     return AutoModelForImageTextToText.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
-def _hf_logprobs(model: Any, feature: InputFeature, tokens: list[int]) -> torch.Tensor:
-    """Log-probs of the HF forward over the prompt's feature plus ``tokens`` (text: type 0), at each token."""
-    media = {k: torch.from_numpy(np.asarray(v)) for k, v in (feature.multimodal or {}).items()}
-    if "mm_token_type_ids" in media:
-        media["mm_token_type_ids"] = torch.nn.functional.pad(media["mm_token_type_ids"], (0, len(tokens)))
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([feature.input_ids + tokens]), **media).logits[0].float()
-    return logits.log_softmax(-1)[len(feature.input_ids) - 1 : -1]
-
-
 def _gap(model: Any, feature: InputFeature, sequence: SampledSequence) -> tuple[float, bool]:
     """How far a sequence's log-probs are from the HF forward's, and whether each token is its argmax."""
-    logprobs = _hf_logprobs(model, feature, sequence.tokens)
+    logprobs = hf_logprobs(model, feature, sequence.tokens)
     tokens = torch.tensor(sequence.tokens)
     own = logprobs.gather(-1, tokens[:, None])[:, 0]
     assert sequence.logprobs is not None and len(sequence.logprobs) == len(sequence.tokens) > 0
@@ -95,11 +88,14 @@ def test_the_processor_is_built_for_images_without_torchvision_and_expands_as_th
         )
 
 
-def test_greedy_image_prompts_are_the_hf_forward_on_their_grid_positions(sampler: Sampler, hf_model: Any) -> None:
-    """Images of two shapes (grids 1x3 and 3x3 tokens: positions behind length by 0 and 6) and a text prompt
-    in one call, two samples each sharing a prefill: every sequence is the HF forward's, and each image prompt's
-    tokens are not the HF forward's under the other image."""
-    assert type(sampler.engine.model).__name__ == "Qwen3VLForConditionalGeneration"  # type: ignore[attr-defined]
+def test_greedy_image_prompts_are_the_hf_forward_on_their_grid_positions(
+    folder: Path, sampler: Sampler, hf_model: Any
+) -> None:
+    """Images of two shapes (Qwen3-VL's grids: 1x3 and 3x3 tokens, positions behind length by 0 and 6) and a
+    text prompt in one call, two samples each sharing a prefill: every sequence is the HF forward's (the VL
+    class's, which the engine runs), and each image prompt's log-probs are not the HF forward's under another
+    image. A checkpoint that also loads as a text model (Qwen3.5's) gives the text prompt that model's log-probs."""
+    assert type(sampler.engine.model) is type(hf_model)  # type: ignore[attr-defined]
     assert sampler.engine.info.media == {"image"}
     chats = [
         image_chat(patterned_image(1, (90, 40))),
@@ -114,12 +110,27 @@ def test_greedy_image_prompts_are_the_hf_forward_on_their_grid_positions(sampler
         for sequence in response.sequences:
             gap, greedy = _gap(hf_model, feature, sequence)
             assert greedy and gap < _TOLERANCE, gap
-    assert responses[0].sequences[0].tokens != responses[2].sequences[0].tokens
+    first, last = responses[0].sequences[0], responses[2].sequences[0]
+    assert (first.tokens, first.logprobs) != (last.tokens, last.logprobs)
+    text_model = _text_model(folder)
+    if text_model is not None:
+        gap, greedy = _gap(text_model, features[1], responses[1].sequences[0])
+        assert greedy and gap < _TOLERANCE, gap
     swapped = InputFeature(
         input_ids=features[2].input_ids, multimodal={**features[2].multimodal, "pixel_values": _pixels(sampler, 3)}
     )
     gap, _ = _gap(hf_model, swapped, responses[2].sequences[0])
     assert gap > 10 * _TOLERANCE, gap
+
+
+def _text_model(folder: Path) -> Any:
+    """The folder's model as ``AutoModelForCausalLM`` loads it (Qwen3.5's text class); ``None`` if it has none."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    if type(AutoConfig.from_pretrained(str(folder))) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return None
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
 
 
 def _pixels(sampler: Sampler, seed: int) -> Any:
@@ -163,9 +174,9 @@ def test_an_image_prompt_joins_a_running_batch_and_resumes_after_an_abort(sample
 def test_the_trainer_replays_each_sample_from_its_training_feature(sampler: Sampler, hf_model: Any) -> None:
     """An HF forward over each seeded sample's training feature, as a trainer gets it (through JSON), gives its
     log-probs: the feature's per-token media inputs cover the completion too, which the model's forward needs."""
-    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, logprobs=0, num_samples=2, seed=3)
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, logprobs=0, num_samples=3, seed=3)
     response = sampler.sample(Trajectory(messages=image_chat(patterned_image(5, (96, 64)))), params)[0]
-    assert response.sequences[0].tokens != response.sequences[1].tokens
+    assert len({tuple(sequence.tokens) for sequence in response.sequences}) > 1  # the trained Qwen3.5 is sharp
     for sequence in response.sequences:
         tokens, logprobs = replayed_logprobs(hf_model, sequence)
         assert tokens == sequence.tokens

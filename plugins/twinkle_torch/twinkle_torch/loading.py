@@ -3,9 +3,11 @@ checking that it decodes (its causal mask and its cache give the logits a plain 
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,7 +18,6 @@ from twinkle_torch.attention import ATTN_IMPLEMENTATION, NATIVE_ATTN_IMPLEMENTAT
 from twinkle_torch.attention import register as register_attention
 from twinkle_torch.cache import make_cache
 from twinkle_torch.linear import available as onednn_available
-from twinkle_torch.mrope import multimodal_positions
 from twinkle_torch.native import KernelUnavailable
 from twinkle_torch.native import load as load_native_kernel
 from twinkle_torch.state import StateLayer, uncarried_state
@@ -246,12 +247,16 @@ def image_text_class(config: Any, path: Any) -> Any:
     A folder is sampled with its images when its config maps to an
     ``AutoModelForImageTextToText`` class and it holds the processor that
     expands them (:func:`twinkle_core.hub.has_processor`):
-    without one no prompt can carry an image, and a checkpoint that
-    ``AutoModelForCausalLM`` also loads (Qwen3.5, Gemma 3) keeps the class and
-    the weight names it has as a text model. A model whose rotary positions
-    are multimodal (Qwen2-VL's ``mrope_section``) places an image's tokens on
-    a grid its own ``get_rope_index`` computes (:mod:`twinkle_torch.mrope`);
-    one with a recurrent state as well (Qwen3.5) still loads as its text model.
+    without one no prompt can carry an image. A checkpoint that
+    ``AutoModelForCausalLM`` also loads (Qwen3.5, Gemma 3) keeps its text
+    class, and the weight names it has as a text model, unless its tokenizer
+    holds the image token as well (:func:`_places_images`): a Qwen3.5 folder
+    whose tokenizer has no vision tokens cannot place an image anyway.
+    A model whose rotary positions are multimodal (Qwen2-VL's
+    ``mrope_section``) places an image's tokens on a grid its own
+    ``get_rope_index`` computes (:mod:`twinkle_torch.mrope`); one with a
+    recurrent state as well (Qwen3.5) keeps it in the state layer
+    (:mod:`twinkle_torch.state`), as its text class does.
     """
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING
 
@@ -263,9 +268,24 @@ def image_text_class(config: Any, path: Any) -> Any:
         return None
     if not has_processor(path):
         return None
-    if multimodal_positions(config) and getattr(cls, "_is_stateful", False):
+    if causal_lm_class(config) is not None and not _places_images(config, Path(path)):
         return None
     return cls
+
+
+def _places_images(config: Any, folder: Path) -> bool:
+    """Whether the folder's tokenizer has the config's image token as a token of its own (an added token).
+
+    Read from ``tokenizer.json`` (``True`` where there is none to read: the config is then trusted).
+    """
+    image_id = getattr(config, "image_token_id", None)
+    try:
+        added = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8")).get("added_tokens")
+    except (OSError, ValueError, AttributeError):
+        return True
+    if not isinstance(image_id, int) or not isinstance(added, list):
+        return True
+    return any(isinstance(token, dict) and token.get("id") == image_id for token in added)
 
 
 #: The load check's tolerances on log-probs. A causal model's log-probs at a position do not

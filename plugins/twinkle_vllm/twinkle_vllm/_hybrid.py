@@ -15,9 +15,11 @@ vLLM model import), before the engine starts:
   request prefilled in chunks kills the CPU engine,
   :func:`twinkle_vllm._engine_args.platform_defaults`), so there prefix
   caching is off for these models unless the user sets it.
-- **the vision tower.** A Qwen3.5 checkpoint is a vision-language model; the
-  engine samples text, so unless the user says otherwise the tower is not
-  loaded (vLLM's ``language_model_only``).
+- **the vision tower.** A Qwen3.5 checkpoint is a vision-language model. The
+  tower is loaded only when the user asks for images with
+  ``language_model_only=False``; otherwise it is not (vLLM's
+  ``language_model_only``), and a prompt with an image is refused by name,
+  never sampled without it.
 """
 
 from __future__ import annotations
