@@ -129,6 +129,9 @@ def one(model_type: str, root: Path) -> dict[str, Any]:
             result["vllm"] = _greedy(sampler)
     except Exception as exc:
         result["vllm_error"] = _first_line(exc)
+        refused = _VALUE_ERROR.search(str(exc))  # a VllmConfig field refused: pydantic says which, past line one
+        if refused:
+            result["vllm_detail"] = f"VllmConfig: {refused.group(1)}"[:300]
     return result
 
 
@@ -145,10 +148,11 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> str:
 def _cause(log: str) -> str:
     """The last line of a child's log that names an exception (vLLM's engine process reports its cause so)."""
     found = ""
-    refused = _VALUE_ERROR.findall(log)
+    lines = [line for line in log.splitlines() if not line.startswith("{")]  # not the child's own results
+    refused = [m.group(1) for line in lines if (m := _VALUE_ERROR.search(line))]
     if refused:
-        return f"VllmConfig: {refused[-1][0]}"[:300]
-    for line in log.splitlines():
+        return f"VllmConfig: {refused[-1]}"[:300]
+    for line in lines:
         match = _CAUSE.search(line)
         if match and "Engine core initialization failed" not in line and "Traceback" not in line:
             found = f"{match.group(1)}: {match.group(3)}".strip()[:300]
@@ -175,7 +179,7 @@ def probe(model_type: str, timeout: float) -> dict[str, Any]:
         elif "vllm" not in result and "vllm_error" not in result and "build" not in result:
             result["vllm_error"] = f"the process died (exit {proc.returncode})"
         if "vllm_error" in result:
-            result["vllm_cause"] = _cause(log)
+            result["vllm_cause"] = result.get("vllm_detail") or _cause(log)
         return result
 
 
