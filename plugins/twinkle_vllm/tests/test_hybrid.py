@@ -114,6 +114,14 @@ def test_prefix_caching_is_off_on_cpu_where_chunked_prefill_is(tiny_qwen3_5: Pat
     assert "enable_prefix_caching" not in hybrid_options(tiny_qwen3_5, {"enable_prefix_caching": True}, cpu=True)
 
 
+def test_prefix_caching_is_off_on_cpu_for_other_models_with_a_mamba_style_state(tmp_path: Path) -> None:
+    # LFM2's convolution state, Falcon-H1's Mamba-2: vLLM checkpoints them per block too (bench/probe_vllm_families.py)
+    folder = _config(tmp_path, {"model_type": "lfm2", "layer_types": ["conv", "full_attention"]})
+    assert hybrid_options(folder, {}, cpu=True) == {"enable_prefix_caching": False}  # its dtype stays the user's
+    assert hybrid_options(folder, {"enable_chunked_prefill": True}, cpu=True) == {}
+    assert hybrid_options(folder, {}, cpu=False) == {}
+
+
 def test_float32_is_refused_before_the_engine_starts(tiny_qwen3_5: Path) -> None:
     from twinkle_vllm.sampler import vLLMSampler
 
