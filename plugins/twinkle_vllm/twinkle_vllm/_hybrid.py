@@ -80,8 +80,9 @@ def hybrid_options(model_dir: Path, options: dict[str, Any], *, cpu: bool) -> di
     if not config:
         return {}
     if not is_linear_attention_hybrid(config):
-        text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-        stateful = {config.get("model_type"), text.get("model_type")} & _STATE_MODEL_TYPES
+        text = config.get("text_config")
+        text_type = text.get("model_type") if isinstance(text, dict) else None
+        stateful = {config.get("model_type"), text_type} & _STATE_MODEL_TYPES
         if stateful and cpu and "enable_prefix_caching" not in options and not options.get("enable_chunked_prefill"):
             return {"enable_prefix_caching": False}
         return {}
