@@ -4,17 +4,18 @@
 holds the rule for all the others, including families added by a newer
 ``transformers``: each is built as a random tiny model from a generic
 config, with the few fields its own forward needs beside it declared in
-``_OVERRIDES`` (a hybrid's layer types, a latent attention's heads, an
-encoder-decoder's decoder sizes...), and sampled. A composite (a language
-model with vision or audio towers) is built as its checkpoint is, with its
-text config sized like its text family and tiny towers, and sampled through
-what ``AutoModelForCausalLM`` loads of it: its language model, or the whole
-model where the mapping names that. A family that no longer builds, or grows
-past a tiny model, fails here: the table needs an entry, not a skip. Only
-families with no language model of their own (``_OUTSIDE``) are skipped. The engine must
-either give every sampled and prompt log-prob of a plain eager forward of
-the same model, or refuse the model at construction with a ``ConfigError``
-that says why (a recurrent state, not causal, padding or cache ignored).
+``twinkle_core.testing.tiny_families.OVERRIDES`` (a hybrid's layer types, a
+latent attention's heads, an encoder-decoder's decoder sizes...), and
+sampled. A composite (a language model with vision or audio towers) is built
+as its checkpoint is, with its text config sized like its text family and
+tiny towers, and sampled through what ``AutoModelForCausalLM`` loads of it:
+its language model, or the whole model where the mapping names that. A
+family that no longer builds, or grows past a tiny model, fails here: the
+table needs an entry, not a skip. Only families with no language model of
+their own (``OUTSIDE``) are skipped. The engine must either give every
+sampled and prompt log-prob of a plain eager forward of the same model, or
+refuse the model at construction with a ``ConfigError`` that says why (a
+recurrent state, not causal, padding or cache ignored).
 What it must never do is sample silently from something else, or fail
 only once a call runs.
 
@@ -32,143 +33,24 @@ from typing import Any
 
 import pytest
 import torch
-from test_torch_architectures import eager, gap, prompts, save_random
+from test_torch_architectures import eager, gap, prompts
 from test_torch_routes import assert_routes_are_own
 
 from twinkle_core.data_format import SamplingParams
 from twinkle_core.errors import ConfigError
 from twinkle_core.rl import find_routers
+from twinkle_core.testing.tiny_families import (
+    MAX_PARAMETERS,
+    OUTSIDE,
+    families,
+    family_config,
+    language_model,
+    save_random,
+)
 from twinkle_torch import TorchSampler
 from twinkle_torch.loading import brief
 
-_GENERIC: dict[str, Any] = dict(
-    vocab_size=768, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-    num_key_value_heads=1, max_position_embeddings=512, pad_token_id=0, n_embd=128, n_layer=2, n_head=2,
-    d_model=128, n_positions=512, num_layers=2, ffn_dim=256,
-    # mixtures of experts: a few small ones
-    num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-    shared_expert_intermediate_size=64, moe_topk=2, n_group=1, topk_group=1,
-)  # fmt: skip
-
-#: A key of ``_GENERIC`` that a family's config refuses to be given at all.
-_DROP = object()
-
-#: The decoder of an encoder-decoder family (in the causal-LM mapping): its own names for its sizes.
-_SEQ2SEQ: dict[str, Any] = dict(
-    encoder_layers=2, decoder_layers=2, encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=256,
-    decoder_ffn_dim=256,
-)  # fmt: skip
-
-#: Multi-head latent attention (DeepSeek-V2 and after) sized to the generic model, with a small sparse indexer.
-_MLA: dict[str, Any] = dict(
-    num_key_value_heads=2, q_lora_rank=64, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
-    index_n_heads=2, index_head_dim=32,
-)  # fmt: skip
-
-#: A vision tower a few thousand parameters big, for composites and models with one built in.
-_TOWER: dict[str, Any] = dict(
-    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=56, patch_size=14,
-)  # fmt: skip
-
-#: What a family needs beside (or instead of) ``_GENERIC`` for its own eager forward to run on a short prompt.
-#: A composite's entry sizes its towers; its text model takes the entry of the text config's model type.
-_OVERRIDES: dict[str, dict[str, Any]] = {
-    # multi-head latent attention: as many key/value heads as query heads, small low-rank projections and indexer
-    **dict.fromkeys((
-        "axk1", "axk2", "deepseek_v2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "glm_moe_dsa", "minicpm3",
-        "youtu",
-    ), _MLA),
-    "longcat_flash": dict(num_key_value_heads=2),  # at _MLA's latent sizes its attention's shapes disagree
-    "diffllama": dict(num_key_value_heads=2),  # its two attention maps split the values by key/value head
-    **dict.fromkeys((
-        "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart", "mvp", "pegasus", "plbart",
-        "whisper",
-    ), _SEQ2SEQ),
-    "prophetnet": dict(
-        num_hidden_layers=_DROP, num_encoder_layers=2, num_decoder_layers=2, num_encoder_attention_heads=2,
-        num_decoder_attention_heads=2, encoder_ffn_dim=256, decoder_ffn_dim=256,
-    ),
-    # a head size the config leaves unset (None) where the attention reads it
-    **{name: dict(head_dim=64) for name in ("helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "ministral")},
-    # hybrids: one attention layer beside the recurrent one (transformers' cache needs at least one)
-    **{name: dict(layer_types=["linear_attention", "full_attention"]) for name in (
-        "granitemoehybrid", "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next",
-    )},
-    "bamba": dict(attn_layer_indices=[1]),
-    "jamba": dict(attn_layer_period=2, attn_layer_offset=1),
-    "kimi_linear": dict(num_key_value_heads=2, layer_types=["linear_attention", "full_attention"]),
-    **{name: dict(layer_types=["conv", "full_attention"]) for name in ("lfm2", "lfm2_moe")},  # by default all attention
-    "recurrent_gemma": dict(block_types=["recurrent", "attention"]),
-    "mamba2": dict(num_heads=4, head_dim=64, n_groups=1),  # hidden_size * expand == num_heads * head_dim
-    "qwen4_exp_text": dict(
-        layer_types=["linear_attention", "indexed_attention"], head_dim=64, indexer_n_heads=2, indexer_kv_heads=1,
-        indexer_head_dim=64, indexer_budget=4, indexer_compress_ratio=2, hc_lowrank=16, linear_key_head_dim=32,
-        linear_value_head_dim=32, linear_num_key_heads=2, linear_num_value_heads=2,
-    ),
-    "zamba": dict(num_hidden_layers=3, layers_block_type=["mamba", "hybrid", "hybrid"]),  # one block, shared by two
-    "zamba2": dict(layers_block_type=["mamba", "hybrid"]),
-    # towers: a small vision (and audio) model
-    "gemma3": dict(vision_config=_TOWER, mm_tokens_per_image=4),
-    "git": dict(vision_config=_TOWER),
-    "fuyu": dict(hidden_size=128, patch_size=4),  # its patch embedding is sized by the top-level config
-    "got_ocr2": dict(vision_config=dict(
-        hidden_size=32, output_channels=32, num_hidden_layers=1, num_attention_heads=2, image_size=64, patch_size=16,
-        window_size=2, global_attn_indexes=[0], mlp_dim=64,
-    )),
-    "phi4_multimodal": dict(vision_config=_TOWER, audio_config=dict(
-        hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=2, nemo_conv_channels=32,
-    )),
-    # a byte-level model: small hash tables, patcher and local models
-    "blt": dict(
-        encoder_hash_byte_group_vocab=512,
-        patcher_config=dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128),
-        encoder_config=dict(hidden_size=64, num_attention_heads=2, hidden_size_global=128, intermediate_size=128),
-        decoder_config=dict(
-            hidden_size=64, num_hidden_layers=1, num_attention_heads=2, hidden_size_global=128, intermediate_size=128,
-        ),
-        global_config=dict(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, intermediate_size=256),
-    ),
-    # per-layer embeddings, key/value sharing and sparsity sized to two layers
-    "gemma3n_text": dict(
-        layer_types=["sliding_attention", "full_attention"], num_kv_shared_layers=0, vocab_size_per_layer_input=768,
-        hidden_size_per_layer_input=16, laurel_rank=8, activation_sparsity_pattern=[0.0, 0.0],
-    ),
-    "gemma4_text": dict(vocab_size_per_layer_input=768, hidden_size_per_layer_input=16),
-    # the rest: one field each that the generic config leaves at a value its forward cannot take
-    "codegen": dict(num_attention_heads=4, n_head=4, rotary_dim=16),  # its heads split four ways
-    "cohere_compass_text": dict(rope_parameters={
-        "full_attention": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [12, 10, 10]},
-    }),
-    "dbrx": dict(
-        attn_config=dict(kv_n_heads=1, rope_theta=1e4, clip_qkv=8.0),
-        ffn_config=dict(ffn_hidden_size=256, moe_num_experts=4, moe_top_k=2),
-    ),
-    "dots1": dict(n_shared_experts=1),
-    "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
-    "reformer": dict(
-        is_decoder=True, attn_layers=["local", "lsh"], axial_pos_shape=[16, 32], axial_pos_embds_dim=[64, 64],
-    ),
-    "xlnet": dict(max_position_embeddings=_DROP),
-    "xmod": dict(default_language="en_XX"),
-    "zaya": dict(num_experts_per_tok=1),
-}  # fmt: skip
-
-#: Families the sweep does not sample, for a reason outside the engine: no language model of their own.
-_OUTSIDE: dict[str, str] = {
-    **dict.fromkeys(("gemma4_assistant", "gemma4_unified_assistant"), (
-        "a drafter for speculative decoding: its forward requires the Gemma 4 target's hidden states (inputs_embeds)"
-        " and key/value states (shared_kv_states) and ignores input_ids; no language model alone"
-    )),
-    **dict.fromkeys(("musicgen", "musicgen_melody"), (
-        "the audio-token decoder of a text-to-music model: its ids are audio codebook tokens, num_codebooks rows per"
-        " sequence, and its composite config needs a text and an audio encoder; no text language model"
-    )),
-}  # fmt: skip
-
 _TOLERANCE = 0.05
-
-#: Models stay small: a family whose config makes a bigger one needs an entry in ``_OVERRIDES``.
-_MAX_PARAMETERS = 40_000_000
 
 #: What a refusal says (twinkle_torch.engine's load checks).
 _REASONS = ("recurrent state", "not a causal language model", "left padding", "KV cache")
@@ -178,60 +60,16 @@ PARAMS = SamplingParams(
 )
 
 
-def _families() -> list[str]:
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
-
-
-def _sized(model_type: str) -> dict[str, Any]:
-    """``_GENERIC`` with the family's own overrides."""
-    merged = {**_GENERIC, **_OVERRIDES.get(model_type, {})}
-    return {key: value for key, value in merged.items() if value is not _DROP}
-
-
-def _config(model_type: str) -> Any:
-    """The tiny config of ``model_type``; a composite's text model is sized as its own family would be."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.for_model(model_type, **_sized(model_type))
-    text = config.get_text_config()
-    if text is config:
-        return config
-    text_config = {"model_type": text.model_type, **_sized(text.model_type)}
-    return AutoConfig.for_model(model_type, **{**_OVERRIDES.get(model_type, {}), "text_config": text_config})
-
-
-def _language_model(config: Any) -> tuple[Any, Any]:
-    """The config to save and what ``AutoModelForCausalLM`` builds of it, on the meta device.
-
-    A composite whose towers need a library absent here (Gemma 3n's timm) falls back to its text config, when
-    ``transformers`` maps that to a causal LM of its own.
-    """
-    from transformers import AutoModelForCausalLM
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    try:
-        with torch.device("meta"):  # counted before anything is allocated: some configs ask for huge tables
-            return config, AutoModelForCausalLM.from_config(config)
-    except ImportError:
-        text = config.get_text_config()
-        if text is config or type(text) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-            raise
-    with torch.device("meta"):
-        return text, AutoModelForCausalLM.from_config(text)
-
-
 def _build(model_type: str, out: Path) -> Any:
     """The random tiny model of ``model_type`` in ``out`` and its eager reference; fails if it cannot be built."""
-    if model_type in _OUTSIDE:
-        pytest.skip(f"{model_type}: {_OUTSIDE[model_type]}")
+    if model_type in OUTSIDE:
+        pytest.skip(f"{model_type}: {OUTSIDE[model_type]}")
     try:
-        config, model = _language_model(_config(model_type))
+        config, model = language_model(family_config(model_type))
         size = sum(p.numel() for p in model.parameters())
     except Exception as exc:  # the config does not fit this family
         pytest.fail(f"{model_type}: not buildable from its tiny config: {type(exc).__name__}: {brief(exc)}")
-    assert size <= _MAX_PARAMETERS, f"{model_type}: {size:,} parameters from its tiny config, not a tiny model"
+    assert size <= MAX_PARAMETERS, f"{model_type}: {size:,} parameters from its tiny config, not a tiny model"
     save_random(config, out)
     if config.get_text_config() is not config:  # a composite checkpoint's config, over the language model's own
         config.save_pretrained(out)
@@ -243,7 +81,7 @@ def _build(model_type: str, out: Path) -> Any:
 
 # "onednn-packed" runs each plain linear layer on a copy of its weight: every family must still read as itself
 @pytest.mark.parametrize("linear_kernel", ["auto", "onednn-packed"])
-@pytest.mark.parametrize("model_type", _families())
+@pytest.mark.parametrize("model_type", families())
 def test_each_family_is_sampled_as_itself_or_refused_at_load(
     model_type: str, linear_kernel: str, tmp_path: Path
 ) -> None:

@@ -57,7 +57,7 @@ class LoraAdapters:
     def merge_input(self, adapter: AdapterInput) -> tuple[dict[str, Any], list[tuple[str, torch.Tensor]]]:
         """The config and CPU tensors of an adapter to merge, refused if it does not fit the model."""
         config, tensors = lora_config(adapter), cpu_tensors(adapter)
-        self._check(adapter)
+        self._check(adapter, unmerged=False)
         return config, tensors
 
     def read_base(self, names: list[str]) -> dict[str, torch.Tensor]:
@@ -102,7 +102,7 @@ class LoraAdapters:
         replaces = old.lora_int_id if old is not None else None
         try:
             config, tensors = lora_config(adapter), cpu_tensors(adapter)
-            self._check(adapter)
+            self._check(adapter, unmerged=True)
             if adapter.folder is not None:  # vLLM reads the folder itself
                 folder = adapter.folder.resolve()
                 how: tuple[Any, ...] = ("folder", str(folder))
@@ -135,13 +135,13 @@ class LoraAdapters:
                 " 0.32). Remove them first, load them with merge=True (no LoRA kernels), or score on the torch engine."
             )
 
-    def _check(self, adapter: AdapterInput) -> None:
-        """Refuse an adapter that does not fit the model (vLLM would load it silently)."""
+    def _check(self, adapter: AdapterInput, *, unmerged: bool) -> None:
+        """Refuse an adapter that does not fit the model (vLLM would load it silently), or ``unmerged`` its LoRA."""
         try:
             spec = self._push.spec
         except UnsupportedFeatureError:  # no safetensors checkpoint to read shapes from
             return
-        spec.check_lora(adapter)
+        spec.check_lora(adapter, unmerged=unmerged)
 
     def _load_folder(self, name: str, lora_id: int, folder: str, replaces: int | None) -> str:
         results = self._process.rpc("twinkle_add_lora_folder", lora_id, name, folder, replaces)

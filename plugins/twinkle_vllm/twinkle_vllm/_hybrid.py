@@ -14,7 +14,10 @@ vLLM model import), before the engine starts:
   prefill; twinkle turns chunked prefill off on the CPU backend (a seeded
   request prefilled in chunks kills the CPU engine,
   :func:`twinkle_vllm._engine_args.platform_defaults`), so there prefix
-  caching is off for these models unless the user sets it.
+  caching is off for these models unless the user sets it. The same holds
+  for every model vLLM keeps a Mamba-style state for (a short convolution,
+  Mamba, Mamba-2: LFM2, Falcon-H1, Jamba...), whose engine otherwise fails
+  to configure ("Chunked prefill is required for mamba cache mode 'align'").
 - **the vision tower.** A Qwen3.5 checkpoint is a vision-language model. The
   tower is loaded only when the user asks for images with
   ``language_model_only=False``; otherwise it is not (vLLM's
@@ -34,6 +37,11 @@ __all__ = ["hybrid_options", "is_linear_attention_hybrid"]
 
 #: Model types whose layers include Gated DeltaNet mixers, whatever their layer list says.
 _GDN_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"})
+#: Other model types vLLM keeps a recurrent (Mamba-style) state for, checkpointed per block to cache prefixes.
+_STATE_MODEL_TYPES = frozenset({
+    "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lfm2", "lfm2_moe", "mamba",
+    "mamba2", "minimax", "nemotron_h", "olmo_hybrid", "plamo2", "zamba2",
+})  # fmt: skip
 #: dtype spellings vLLM reads as bfloat16.
 _BFLOAT16 = frozenset({"bfloat16", "bf16", "torch.bfloat16"})
 
@@ -71,7 +79,14 @@ def hybrid_options(model_dir: Path, options: dict[str, Any], *, cpu: bool) -> di
         ConfigError: a dtype the CPU Gated DeltaNet kernels cannot run.
     """
     config = _read_config(model_dir)
-    if not config or not is_linear_attention_hybrid(config):
+    if not config:
+        return {}
+    if not is_linear_attention_hybrid(config):
+        text = config.get("text_config")
+        text_type = text.get("model_type") if isinstance(text, dict) else None
+        stateful = {config.get("model_type"), text_type} & _STATE_MODEL_TYPES
+        if stateful and cpu and "enable_prefix_caching" not in options and not options.get("enable_chunked_prefill"):
+            return {"enable_prefix_caching": False}
         return {}
     out: dict[str, Any] = {}
     if isinstance(config.get("vision_config"), dict) and "language_model_only" not in options:

@@ -55,6 +55,8 @@ class WeightSpec:
         engine_dtype: the dtype the engine runs in; floating-point tensors must have it.
         packed_modules_mapping: vLLM's fused modules (``qkv_proj`` -> ``q_proj``, ``k_proj``, ``v_proj``).
         tied_embeddings: ``lm_head.weight`` is ``model.embed_tokens.weight``.
+        packed_slices: a fused module's count of output slices, where it is not its count of modules
+            (Qwen3.5's ``in_proj_qkvz``: 4 slices from ``in_proj_qkv`` and ``in_proj_z``).
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class WeightSpec:
         packed_modules_mapping: dict[str, list[str]],
         tied_embeddings: bool,
         files: dict[str, Path] | None = None,
+        packed_slices: dict[str, int] | None = None,
     ) -> None:
         self.shapes = shapes
         self.files = files or {}
@@ -73,6 +76,8 @@ class WeightSpec:
         self.engine_dtype = engine_dtype
         self.tied = tied_embeddings and "lm_head.weight" not in shapes
         self._fused = {part: fused for fused, parts in packed_modules_mapping.items() for part in parts}
+        self._packed = {fused: list(parts) for fused, parts in packed_modules_mapping.items()}
+        self._slices = dict(packed_slices or {})
         # Tensors that vLLM loads into one layer must arrive together: a layer
         # is rebuilt from what is sent, so half a fused layer would be garbage.
         self.groups: dict[str, list[str]] = {}
@@ -86,6 +91,7 @@ class WeightSpec:
         engine_dtype: str,
         packed_modules_mapping: dict[str, list[str]],
         unloaded: frozenset[str] = frozenset(),
+        packed_slices: dict[str, int] | None = None,
     ) -> WeightSpec:
         """Read the spec from ``model_dir/*.safetensors``.
 
@@ -116,7 +122,7 @@ class WeightSpec:
         if config.is_file():
             data = json.loads(config.read_text())
             tied = bool(data.get("tie_word_embeddings", data.get("text_config", {}).get("tie_word_embeddings", False)))
-        return cls(shapes, dtypes, engine_dtype, packed_modules_mapping, tied, where)
+        return cls(shapes, dtypes, engine_dtype, packed_modules_mapping, tied, where, packed_slices)
 
     def _layer_key(self, name: str) -> str:
         module = name.rsplit(".", 1)[0]
@@ -190,8 +196,11 @@ class WeightSpec:
                 )
         return list(checked.items())
 
-    def check_lora(self, lora: AdapterInput) -> None:
+    def check_lora(self, lora: AdapterInput, *, unmerged: bool = True) -> None:
         """Check LoRA tensors against the model: each ``lora_A`` is ``(r, in)``, each ``lora_B`` ``(out, r)``.
+
+        ``unmerged``: the adapter is to be served by vLLM's LoRA layers (not merged into
+        the weights), which cannot serve every subset of a fused layer's modules.
 
         Names are PEFT's (``base_model.model.<module>.lora_A.weight``); ``r`` is
         the config's, or the module's entry in ``rank_pattern``. vLLM itself
@@ -199,6 +208,7 @@ class WeightSpec:
 
         Raises:
             AdapterError: an unknown module, a wrong shape, or an ``A`` without its ``B``.
+            UnsupportedFeatureError: (``unmerged``) LoRA vLLM's loader cannot place (see ``_check_packed_lora``).
         """
         adapter = lora.name
         seen: dict[str, set[str]] = {}
@@ -233,3 +243,34 @@ class WeightSpec:
             )
         if not seen:
             raise AdapterError(f"Adapter {adapter!r} has no lora_A / lora_B tensors.")
+        if unmerged:
+            self._check_packed_lora(adapter, set(seen))
+
+    def _check_packed_lora(self, adapter: str, modules: set[str]) -> None:
+        """Refuse LoRA on a later member of a fused layer of more slices than members, its first left out.
+
+        vLLM 0.32's LoRA loader (``MergedColumnParallelLinearWithLoRA.expand_packed_lora``)
+        gives a member without LoRA all the slices left, so a later member's
+        adapter finds none: Qwen3.5's ``in_proj_z`` adapted without
+        ``in_proj_qkv`` loads, then ends the engine at the first request that
+        uses it ("Cannot determine how to split lora_b ...").
+
+        Raises:
+            UnsupportedFeatureError: naming the module and what to do.
+        """
+        for module in sorted(modules):
+            head, _, leaf = module.rpartition(".")
+            fused = self._fused.get(leaf)
+            if fused is None or fused not in self._slices:
+                continue
+            members = self._packed[fused]
+            left_out = [m for m in members[: members.index(leaf)] if f"{head}.{m}" not in modules]
+            if left_out:
+                raise UnsupportedFeatureError(
+                    f"Adapter {adapter!r}: LoRA on {module!r} without {left_out[0]!r} of the same layer cannot be"
+                    f" served unmerged by vLLM: it fuses {members} into one layer ({fused!r}, {self._slices[fused]}"
+                    f" output slices) and its LoRA loader (vLLM 0.32) places a later member's adapter only after an"
+                    f" earlier member's; the engine would die at the first request using it. Add {left_out[0]!r}"
+                    " to the adapter (a zero lora_B leaves it unchanged), load it with merge=True, or use the"
+                    " torch engine."
+                )

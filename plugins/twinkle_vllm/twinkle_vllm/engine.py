@@ -246,7 +246,11 @@ class vLLMEngine(Engine):
         if args.language_model_only:
             unloaded.add("vision")
         return WeightSpec.from_model_dir(
-            self.model_dir, worker["dtype"], worker["packed_modules_mapping"], frozenset(unloaded)
+            self.model_dir,
+            worker["dtype"],
+            worker["packed_modules_mapping"],
+            frozenset(unloaded),
+            packed_slices=worker.get("packed_slices", {}),
         )
 
     def _boot(self) -> None:

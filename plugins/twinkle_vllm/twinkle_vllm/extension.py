@@ -113,6 +113,26 @@ class _Channel:
         self._ctx.term()
 
 
+def _packed_slices(model: Any, packed: dict[str, Any]) -> dict[str, int]:
+    """Each fused layer's count of output slices, where it differs from its count of checkpoint modules.
+
+    Qwen3.5's ``in_proj_qkvz`` fuses two modules (``in_proj_qkv``, ``in_proj_z``) into four slices (q, k, v,
+    z): vLLM's LoRA loader splits a member's adapter over the slices it covers, which constrains what an
+    adapter may leave out (:meth:`twinkle_vllm._weights.WeightSpec.check_lora`).
+    """
+    out: dict[str, int] = {}
+    for name, module in model.named_modules():
+        fused = name.rpartition(".")[2]
+        if fused not in packed or fused in out:
+            continue
+        sizes = getattr(module, "output_sizes", None) or getattr(
+            getattr(module, "base_layer", None), "output_sizes", None
+        )
+        if sizes is not None and len(sizes) != len(packed[fused]):
+            out[fused] = len(sizes)
+    return out
+
+
 class TwinkleWorkerExtension:
     """Methods twinkle calls on every vLLM worker (through ``collective_rpc``)."""
 
@@ -133,6 +153,7 @@ class TwinkleWorkerExtension:
         lora_ops = install_cpu_lora_ops()
         model = self.model_runner.get_model()  # type: ignore[attr-defined]
         packed = dict(getattr(model, "packed_modules_mapping", {}) or {})
+        slices = _packed_slices(model, packed)
         lora_manager = getattr(self.model_runner, "lora_manager", None)  # type: ignore[attr-defined]
         # A file:// rendezvous is a file vLLM leaves behind when the engine is killed: the driver removes it then.
         init = str(getattr(self, "distributed_init_method", "") or "")
@@ -142,6 +163,7 @@ class TwinkleWorkerExtension:
             "device": str(self.device),  # type: ignore[attr-defined]
             "dtype": str(self.vllm_config.model_config.dtype).removeprefix("torch."),  # type: ignore[attr-defined]
             "packed_modules_mapping": {k: list(v) for k, v in packed.items()},
+            "packed_slices": slices,
             "lora": lora_manager is not None,
             "cpu_lora_ops": lora_ops,
         }
