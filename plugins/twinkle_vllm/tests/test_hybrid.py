@@ -33,6 +33,7 @@ from twinkle_core.testing.parity import assert_greedy_parity
 from twinkle_core.testing.policy import PolicyContractTests, checkpoint_weights
 from twinkle_vllm._hybrid import hybrid_options
 
+from . import test_async as vllm_async  # the module, not its class: a class imported here is collected twice
 from .conftest import TEST_ENGINE_ARGS
 
 #: The test engine's options without a dtype: the engine must find bfloat16 itself.
@@ -202,6 +203,14 @@ def test_a_trainers_names_reach_a_nested_checkpoint_with_its_tied_head_folded() 
 
 
 @pytest.fixture(scope="module")
+def bfloat16_weights(tiny_qwen3_5: Path) -> Mapping[str, Any]:
+    """The checkpoint's tensors in the dtype the engine serves (it takes bfloat16 updates)."""
+    import torch
+
+    return {name: t.to(torch.bfloat16) for name, t in checkpoint_weights(tiny_qwen3_5).items()}
+
+
+@pytest.fixture(scope="module")
 def rounding_over_the_top(tiny_qwen3_5: Path) -> float:
     """The largest gap between transformers' bfloat16 and float32 log-probs over each position's top 8 tokens.
 
@@ -276,7 +285,25 @@ class TestHybridPolicy(PolicyContractTests):
 
     @pytest.fixture(scope="class")
     @classmethod
-    def base_weights(cls, tiny_qwen3_5: Path) -> Mapping[str, Any]:
-        import torch
+    def base_weights(cls, bfloat16_weights: Mapping[str, Any]) -> Mapping[str, Any]:
+        return bfloat16_weights
 
-        return {name: t.to(torch.bfloat16) for name, t in checkpoint_weights(tiny_qwen3_5).items()}
+
+class TestHybridAsync(vllm_async.TestVllmAsync):
+    """Submit, stream, abort, resume and updates in flight on vLLM's Qwen3.5: rows carrying a recurrent state.
+
+    A continuation re-prefills its tokens (a state is never rewound). The same tokens scored in two calls
+    (alone, or beside another row) are two bfloat16 computations: held to twice one's rounding over the top
+    8 (``rounding_over_the_top``), as the contract suite's comparisons are.
+    """
+
+    @pytest.fixture
+    def sampler(self, vllm_sampler: Any, rounding_over_the_top: float) -> Any:
+        self.async_logprob_atol = 2 * rounding_over_the_top
+        return vllm_sampler
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def weights_a(cls, bfloat16_weights: Mapping[str, Any], vllm_sampler: Any) -> Iterator[Mapping[str, Any]]:
+        yield bfloat16_weights
+        vllm_sampler.update_weights(dict(bfloat16_weights))  # the updates in flight leave weights_b served
