@@ -18,30 +18,19 @@ from pathlib import Path
 import torch
 
 from twinkle_core.data_format import SamplingParams, Trajectory
-from twinkle_core.testing import build_tiny_model
+from twinkle_core.testing.tiny_random import save_random_model
 
 
 def build(out: Path, layers: int, experts: int, top_k: int) -> None:
     """A random Qwen3-MoE of the given shape in ``out``, with the tiny Llama's tokenizer."""
-    import shutil
-
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.for_model(
         "qwen3_moe", vocab_size=768, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
         num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, pad_token_id=0,
         num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=256, tie_word_embeddings=False,
     )  # fmt: skip
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.05)
-    model.save_pretrained(out)
-    for path in build_tiny_model("llama").iterdir():
-        if path.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
-            shutil.copy2(path, out / path.name)
+    save_random_model(config, out, std=0.05)
 
 
 def main() -> None:

@@ -24,7 +24,6 @@ against BLAS, the native kernel against SDPA: up to about 3e-4 here).
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +32,7 @@ import torch
 from torch_helpers import make_lora
 
 from twinkle_core.data_format import SamplingParams, Trajectory
-from twinkle_core.testing import build_tiny_model
+from twinkle_core.testing.tiny_random import save_random_model
 from twinkle_torch import TorchSampler
 
 _BASE: dict[str, Any] = dict(
@@ -135,20 +134,7 @@ def _random_model(name: str, out: Path) -> Path:
 
 def save_random(config: Any, out: Path) -> None:
     """A model of ``config`` with random weights (std 0.3), saved in ``out`` with the tiny Llama's tokenizer."""
-    from transformers import AutoModelForCausalLM
-
-    config.tie_word_embeddings = False
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, 0.3)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    for path in build_tiny_model("llama").iterdir():
-        if path.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
-            shutil.copy2(path, out / path.name)
+    save_random_model(config, out)
 
 
 @pytest.fixture(scope="module")
