@@ -87,7 +87,7 @@ def test_it_samples_in_bfloat16_and_matches_the_torch_engine(served: tuple[Path,
     _parity_with_torch(out, folder)
 
 
-def test_a_trainers_fused_experts_update_the_served_model(served: tuple[Path, Any], family: str) -> None:
+def test_the_served_experts_take_a_trainers_fused_tensors(served: tuple[Path, Any], family: str) -> None:
     """The perturbed model's state_dict, as a trainer's AutoModelForCausalLM holds it (3-D experts), then one layer."""
     folder, vllm_sampler = served
     import torch
