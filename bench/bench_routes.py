@@ -18,20 +18,19 @@ from pathlib import Path
 import torch
 
 from twinkle_core.data_format import SamplingParams, Trajectory
+from twinkle_core.testing.tiny_random import save_random_model
 
 
 def build(out: Path, layers: int, experts: int, top_k: int) -> None:
     """A random Qwen3-MoE of the given shape in ``out``, with the tiny Llama's tokenizer."""
     from transformers import AutoConfig
 
-    from twinkle_core.testing.tiny_families import save_random
-
     config = AutoConfig.for_model(
         "qwen3_moe", vocab_size=768, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
         num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=2048, pad_token_id=0,
         num_experts=experts, num_experts_per_tok=top_k, moe_intermediate_size=256, tie_word_embeddings=False,
     )  # fmt: skip
-    save_random(config, out, std=0.05)
+    save_random_model(config, out, std=0.05)
 
 
 def main() -> None:

@@ -100,13 +100,14 @@ def _greedy(sampler: Any) -> list[list[int]]:
 
 def one(model_type: str, root: Path) -> dict[str, Any]:
     """Build ``model_type`` in ``root`` and try both engines on it (runs in the child process)."""
-    from twinkle_core.testing.tiny_families import family_config, language_model, save_random
+    from twinkle_core.testing.tiny_families import family_config, language_model
+    from twinkle_core.testing.tiny_random import save_random_model
 
     result: dict[str, Any] = {"family": model_type}
     try:
         config, model = language_model(family_config(model_type, VLLM_SIZES))
         result["architecture"] = type(model).__name__
-        save_random(config, root)
+        save_random_model(config, root)
         if config.get_text_config() is not config:  # a composite: its config, naming the class its weights are of
             config.architectures = [result["architecture"]]
             config.save_pretrained(root)

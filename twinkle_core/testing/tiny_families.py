@@ -11,14 +11,12 @@ vLLM families probe (``bench/probe_vllm_families.py``) build the same models.
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 __all__ = [
     "DROP", "GENERIC", "MAX_PARAMETERS", "OUTSIDE", "OVERRIDES", "families", "family_config", "language_model",
-    "save_random", "sized",
+    "sized",
 ]  # fmt: skip
 
 GENERIC: dict[str, Any] = dict(
@@ -197,24 +195,3 @@ def language_model(config: Any) -> tuple[Any, Any]:
             raise
     with torch.device("meta"):
         return text, AutoModelForCausalLM.from_config(text)
-
-
-def save_random(config: Any, out: Path, std: float = 0.3) -> None:
-    """A model of ``config`` with random weights (std ``std``), saved in ``out`` with the tiny Llama's tokenizer."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from twinkle_core.testing.tiny_model import build_tiny_model
-
-    config.tie_word_embeddings = False
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() >= 2:
-                param.normal_(0.0, std)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    for path in build_tiny_model("llama").iterdir():
-        if path.name.startswith(("tokenizer", "special_tokens", "chat_template", "generation_config")):
-            shutil.copy2(path, out / path.name)

@@ -32,7 +32,7 @@ import torch
 from torch_helpers import make_lora
 
 from twinkle_core.data_format import SamplingParams, Trajectory
-from twinkle_core.testing.tiny_families import save_random
+from twinkle_core.testing.tiny_random import save_random_model
 from twinkle_torch import TorchSampler
 
 _BASE: dict[str, Any] = dict(
@@ -128,7 +128,7 @@ def _random_model(name: str, out: Path) -> Path:
     config = AutoConfig.for_model(
         model_type, **{k: v for k, v in kwargs.items() if v is not None or k == "sliding_window"}
     )
-    save_random(config, out)
+    save_random_model(config, out)
     return out
 
 

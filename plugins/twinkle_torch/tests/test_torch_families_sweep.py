@@ -45,8 +45,8 @@ from twinkle_core.testing.tiny_families import (
     families,
     family_config,
     language_model,
-    save_random,
 )
+from twinkle_core.testing.tiny_random import save_random_model
 from twinkle_torch import TorchSampler
 from twinkle_torch.loading import brief
 
@@ -70,7 +70,7 @@ def _build(model_type: str, out: Path) -> Any:
     except Exception as exc:  # the config does not fit this family
         pytest.fail(f"{model_type}: not buildable from its tiny config: {type(exc).__name__}: {brief(exc)}")
     assert size <= MAX_PARAMETERS, f"{model_type}: {size:,} parameters from its tiny config, not a tiny model"
-    save_random(config, out)
+    save_random_model(config, out)
     if config.get_text_config() is not config:  # a composite checkpoint's config, over the language model's own
         config.save_pretrained(out)
     reference = eager(out)

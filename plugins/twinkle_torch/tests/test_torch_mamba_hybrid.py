@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_torch_architectures import eager, prompts, save_random
+from test_torch_architectures import eager, prompts
 from test_torch_batching import fresh_stats
 from test_torch_hybrid import (
     test_a_large_batch_prefilled_in_chunks_equals_its_solo_results,
@@ -39,6 +39,7 @@ from torch_helpers import forward_gap, state_bytes_per_row
 
 from twinkle_core.data_format import SamplingParams, Trajectory
 from twinkle_core.errors import ConfigError
+from twinkle_core.testing.tiny_random import TINY_GRANITE_HYBRID, TINY_RANDOM_BASE, save_random_model
 from twinkle_torch import TorchSampler
 from twinkle_torch.state import kv_bytes_per_token, row_state_bytes
 
@@ -49,25 +50,16 @@ __all__ = [  # the checks that do not depend on the family, collected again on t
 
 _FLOAT32_NOISE = 1e-4
 
-_SMALL: dict[str, Any] = dict(
-    vocab_size=768, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-    num_key_value_heads=1, max_position_embeddings=512, pad_token_id=0, bos_token_id=0, eos_token_id=2,
-)  # fmt: skip
-
+_SMALL = TINY_RANDOM_BASE
 #: Granite 4.0 hybrid, tiny: 4 Mamba-2 heads of 32, state size 16, one group, kernel 4; scan chunks
 #: of 16 tokens, so prompts span several chunks and chunk boundaries fall inside them.
-_GRANITE: dict[str, Any] = dict(
-    _SMALL,
-    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
-    num_local_experts=0, shared_intermediate_size=128, position_embedding_type="rope",
-    mamba_n_heads=4, mamba_d_head=32, mamba_d_state=16, mamba_n_groups=1, mamba_d_conv=4, mamba_chunk_size=16,
-)  # fmt: skip
+_GRANITE = TINY_GRANITE_HYBRID
 
 
 def _model(out: Path, model_type: str, **config: Any) -> Path:
     from transformers import AutoConfig
 
-    save_random(AutoConfig.for_model(model_type, **config), out)
+    save_random_model(AutoConfig.for_model(model_type, **config), out)
     return out
 
 

@@ -14,11 +14,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from test_torch_architectures import eager, save_random
+from test_torch_architectures import eager
 
 from twinkle_core.data_format import InputFeature, SampledSequence, SampleResponse, SamplingParams, Trajectory
 from twinkle_core.errors import InvalidInputError, UnsupportedFeatureError
 from twinkle_core.rl import RoutingReplay, find_routers
+from twinkle_core.testing.tiny_random import save_random_model
 from twinkle_torch import TorchSampler
 
 _TINY: dict[str, Any] = dict(
@@ -50,7 +51,7 @@ def _model(model_type: str, root: Path) -> Path:
     kwargs = {**_TINY, **_DEEPSEEK} if model_type == "deepseek_v3" else _TINY
     if model_type == "deepseek_v3":
         del kwargs["head_dim"]  # its heads are the MLA sizes
-    save_random(AutoConfig.for_model(model_type, **kwargs), out)
+    save_random_model(AutoConfig.for_model(model_type, **kwargs), out)
     return out
 
 

@@ -184,3 +184,37 @@ def perturbed_state(
         head[[a, b]] = head[[b, a]]
         out["lm_head.weight"] = head
     return out
+
+
+# -- a hybrid model's module engine, for the shared suites (hybrid_suites.py); the module defines hybrid_model
+@pytest.fixture(scope="module")
+def hybrid_engine_args(hybrid_model: Path) -> dict[str, Any]:
+    """The module engine's options: what the shared suites use (``suite_engine_args``); a module may override it."""
+    from .hybrid_suites import suite_engine_args
+
+    return suite_engine_args(hybrid_model)
+
+
+@pytest.fixture(scope="module")
+def hybrid_sampler(hybrid_model: Path, hybrid_engine_args: dict[str, Any]) -> Any:
+    """The module's one engine on ``hybrid_model`` (bfloat16, found by itself)."""
+    from twinkle_vllm.sampler import vLLMSampler
+
+    with vLLMSampler(hybrid_model, engine_args=hybrid_engine_args) as sampler:
+        yield sampler
+
+
+@pytest.fixture(scope="module")
+def top_rounding(hybrid_model: Path) -> float:
+    """The rounding of one bfloat16 computation of ``hybrid_model`` over the top 8 (``rounding_over_the_top``)."""
+    from .hybrid_suites import rounding_over_the_top
+
+    return rounding_over_the_top(hybrid_model)
+
+
+@pytest.fixture(scope="module")
+def hybrid_weights(hybrid_model: Path) -> dict[str, Any]:
+    """``hybrid_model``'s checkpoint in bfloat16, the engine's dtype."""
+    from .hybrid_suites import bfloat16_weights
+
+    return bfloat16_weights(hybrid_model)

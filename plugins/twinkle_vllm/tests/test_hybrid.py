@@ -6,15 +6,9 @@ starts; its Qwen3.5 module imports a torchvision image processor, which
 twinkle-vllm's ``vllm.general_plugins`` entry point replaces where
 torchvision is missing (:mod:`twinkle_vllm._vllm_plugin`).
 
-**Parity with the torch engine, in bfloat16.** Both engines round every
-matmul, norm and state update to bfloat16's 8 significant bits, each in
-its own order, so their log-probs differ by rounding alone; how much is a
-property of this model, not of either engine. The tolerance is measured, not
-picked: ``transformers``' own forward of the same weights in bfloat16 against
-float32 gives the rounding a bfloat16 computation of this model carries
-(the largest gap over the compared tokens), and two computations that each
-carry that much differ by at most twice it. A state carried to the wrong row
-or a layer run in the wrong order moves log-probs by whole nats.
+**Parity with the torch engine, in bfloat16**, and the shared suites
+(contract, async, policy) on the module's one engine, held to tolerances
+measured on this model, not picked (:mod:`hybrid_suites` says how).
 """
 
 from __future__ import annotations
@@ -28,26 +22,17 @@ import pytest
 
 from twinkle_core.data_format import SamplingParams, Trajectory
 from twinkle_core.errors import ConfigError
-from twinkle_core.testing import TINY_CHAT_PROMPTS, SamplerContractTests
+from twinkle_core.testing import TINY_CHAT_PROMPTS
 from twinkle_core.testing.parity import assert_greedy_parity
-from twinkle_core.testing.policy import (
-    PolicyContractTests,
-    checkpoint_weights,
-    merged_weights,
-    random_lora,
-    score_gap,
-    transformers_scores,
-)
+from twinkle_core.testing.policy import PolicyContractTests, random_lora, score_gap, transformers_scores
 from twinkle_vllm._hybrid import hybrid_options
 
+from . import test_async as vllm_async  # the module, not its class: a class imported here is collected twice
 from .conftest import TEST_ENGINE_ARGS
+from .hybrid_suites import DTYPES, ENGINE_ARGS, HybridContractSuite, HybridPolicySuite, rounding_of_bfloat16
 
-#: The test engine's options without a dtype: the engine must find bfloat16 itself.
-ENGINE_ARGS = {k: v for k, v in TEST_ENGINE_ARGS.items() if k != "dtype"}
 PROMPTS = [Trajectory(messages=m) for m in TINY_CHAT_PROMPTS[:8]]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=0)
-#: A bfloat16 computation and the float32 one it rounds.
-DTYPES = ("bfloat16", "float32")
 
 
 @pytest.fixture(scope="module")
@@ -58,22 +43,8 @@ def tiny_qwen3_5() -> Path:
 
 
 @pytest.fixture(scope="module")
-def vllm_sampler(tiny_qwen3_5: Path) -> Iterator[Any]:
-    from twinkle_vllm.sampler import vLLMSampler
-
-    # the shared suites below run on this engine: adapters, and log-probs over the whole vocabulary
-    vocab = json.loads((tiny_qwen3_5 / "config.json").read_text())["vocab_size"]
-    options = dict(ENGINE_ARGS, enable_lora=True, max_lora_rank=8, max_loras=2, max_cpu_loras=3, max_logprobs=vocab)
-    with vLLMSampler(tiny_qwen3_5, engine_args=options) as sampler:
-        yield sampler
-
-
-@pytest.fixture(scope="module")
-def bf16_weights(tiny_qwen3_5: Path) -> Mapping[str, Any]:
-    """The checkpoint's tensors in the engine's dtype: what an update or an adapter is computed from."""
-    import torch
-
-    return {name: t.to(torch.bfloat16) for name, t in checkpoint_weights(tiny_qwen3_5).items()}
+def hybrid_model(tiny_qwen3_5: Path) -> Path:  # the module's engine (conftest's hybrid_sampler) serves it
+    return tiny_qwen3_5
 
 
 def _config(tmp_path: Path, config: dict[str, Any]) -> Path:
@@ -129,40 +100,22 @@ def test_float32_is_refused_before_the_engine_starts(tiny_qwen3_5: Path) -> None
         vLLMSampler(tiny_qwen3_5, engine_args=TEST_ENGINE_ARGS)
 
 
-def test_it_samples_in_bfloat16_and_answers(vllm_sampler: Any) -> None:
-    assert str(vllm_sampler.engine._facts.dtype) == "torch.bfloat16"
-    out = vllm_sampler.sample(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=16))
+def test_it_samples_in_bfloat16_and_answers(hybrid_sampler: Any) -> None:
+    assert str(hybrid_sampler.engine._facts.dtype) == "torch.bfloat16"
+    out = hybrid_sampler.sample(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=16))
     assert "Paris" in (out[0].sequences[0].text or "")
 
 
-def _rounding_of_bfloat16(folder: Path, sequences: list[tuple[list[int], list[int]]]) -> float:
-    """The largest gap between transformers' bfloat16 and float32 forwards over these tokens' log-probs."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    gaps = []
-    models = [AutoModelForCausalLM.from_pretrained(str(folder), dtype=d) for d in (torch.bfloat16, torch.float32)]
-    for prompt, tokens in sequences:
-        ids = torch.tensor([prompt + tokens])
-        logprobs = []
-        for model in models:
-            with torch.no_grad():
-                full = torch.log_softmax(model(ids).logits[0].float(), dim=-1)[len(prompt) - 1 : -1]
-            logprobs.append(full.gather(-1, torch.tensor(tokens).unsqueeze(-1)).squeeze(-1))
-        gaps.append(float((logprobs[0] - logprobs[1]).abs().max()))
-    return max(gaps)
-
-
 @pytest.fixture(scope="module")
-def greedy(vllm_sampler: Any) -> list[Any]:
+def greedy(hybrid_sampler: Any) -> list[Any]:
     """The engine's greedy answers to PROMPTS."""
-    return list(vllm_sampler.sample(PROMPTS, GREEDY))
+    return list(hybrid_sampler.sample(PROMPTS, GREEDY))
 
 
 @pytest.fixture(scope="module")
 def parity_tolerance(greedy: list[Any], tiny_qwen3_5: Path) -> float:
     """Twice the rounding one bfloat16 computation of this model carries over the greedy tokens."""
-    return 2 * _rounding_of_bfloat16(tiny_qwen3_5, [(r.prompt_token_ids, r.sequences[0].tokens) for r in greedy])
+    return 2 * rounding_of_bfloat16(tiny_qwen3_5, [(r.prompt_token_ids, r.sequences[0].tokens) for r in greedy])
 
 
 def test_greedy_parity_with_the_torch_engine_in_bfloat16(
@@ -248,7 +201,7 @@ GDN_ADAPTERS = {
 
 @pytest.mark.parametrize("module", list(GDN_ADAPTERS))
 def test_unmerged_lora_on_each_gdn_projection_scores_what_peft_does(
-    vllm_sampler: Any, tiny_qwen3_5: Path, bf16_weights: Mapping[str, Any], module: str
+    hybrid_sampler: Any, tiny_qwen3_5: Path, hybrid_weights: Mapping[str, Any], module: str
 ) -> None:
     """vLLM packs the GDN projections (``in_proj_qkvz``: q, k, v, z; ``in_proj_ba``) and splits an adapter over
     their slices: one applied to the wrong slice, not at all or scaled wrong is a whole adapter's effect away
@@ -259,14 +212,14 @@ def test_unmerged_lora_on_each_gdn_projection_scores_what_peft_does(
     """
     options = GDN_ADAPTERS[module]
     zero = options.get("zero", ())
-    adapter = random_lora(bf16_weights, (module, *zero), seed=11, scale=options.get("scale", 0.05), zero=zero)
+    adapter = random_lora(hybrid_weights, (module, *zero), seed=11, scale=options.get("scale", 0.05), zero=zero)
     suite = PolicyContractTests()
-    prompts = [list(f.input_ids) for f in suite.policy_prompts(vllm_sampler)]
-    vllm_sampler.add_adapter_to_model("gdn-probe", adapter[0], weights=adapter[1])
+    prompts = [list(f.input_ids) for f in suite.policy_prompts(hybrid_sampler)]
+    hybrid_sampler.add_adapter_to_model("gdn-probe", adapter[0], weights=adapter[1])
     try:
-        got = suite.scores(vllm_sampler, "gdn-probe")
+        got = suite.scores(hybrid_sampler, "gdn-probe")
     finally:
-        vllm_sampler.remove_adapter("gdn-probe")
+        hybrid_sampler.remove_adapter("gdn-probe")
     low, truth = (transformers_scores(tiny_qwen3_5, prompts, got, dtype=d, adapter=adapter) for d in DTYPES)
     tolerance = 2 * score_gap(low, truth)
     effect = score_gap(transformers_scores(tiny_qwen3_5, prompts, got), truth)
@@ -275,69 +228,34 @@ def test_unmerged_lora_on_each_gdn_projection_scores_what_peft_does(
 
 
 def test_lora_on_in_proj_z_without_in_proj_qkv_is_refused_unmerged_and_served_merged(
-    vllm_sampler: Any, bf16_weights: Mapping[str, Any]
+    hybrid_sampler: Any, hybrid_weights: Mapping[str, Any]
 ) -> None:
     """vLLM 0.32 loads it and then dies at the first request that uses it (its packed-LoRA split gives the
     absent in_proj_qkv all four slices of in_proj_qkvz); twinkle refuses it at load, naming the module, and
     the engine serves on. Merged (no LoRA layers) it is served."""
     from twinkle_core.errors import UnsupportedFeatureError
 
-    config, tensors = random_lora(bf16_weights, ("in_proj_z",), seed=7)
+    config, tensors = random_lora(hybrid_weights, ("in_proj_z",), seed=7)
     suite = PolicyContractTests()
-    base, version = suite.scores(vllm_sampler), vllm_sampler.weights_version
+    base, version = suite.scores(hybrid_sampler), hybrid_sampler.weights_version
     with pytest.raises(UnsupportedFeatureError, match=r"in_proj_z.*without 'in_proj_qkv'.*merge=True"):
-        vllm_sampler.add_adapter_to_model("z-only", config, weights=tensors)
-    assert "z-only" not in vllm_sampler.adapters and vllm_sampler.weights_version == version
-    assert score_gap(base, suite.scores(vllm_sampler)) <= suite.policy_atol  # the engine serves on, unchanged
-    vllm_sampler.add_adapter_to_model("z-only", config, weights=tensors, merge=True)
+        hybrid_sampler.add_adapter_to_model("z-only", config, weights=tensors)
+    assert "z-only" not in hybrid_sampler.adapters and hybrid_sampler.weights_version == version
+    assert score_gap(base, suite.scores(hybrid_sampler)) <= suite.policy_atol  # the engine serves on, unchanged
+    hybrid_sampler.add_adapter_to_model("z-only", config, weights=tensors, merge=True)
     try:
-        assert score_gap(base, suite.scores(vllm_sampler, "z-only")) > suite.policy_min_change
+        assert score_gap(base, suite.scores(hybrid_sampler, "z-only")) > suite.policy_min_change
     finally:
-        vllm_sampler.remove_adapter("z-only")
+        hybrid_sampler.remove_adapter("z-only")
 
 
-@pytest.fixture(scope="module")
-def rounding_over_the_top(tiny_qwen3_5: Path) -> float:
-    """The largest gap between transformers' bfloat16 and float32 log-probs over each position's top 8 tokens.
-
-    The shared suites compare the engine's log-probs with each other (a sampled token's against the same
-    token scored in another pass, the processed against the raw): in float32 those agree to 1e-4, in bfloat16
-    each carries the rounding of one bfloat16 computation, and for the unlikely alternatives of the top 8
-    that rounding is larger than for the chosen token (a logit of -12 rounds by more than one of -0.01).
-    """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(str(tiny_qwen3_5))
-    models = [AutoModelForCausalLM.from_pretrained(str(tiny_qwen3_5), dtype=d) for d in (torch.bfloat16, torch.float32)]
-    worst = 0.0
-    for messages in TINY_CHAT_PROMPTS[:4]:
-        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-        with torch.no_grad():
-            ids = models[1].generate(**ids, max_new_tokens=16, do_sample=False)
-            low, full = (torch.log_softmax(m(ids).logits[0].float(), dim=-1) for m in models)
-        top = full.topk(8, dim=-1).indices
-        worst = max(worst, float((low.gather(-1, top) - full.gather(-1, top)).abs().max()))
-    return worst
+class TestHybridContract(HybridContractSuite):
+    """The shared contract on vLLM's Qwen3.5."""
 
 
-class TestHybridContract(SamplerContractTests):
-    """The shared contract on vLLM's Qwen3.5, in bfloat16, on the module's engine.
+class TestHybridPolicy(HybridPolicySuite):
+    """Weight updates and adapters reach vLLM's Qwen3.5 samples."""
 
-    Its log-prob comparisons are held to twice the rounding one bfloat16 computation carries over the top 8
-    (two passes, each rounded), not float32's 1e-4: measured, not picked (``rounding_over_the_top``).
-    """
-
-    @pytest.fixture
-    def sampler(self, vllm_sampler: Any, rounding_over_the_top: float) -> Any:
-        self.logprob_atol = self.reference_atol = 2 * rounding_over_the_top
-        return vllm_sampler
-
-
-class TestHybridPolicy(PolicyContractTests):
-    """Weight updates and adapters reach vLLM's Qwen3.5 samples (the engine takes bfloat16 tensors)."""
-
-    adapter_options = ({"merge": True},)
     lora_targets = ("out_proj", "q_proj", "down_proj")
     # vLLM loads these together into one layer (in_proj_qkvz, in_proj_ba, qkv_proj, gate_up_proj)
     fused_weights = (
@@ -347,35 +265,23 @@ class TestHybridPolicy(PolicyContractTests):
         ("gate_proj", "up_proj"),
         ("A_log", "dt_bias"),
     )
-    # Qwen3.5's norms scale by 1 + weight: doubling the bias-free head doubles the logits
-    logit_scale_weight = "lm_head.weight"
-    # the per-head decay parameters (A_log, dt_bias), nudged by 30%, move this model's log-probs by 5e-4
-    # to 5e-3 (see the torch engine's hybrid policy suite): still far above a repeated call's change (none)
-    policy_min_change = 1e-4
+
+
+class TestHybridAsync(vllm_async.TestVllmAsync):
+    """Submit, stream, abort, resume and updates in flight on vLLM's Qwen3.5: rows carrying a recurrent state.
+
+    A continuation re-prefills its tokens (a state is never rewound). The same tokens scored in two calls
+    (alone, or beside another row) are two bfloat16 computations: held to twice one's rounding over the top
+    8 (``rounding_over_the_top``), as the contract suite's comparisons are.
+    """
 
     @pytest.fixture
-    def sampler(self, vllm_sampler: Any, tiny_qwen3_5: Path) -> Any:
-        self.model_dir = tiny_qwen3_5
-        return vllm_sampler
-
-    def unmerged_atol(
-        self, sampler: Any, base_weights: Mapping[str, Any], adapter: tuple[dict[str, Any], dict[str, Any]]
-    ) -> float:
-        """Twice the rounding one bfloat16 computation of the adapted model carries over the scored tokens.
-
-        Served unmerged (the base matmul, then the adapter's two, each rounded to bfloat16) and merged
-        (``W + s * B @ A`` rounded once) are two bfloat16 computations of one model: they differ by
-        rounding, 0.06-0.50 nats over the top 8 of the policy prompts (``bench/probe_vllm_lora.py``),
-        far above float32's 2e-3. Measured, not picked: ``transformers``' own forward of the merged weights in
-        bfloat16 against float32, over the base model's top 8 at every prompt position.
-        """
-        prompts = [list(f.input_ids) for f in self.policy_prompts(sampler)]
-        like = self.scores(sampler)  # the base model's top tokens: the positions and tokens compared
-        merged = merged_weights(base_weights, *adapter)
-        low, full = (transformers_scores(self.model_dir, prompts, like, dtype=d, weights=merged) for d in DTYPES)
-        return 2 * score_gap(low, full)
+    def sampler(self, hybrid_sampler: Any, top_rounding: float) -> Any:
+        self.async_logprob_atol = 2 * top_rounding
+        return hybrid_sampler
 
     @pytest.fixture(scope="class")
     @classmethod
-    def base_weights(cls, bf16_weights: Mapping[str, Any]) -> Mapping[str, Any]:
-        return bf16_weights
+    def weights_a(cls, hybrid_weights: Mapping[str, Any], hybrid_sampler: Any) -> Iterator[Mapping[str, Any]]:
+        yield hybrid_weights
+        hybrid_sampler.update_weights(dict(hybrid_weights))  # the updates in flight leave weights_b served

@@ -1,4 +1,4 @@
-"""What a hybrid linear-attention model (Qwen3.5, Qwen3-Next) needs from vLLM's engine options.
+"""What a hybrid model (Qwen3.5, Qwen3-Next; Mamba-2: Granite 4.0 hybrid, Bamba) needs from vLLM's engine options.
 
 Read from the model folder's ``config.json`` alone (no ``transformers``, no
 vLLM model import), before the engine starts:
@@ -8,10 +8,12 @@ vLLM model import), before the engine starts:
   requires BF16.``). On the CPU backend such a model therefore runs in
   bfloat16 when no dtype (or ``"auto"``) is given, and an explicit other
   dtype is a ``ConfigError`` that says why, before anything starts. On other
-  backends nothing changes.
-- **prefix caching.** vLLM caches a hybrid's prefixes by checkpointing its
-  state at block boundaries (mamba cache mode ``align``), which needs chunked
-  prefill; twinkle turns chunked prefill off on the CPU backend (a seeded
+  backends nothing changes; vLLM's CPU Mamba-2 kernels take any dtype.
+- **prefix caching.** vLLM caches a hybrid's prefixes (Gated DeltaNet or
+  Mamba-2: Granite 4.0 hybrid, Bamba) by checkpointing its state at block
+  boundaries (mamba cache mode ``align``), which needs chunked prefill (else
+  vLLM refuses to start: "Chunked prefill is required for mamba cache mode
+  'align'"); twinkle turns chunked prefill off on the CPU backend (a seeded
   request prefilled in chunks kills the CPU engine,
   :func:`twinkle_vllm._engine_args.platform_defaults`), so there prefix
   caching is off for these models unless the user sets it. The same holds
@@ -60,7 +62,14 @@ def is_linear_attention_hybrid(config: dict[str, Any]) -> bool:
     assert isinstance(text, dict)
     if config.get("model_type") in _GDN_MODEL_TYPES or text.get("model_type") in _GDN_MODEL_TYPES:
         return True
+    if _is_mamba_hybrid(text):
+        return False  # its "linear_attention" layers are Mamba-2 mixers
     return "linear_attention" in (text.get("layer_types") or [])
+
+
+def _is_mamba_hybrid(text: dict[str, Any]) -> bool:
+    """Whether a (text) config has Mamba mixers: Granite 4.0 hybrid and Bamba name their fields ``mamba_*``."""
+    return any(str(key).startswith("mamba_") for key in text)
 
 
 def hybrid_options(model_dir: Path, options: dict[str, Any], *, cpu: bool) -> dict[str, Any]:
@@ -81,10 +90,11 @@ def hybrid_options(model_dir: Path, options: dict[str, Any], *, cpu: bool) -> di
     config = _read_config(model_dir)
     if not config:
         return {}
-    if not is_linear_attention_hybrid(config):
-        text = config.get("text_config")
-        text_type = text.get("model_type") if isinstance(text, dict) else None
-        stateful = {config.get("model_type"), text_type} & _STATE_MODEL_TYPES
+    text = config.get("text_config")
+    text = text if isinstance(text, dict) else config
+    gated_deltanet = is_linear_attention_hybrid(config)
+    if not gated_deltanet and not _is_mamba_hybrid(text):
+        stateful = {config.get("model_type"), text.get("model_type")} & _STATE_MODEL_TYPES
         if stateful and cpu and "enable_prefix_caching" not in options and not options.get("enable_chunked_prefill"):
             return {"enable_prefix_caching": False}
         return {}
@@ -93,7 +103,7 @@ def hybrid_options(model_dir: Path, options: dict[str, Any], *, cpu: bool) -> di
         out["language_model_only"] = True
     if cpu and "enable_prefix_caching" not in options and not options.get("enable_chunked_prefill"):
         out["enable_prefix_caching"] = False
-    if cpu:
+    if cpu and gated_deltanet:
         dtype = options.get("dtype")
         name = None if dtype is None else str(dtype).lower()
         if name in (None, "auto"):
