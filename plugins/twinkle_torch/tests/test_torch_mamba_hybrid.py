@@ -16,8 +16,8 @@ state carried to the wrong row or folded twice moves log-probs by whole nats.
 
 The policy suite runs here too (updates, and LoRA on the Mamba-2 mixer's
 ``in_proj`` / ``out_proj`` and on attention, plain and merged, each against
-the weights merged by hand); the contract and async suites do not yet (their
-cost on this CPU, and a random model's near-ties: see docs/hybrid-models.md).
+the weights merged by hand); the contract and async suites pass on this
+model too but are not run here: their cost (docs/hybrid-models.md).
 
 Families the engine still cannot carry are refused at load, each with the
 reason: Falcon-H1 (a state and keys and values in one layer), Nemotron-H (its
