@@ -29,7 +29,7 @@ import pytest
 import test_torch_async as torch_async
 import test_torch_contract as torch_contract
 import torch
-from test_torch_architectures import eager, prompts
+from test_torch_architectures import eager, prompts, save_random
 from test_torch_batching import (
     _large_batch_in_chunks,
     fresh_stats,
@@ -125,26 +125,59 @@ def test_seeded_samples_are_the_full_forwards_too(sampler: TorchSampler, referen
     assert compared > 200 and worst < _FLOAT32_NOISE, worst
 
 
-def test_the_batch_budget_counts_each_rows_state(sampler: TorchSampler, chat_prompts: list[Trajectory]) -> None:
-    """A budget that holds four rows of keys and values alone holds two once their states are counted."""
+def assert_the_budget_counts_each_rows_state(
+    sampler: TorchSampler, trajectories: list[Trajectory], samples: int
+) -> None:
+    """A budget that holds two calls of ``samples`` rows by their keys and values alone holds one with their states.
+
+    The budget is set from the longest row; a state smaller than the gap between the longest and the shortest
+    row needs prompts of one length (two short rows with their states could fit where two long ones without do).
+    """
     decoder = sampler.engine._decoder
     config = decoder.model.config
     assert decoder.state_tokens > 0
     assert row_state_bytes(config, decoder.model.dtype) == state_bytes_per_row(decoder.model)  # what a row holds
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    feats = [sampler.template.encode(t) for t in chat_prompts[:4]]
+    feats = [sampler.template.encode(t) for t in trajectories]
     longest = max(len(f.input_ids) for f in feats) + params.max_tokens
-    solo = [sampler.sample(f, params, num_samples=2)[0] for f in feats]
+    alone: dict[tuple[int, ...], Any] = {}
+    for f in feats:  # each prompt sampled alone once
+        if tuple(f.input_ids) not in alone:
+            alone[tuple(f.input_ids)] = sampler.sample(f, params, num_samples=samples)[0]
+    solo = [alone[tuple(f.input_ids)] for f in feats]
     budget = sampler.max_batch_tokens
     stats = fresh_stats(sampler)
     try:
-        sampler.max_batch_tokens = max(4 * longest, 2 * (longest + decoder.state_tokens))
-        assert sampler.max_batch_tokens < 3 * (longest + decoder.state_tokens)
-        together = run_threads([lambda f=f: sampler.sample(f, params, num_samples=2)[0] for f in feats])
+        sampler.max_batch_tokens = max(2 * samples * longest, samples * (longest + decoder.state_tokens))
+        assert sampler.max_batch_tokens < (samples + 1) * (longest + decoder.state_tokens)
+        together = run_threads([lambda f=f: sampler.sample(f, params, num_samples=samples)[0] for f in feats])
     finally:
         sampler.max_batch_tokens = budget
     assert [[s.tokens for s in r.sequences] for r in together] == [[s.tokens for s in r.sequences] for r in solo]
-    assert stats.peak_rows == 2
+    assert stats.peak_rows == samples
+
+
+def test_the_batch_budget_counts_each_rows_state(sampler: TorchSampler, chat_prompts: list[Trajectory]) -> None:
+    """A budget that holds four rows of keys and values alone holds two once their states are counted."""
+    assert_the_budget_counts_each_rows_state(sampler, chat_prompts[:4], samples=2)
+
+
+def test_the_batch_budget_counts_lfm2s_short_convolution_state(tmp_path: Path, chat_prompts: list[Trajectory]) -> None:
+    """LFM2's ``"conv"`` layers keep a convolution state alone (``[hidden, conv_L_cache]``): counted as well."""
+    from transformers import Lfm2Config
+
+    config = Lfm2Config(
+        vocab_size=768, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, layer_types=["conv", "conv", "full_attention", "conv"], max_position_embeddings=512,
+        pad_token_id=0, bos_token_id=0, eos_token_id=2,
+    )  # fmt: skip
+    save_random(config, tmp_path)
+    # 3 conv layers of 64 channels x 3 float32 against one KV head of 32 in one attention layer: 9 tokens a row
+    assert row_state_bytes(config, torch.float32) == 3 * 64 * 3 * 4
+    with TorchSampler(tmp_path, device="cpu") as lfm2:
+        assert lfm2.engine._decoder.state_tokens == 9
+        # a 9-token state is less than the prompts' spread in length: one prompt, four calls
+        assert_the_budget_counts_each_rows_state(lfm2, chat_prompts[:1] * 4, samples=1)
 
 
 def test_adapters_on_the_delta_net_merges_and_weight_updates(tiny_qwen3_5: Path, tmp_path: Path) -> None:

@@ -14,6 +14,11 @@ tokens, in float32, within the same 1e-4 nats as the Qwen3.5 tests
 steps' recurrence sum in another order than the full forward's scan), while a
 state carried to the wrong row or folded twice moves log-probs by whole nats.
 
+The policy suite runs here too (updates, and LoRA on the Mamba-2 mixer's
+``in_proj`` / ``out_proj`` and on attention, plain and merged, each against
+the weights merged by hand); the contract and async suites pass on this
+model too but are not run here: their cost (docs/hybrid-models.md).
+
 Families the engine still cannot carry are refused at load, each with the
 reason: Falcon-H1 (a state and keys and values in one layer), Nemotron-H (its
 Mamba-2 fields spelled otherwise: not known here, and ``transformers``' own
@@ -28,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+# the modules, not their classes: a class imported here would be collected twice
+import test_torch_contract as torch_contract
 import torch
 from test_torch_architectures import eager, prompts
 from test_torch_batching import fresh_stats
@@ -65,7 +73,17 @@ def _model(out: Path, model_type: str, **config: Any) -> Path:
 
 @pytest.fixture(scope="module")
 def granite(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return _model(tmp_path_factory.mktemp("granite"), "granitemoehybrid", **_GRANITE)
+    from safetensors.torch import load_file, save_file
+
+    path = _model(tmp_path_factory.mktemp("granite"), "granitemoehybrid", **_GRANITE)
+    # transformers starts the convolutions' biases at zero, as a trained model's are not, and a zero bias would
+    # stay zero under the policy suite's nudges (each tensor scaled by 1 + noise): random, like the other weights
+    weights = load_file(str(path / "model.safetensors"))
+    gen = torch.Generator().manual_seed(1)
+    for name in [n for n, t in weights.items() if n.endswith("conv1d.bias") and not t.any()]:
+        weights[name] = 0.3 * torch.randn(weights[name].shape, generator=gen)
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +189,14 @@ def test_mamba_hybrids_it_cannot_carry_are_refused_with_the_reason(name: str, tm
     with pytest.raises(ConfigError, match="recurrent state") as caught:
         TorchSampler(path, device="cpu")
     assert reason in str(caught.value)
+
+
+class TestMambaHybridPolicy(torch_contract.TestTorchSamplerPolicy):  # its default thresholds hold here
+    """Updates and adapters really served; LoRA on the Mamba-2 mixer's projections and attention, plain and merged."""
+
+    lora_targets = ("in_proj", "out_proj", "q_proj", "v_proj")
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def tiny_llama(cls, granite: Path) -> Path:
+        return granite

@@ -18,6 +18,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+# the modules, not their classes: a class imported here would be collected twice
+import test_torch_contract as torch_contract
+import test_torch_hybrid as torch_hybrid
 import torch
 from test_torch_architectures import eager, prompts
 from test_torch_hybrid import _FLOAT32_NOISE
@@ -114,3 +118,23 @@ def test_a_trainers_fused_experts_and_a_checkpoints_per_expert_tensors_both_upda
     ids = torch.tensor([[5, 17, 99, 3, 250, 41]])
     with torch.no_grad():
         assert (base(ids).logits - trainer(ids).logits).abs().max() > 0.01  # the update is visible
+
+
+class TestQwen3NextPolicy(torch_contract.TestTorchSamplerPolicy):
+    """The policy suite on Qwen3-Next, the GDN family furthest from the dense Qwen3.5 (fused projections, MoE).
+
+    Qwen3.5-MoE is Qwen3.5's mixer (the suites run on it in test_torch_hybrid) with this MoE: nothing new for it.
+    """
+
+    logit_scale_weight = torch_hybrid.TestHybridPolicy.logit_scale_weight  # its RMSNorm multiplies by (1 + weight)
+    # the same threshold, on the same grounds: its GDN layers are the trained Qwen3.5's, carried over and kept
+    # as they were while the experts trained (tiny_moe.warm_start), so its A_log and dt_bias move log-probs alike
+    policy_min_change = torch_hybrid.TestHybridPolicy.policy_min_change
+    # the fused GDN projections and attention: PEFT refuses gate_proj alone (it maps onto the experts' fused
+    # gate_up_proj); LoRA on the shared expert is test_an_adapter_on_the_delta_net_and_the_experts_mlp_is_served's
+    lora_targets = ("in_proj_qkvz", "in_proj_ba", "out_proj", "q_proj")
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def tiny_llama(cls) -> Path:
+        return build_tiny_model("qwen3_next")

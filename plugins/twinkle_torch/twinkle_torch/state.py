@@ -12,7 +12,11 @@ of its own (one per ``"linear_attention"`` entry of ``layer_types``):
   and an SSM state ``[heads, head_dim, state_size]`` in float32 (its chunked
   scan computes in float32, and the decode step keeps that dtype).
 
-Both are constant in the sequence's length, and neither can be rolled back: a
+A **short-convolution** layer (LFM2's ``"conv"`` layers) keeps only a
+convolution state, ``[hidden_size, conv_L_cache]`` in the model's dtype, in a
+``LinearAttentionLayer`` of its own as well.
+
+All are constant in the sequence's length, and none can be rolled back: a
 token once folded in stays. ``transformers``' ``LinearAttentionLayer`` holds
 them for one ``generate`` call; :class:`StateLayer` is that layer plus what the
 decode loop does to rows (:mod:`twinkle_torch.cache` speaks to both kinds of
@@ -190,8 +194,8 @@ def uncarried_state(config: Any) -> str | None:
     """Why :class:`StateLayer` cannot carry the state of a model of ``config``; ``None`` when it can.
 
     It can for a model whose recurrent layers are Gated DeltaNet (Qwen3.5,
-    Qwen3-Next) or Mamba-2 mixers (Granite 4.0 hybrid, Bamba), each kept in a
-    plain ``LinearAttentionLayer``. A model whose layers hold a state and keys
+    Qwen3-Next) or Mamba-2 mixers (Granite 4.0 hybrid, Bamba), or LFM2's short
+    convolutions, each kept in a plain ``LinearAttentionLayer``. A model whose layers hold a state and keys
     and values in one (``LinearAttentionAndFullAttentionLayer``: Falcon-H1,
     Zamba2), or a state of a shape not known here (Mamba-1, RWKV...), stays
     refused, as does a Mamba-2 mixer whose input projection has a bias (its
@@ -234,8 +238,22 @@ def _mamba2_shape(text: Any) -> tuple[int, int, int] | None:
     return heads * head_dim + 2 * groups * state, kernel, heads * head_dim * state
 
 
+def _short_conv_shape(text: Any) -> tuple[int, int, int] | None:
+    """A short-convolution layer's ``(conv channels, conv kernel, 0)``, per row: LFM2 keeps no recurrent state."""
+    kernel = getattr(text, "conv_L_cache", None)
+    if not isinstance(kernel, int) or "conv" not in _layer_types(text):
+        return None
+    return int(text.hidden_size), kernel, 0
+
+
 def _state_shape(text: Any) -> tuple[int, int, int] | None:
-    return _gdn_shape(text) or _mamba2_shape(text)
+    return _gdn_shape(text) or _mamba2_shape(text) or _short_conv_shape(text)
+
+
+def _state_layers(text: Any) -> int:
+    """How many layers keep a state: the ``"linear_attention"`` ones, or LFM2's ``"conv"`` ones."""
+    kind = "conv" if _short_conv_shape(text) is not None else "linear_attention"
+    return sum(1 for layer in _layer_types(text) if layer == kind)
 
 
 def row_state_bytes(config: Any, dtype: torch.dtype) -> int:
@@ -245,15 +263,15 @@ def row_state_bytes(config: Any, dtype: torch.dtype) -> int:
     ``dtype`` (Gated DeltaNet: ``2 x key heads x key dim + value heads x value
     dim`` channels; Mamba-2: ``heads x head dim + 2 x groups x state size``),
     and the recurrent state in float32 (Gated DeltaNet: ``value heads x key dim
-    x value dim``; Mamba-2: ``heads x head dim x state size``).
+    x value dim``; Mamba-2: ``heads x head dim x state size``). Per LFM2
+    ``"conv"`` layer: the conv state alone, ``hidden size x conv_L_cache`` in ``dtype``.
     """
     text = config.get_text_config(decoder=True)
     shape = _state_shape(text)
     if shape is None:
         return 0
     channels, kernel, recurrent = shape
-    layers = sum(1 for kind in _layer_types(text) if kind == "linear_attention")
-    return layers * (channels * kernel * _itemsize(dtype) + recurrent * 4)
+    return _state_layers(text) * (channels * kernel * _itemsize(dtype) + recurrent * 4)
 
 
 def kv_bytes_per_token(config: Any, dtype: torch.dtype) -> int:
