@@ -29,7 +29,7 @@ import pytest
 import test_torch_async as torch_async
 import test_torch_contract as torch_contract
 import torch
-from test_torch_architectures import eager, prompts, save_random
+from test_torch_architectures import eager, prompts
 from test_torch_batching import (
     _large_batch_in_chunks,
     fresh_stats,
@@ -40,6 +40,7 @@ from torch_helpers import forward_gap, make_lora, state_bytes_per_row
 
 from twinkle_core.data_format import SamplingParams, Trajectory
 from twinkle_core.testing.policy import checkpoint_weights
+from twinkle_core.testing.tiny_random import save_random_model
 from twinkle_torch import TorchSampler
 from twinkle_torch.state import StateLayer, row_state_bytes
 
@@ -171,7 +172,7 @@ def test_the_batch_budget_counts_lfm2s_short_convolution_state(tmp_path: Path, c
         num_key_value_heads=1, layer_types=["conv", "conv", "full_attention", "conv"], max_position_embeddings=512,
         pad_token_id=0, bos_token_id=0, eos_token_id=2,
     )  # fmt: skip
-    save_random(config, tmp_path)
+    save_random_model(config, tmp_path)
     # 3 conv layers of 64 channels x 3 float32 against one KV head of 32 in one attention layer: 9 tokens a row
     assert row_state_bytes(config, torch.float32) == 3 * 64 * 3 * 4
     with TorchSampler(tmp_path, device="cpu") as lfm2:
