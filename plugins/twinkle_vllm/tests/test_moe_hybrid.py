@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from twinkle_core.data_format import SamplingParams, Trajectory
-from twinkle_core.errors import WeightUpdateError
+from twinkle_core.errors import ConfigError, WeightUpdateError
 from twinkle_core.testing import TINY_CHAT_PROMPTS
 from twinkle_core.testing.parity import assert_greedy_parity
 
@@ -60,6 +60,14 @@ def hybrid_engine_args(hybrid_model: Path) -> dict[str, Any]:
     LoRA slots, and are what the policy suite checks here.
     """
     return suite_engine_args(hybrid_model, lora=False)
+
+
+def test_lora_slots_on_its_experts_are_refused_before_an_engine_starts(hybrid_model: Path) -> None:
+    """The engine would start and then die at its first request (see ``hybrid_engine_args``)."""
+    from twinkle_vllm.sampler import vLLMSampler
+
+    with pytest.raises(ConfigError, match=r"enable_lora=True cannot run Qwen3NextForCausalLM.*merge=True"):
+        vLLMSampler(hybrid_model, engine_args=suite_engine_args(hybrid_model))
 
 
 @pytest.fixture(scope="module")

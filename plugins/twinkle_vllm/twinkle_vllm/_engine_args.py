@@ -20,7 +20,7 @@ from typing import Any
 
 from twinkle_core.errors import ConfigError, did_you_mean
 from twinkle_vllm import IPC_TIMEOUT_ENV
-from twinkle_vllm._hybrid import hybrid_options
+from twinkle_vllm._hybrid import hybrid_options, refuse_moe_lora_on_cpu
 
 __all__ = [
     "DEFAULT_IPC_TIMEOUT_S",
@@ -231,7 +231,8 @@ def build_engine_args(model_dir: Path, tp_size: int, options: dict[str, Any]) ->
     Raises:
         ConfigError: an unknown or reserved option, a ``tensor_parallel_size``
             that contradicts the mesh, a dtype the model cannot run in on this
-            platform (:mod:`twinkle_vllm._hybrid`), or a value vLLM rejects.
+            platform or LoRA slots for a mixture of experts on CPU
+            (:mod:`twinkle_vllm._hybrid`), or a value vLLM rejects.
     """
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.platforms import current_platform
@@ -257,6 +258,7 @@ def build_engine_args(model_dir: Path, tp_size: int, options: dict[str, Any]) ->
             f"Engine option logits_processors={custom_procs!r} is invalid: expected a list of"
             " 'pkg.module:Class' strings or classes."
         )
+    refuse_moe_lora_on_cpu(model_dir, options, cpu=current_platform.is_cpu())
     # vLLM refuses custom logits processors with speculative decoding; without ours,
     # temperatures outside [0.01, 2] are then refused per request instead.
     ours = [] if options.get("speculative_config") else [LOGITS_PROCESSOR, GRAMMAR_PROCESSOR]

@@ -35,7 +35,7 @@ from typing import Any
 
 from twinkle_core.errors import ConfigError
 
-__all__ = ["hybrid_options", "is_linear_attention_hybrid"]
+__all__ = ["hybrid_options", "is_linear_attention_hybrid", "refuse_moe_lora_on_cpu"]
 
 #: Model types whose layers include Gated DeltaNet mixers, whatever their layer list says.
 _GDN_MODEL_TYPES = frozenset({"qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next"})
@@ -44,6 +44,8 @@ _STATE_MODEL_TYPES = frozenset({
     "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear", "lfm2", "lfm2_moe", "mamba",
     "mamba2", "minimax", "nemotron_h", "olmo_hybrid", "plamo2", "zamba2",
 })  # fmt: skip
+#: Config fields that count a mixture-of-experts layer's routed experts, as the families spell them.
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 #: dtype spellings vLLM reads as bfloat16.
 _BFLOAT16 = frozenset({"bfloat16", "bf16", "torch.bfloat16"})
 
@@ -116,3 +118,32 @@ def hybrid_options(model_dir: Path, options: dict[str, Any], *, cpu: bool) -> di
                 " leave dtype unset), or the torch engine, which runs this model in float32."
             )
     return out
+
+
+def refuse_moe_lora_on_cpu(model_dir: Path, options: dict[str, Any], *, cpu: bool) -> None:
+    """Refuse LoRA slots for a mixture-of-experts model on vLLM's CPU backend, before the engine starts.
+
+    With ``enable_lora`` vLLM wraps every MoE layer in its LoRA-aware fused-experts layer, which runs the experts
+    in a Triton kernel; the CPU build has no Triton, and the engine dies at its first request whether or not an
+    adapter is named (``module 'triton.language' has no attribute 'bfloat16'``). Adapters merged into the
+    weights need no slots.
+
+    Raises:
+        ConfigError: ``enable_lora`` set for such a model on the CPU backend, naming what works instead.
+    """
+    if not cpu or not options.get("enable_lora"):
+        return
+    config = _read_config(model_dir)
+    text = config.get("text_config")
+    experts = [
+        part.get(key) for part in (config, text if isinstance(text, dict) else {}) for key in _EXPERT_COUNTS
+    ]
+    if not any(isinstance(n, int) and n > 1 for n in experts):
+        return
+    architecture = (config.get("architectures") or [config.get("model_type")])[0]
+    raise ConfigError(
+        f"enable_lora=True cannot run {architecture} on vLLM's CPU backend: with LoRA slots its mixture-of-experts"
+        " layers run in a Triton kernel the CPU build lacks, and the engine would die at its first request. Leave"
+        " enable_lora unset and add adapters with merge=True (merged into the weights, no slots needed), or use"
+        " the torch engine, which serves unmerged adapters on this model."
+    )
