@@ -135,9 +135,7 @@ def refuse_moe_lora_on_cpu(model_dir: Path, options: dict[str, Any], *, cpu: boo
         return
     config = _read_config(model_dir)
     text = config.get("text_config")
-    experts = [
-        part.get(key) for part in (config, text if isinstance(text, dict) else {}) for key in _EXPERT_COUNTS
-    ]
+    experts = [part.get(key) for part in (config, text if isinstance(text, dict) else {}) for key in _EXPERT_COUNTS]
     if not any(isinstance(n, int) and n > 1 for n in experts):
         return
     architecture = (config.get("architectures") or [config.get("model_type")])[0]
