@@ -176,8 +176,9 @@ ENGINE_IMPORTS = {
 }
 
 
-#: Modules of an engine's package that are not the engine: the entry point and the users' constructor.
-NOT_ENGINE = {"plugin.py", "_plugin.py", "sampler.py", "__init__.py"}
+#: Modules of an engine's package that are not the engine: the entry points (twinkle's; vLLM's general plugin,
+#: which runs in vLLM's own processes and may build a template's processor there) and the users' constructor.
+NOT_ENGINE = {"plugin.py", "_plugin.py", "_vllm_plugin.py", "sampler.py", "__init__.py"}
 
 
 def _engine_object_modules() -> dict[Path, ast.Module]:

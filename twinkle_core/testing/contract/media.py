@@ -46,7 +46,8 @@ class MediaContractTests(ContractBase):
 
     def _needs_images(self, sampler: Sampler) -> None:
         if not _takes_images(sampler):
-            pytest.skip(f"the {engine_label(sampler)} engine's model takes no images (EngineInfo.media)")
+            label = engine_label(sampler)
+            pytest.skip(f"the {label} engine does not declare images (EngineInfo.media): its model takes none")
 
     def test_an_engine_that_takes_no_images_refuses_one_by_name(self, sampler: Sampler) -> None:
         if _takes_images(sampler):
