@@ -17,6 +17,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -339,7 +340,7 @@ class TwinkleWorkerExtension:
                 count += 1
                 yield name, tensor
 
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():  # type: ignore[attr-defined]
+        with set_current_vllm_config(self.vllm_config), torch.no_grad(), _repacking_cpu_experts(model):  # type: ignore[attr-defined]
             initialize_layerwise_reload(model)
             try:
                 model.load_weights(counted())
@@ -462,3 +463,39 @@ def _forget_partial_loads(model: torch.nn.Module) -> None:
         if 0 < info.load_numel < total:
             info.loaded_weights = []
             info.load_numel = 0
+
+
+@contextmanager
+def _repacking_cpu_experts(model: torch.nn.Module) -> Iterator[None]:
+    """While weights reload, lay each reloaded CPU experts layer out as its kernel reads it (vLLM 0.32 does so
+    only at the first load).
+
+    vLLM's CPU experts kernel reads ``w13_weight`` / ``w2_weight`` padded and prepacked into its grouped-GEMM
+    layout, done once after the checkpoint loads. A reload's post-processing takes itself for a weight update
+    and skips that step, and the reload copies the checkpoint's plain layout into the prepacked tensors: the
+    engine then computed every expert from misplaced values (pushing a model's own experts back moved its
+    log-probs by 0.12 nats). Here each such layer's post-processing is followed by the kernel's own layout
+    step, before the reload copies the result into the tensors the engine runs.
+    """
+    wrapped: list[Any] = []
+    for layer in model.modules():
+        method: Any = getattr(layer, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if experts is None or not type(experts).__module__.endswith(".cpu_moe"):
+            continue
+        if "process_weights_after_loading" in vars(method):
+            continue  # already wrapped (a layer sharing its method)
+
+        def process(
+            target: torch.nn.Module, _original: Any = method.process_weights_after_loading, _experts: Any = experts
+        ) -> None:
+            _original(target)
+            _experts.process_weights_after_loading(target)
+
+        method.process_weights_after_loading = process
+        wrapped.append(method)
+    try:
+        yield
+    finally:
+        for method in wrapped:
+            del method.process_weights_after_loading
